@@ -1,0 +1,395 @@
+"""serve.py: payload codec and the authenticated HTTP transport, over real 127.0.0.1 sockets."""
+import io
+import json
+import pickle
+import resource
+import socket
+import struct
+import threading
+from urllib.parse import urlsplit
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import serve
+from serve import Client, PayloadError, Request, ServeError, Server, decode, encode
+
+TOKEN = "test-token-0123456789abcdef"
+MAX_BODY = 1 << 20
+
+
+def sample_tensors():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "logp": torch.randn(3, 5, generator=g),                                  # [N, T] float32
+        "lora_A": torch.randn(4, 8, generator=g).to(torch.bfloat16),
+        "tokens": torch.arange(15, dtype=torch.int64).reshape(3, 5) - 7,         # negatives survive
+        "truncated": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),                        # 0-dim
+        "empty": torch.zeros(0, 4, dtype=torch.float16),
+    }
+
+
+META = {"kind": "batch", "version": 7, "worker": "w-3", "extra": {"ü": [1, 2.5, None]}}
+VALID = encode(sample_tensors(), META)
+
+
+def raw_safetensors(header: dict, data: bytes) -> bytes:
+    h = json.dumps(header).encode()
+    return struct.pack("<Q", len(h)) + h + data
+
+
+# ---------------------------------------------------------------- codec
+
+def test_encode_decode_round_trip_preserves_dtype_shape_values_and_meta():
+    src = sample_tensors()
+    out, meta = decode(VALID)
+    assert meta == META
+    assert sorted(out) == sorted(src)
+    for k, t in src.items():
+        assert out[k].dtype == t.dtype and out[k].shape == t.shape
+        assert torch.equal(out[k], t), k
+
+
+def test_encode_detaches_and_makes_noncontiguous_tensors_contiguous():
+    w = torch.randn(4, 6, requires_grad=True)
+    out, _ = decode(encode({"wT": w.t()}, {}))
+    assert not out["wT"].requires_grad and torch.equal(out["wT"], w.detach().t())
+
+
+def test_encode_refuses_dtypes_outside_the_wire_set():
+    with pytest.raises(PayloadError, match="complex64"):
+        encode({"z": torch.zeros(2, dtype=torch.complex64)}, {})
+
+
+def test_decode_detects_flipped_tensor_byte_by_sha():
+    data = bytearray(VALID)
+    data[-1] ^= 0x01  # last byte belongs to the tensor data section, not the header
+    with pytest.raises(PayloadError, match="sha256 mismatch"):
+        decode(bytes(data))
+
+
+def test_decode_rejects_truncated_blob():
+    with pytest.raises(PayloadError):
+        decode(VALID[:-3])
+    with pytest.raises(PayloadError, match="at least 8"):
+        decode(VALID[:5])
+
+
+def test_decode_rejects_bad_header_json_and_foreign_safetensors():
+    with pytest.raises(PayloadError, match="not valid JSON"):
+        decode(struct.pack("<Q", 4) + b"{no}")
+    with pytest.raises(PayloadError, match="not valid JSON"):  # RecursionError must not escape
+        decode(struct.pack("<Q", 200_000) + b"[" * 200_000)
+    import safetensors.torch
+    plain = safetensors.torch.save({"x": torch.zeros(2)})  # valid safetensors, not ours
+    with pytest.raises(PayloadError, match="no 'nanorl' header"):
+        decode(plain)
+
+
+def test_decode_rejects_unexpected_dtype_and_absurd_shape_before_allocating():
+    meta = {"__metadata__": {"nanorl": json.dumps({"format": serve.FORMAT, "sha256": "0" * 64, "meta": {}})}}
+    with pytest.raises(PayloadError, match="dtype 'C64' not allowed"):
+        decode(raw_safetensors({**meta, "z": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, bytes(8)))
+    with pytest.raises(PayloadError, match="does not match data_offsets"):  # 2**62 floats claimed, 8 bytes sent
+        decode(raw_safetensors({**meta, "x": {"dtype": "F32", "shape": [2**31, 2**31], "data_offsets": [0, 8]}},
+                               bytes(8)))
+    with pytest.raises(PayloadError, match="shape"):
+        decode(raw_safetensors({**meta, "x": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 0]}}, b""))
+    with pytest.raises(PayloadError, match="header length"):
+        decode(struct.pack("<Q", 2**63) + b"{}")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=600))
+def test_decode_of_random_bytes_raises_only_payload_error(blob):
+    for data in (blob, struct.pack("<Q", len(blob)) + blob):  # second form gets past the length check
+        try:
+            decode(data)
+        except PayloadError:
+            pass
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+                    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
+                    max_leaves=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=6), st.fixed_dictionaries(
+    {"dtype": st.sampled_from(["F32", "BF16", "I64", "BOOL", "C64", ""]) | JSON,
+     "shape": st.lists(st.integers(-2, 2**40), max_size=3) | JSON,
+     "data_offsets": st.lists(st.integers(-2, 64), min_size=2, max_size=2) | JSON}), max_size=3),
+    st.binary(max_size=64))
+def test_decode_of_hostile_headers_raises_only_payload_error(header, data):
+    try:
+        decode(raw_safetensors(header, data))
+    except PayloadError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, len(VALID) - 1), st.integers(1, 255)), min_size=1, max_size=4),
+       st.integers(0, len(VALID)))
+def test_decode_of_mutated_valid_payload_raises_only_payload_error(flips, cut):
+    flipped = bytearray(VALID)
+    for i, x in flips:
+        flipped[i] ^= x
+    for data in (bytes(flipped), VALID[:cut], bytes(flipped)[:cut]):
+        try:
+            decode(data)
+        except PayloadError:
+            pass
+
+
+# ---------------------------------------------------------------- server
+
+@pytest.fixture(scope="module")
+def server():
+    received = []
+
+    def batch(req: Request):
+        tensors, meta = decode(req.body)
+        received.append((tensors, meta))
+        return 200, {"rows": int(tensors["logp"].shape[0]), "received": len(received)}
+
+    def adapter(req: Request):
+        if int(req.query.get("have", "-1")) >= 3:
+            return 204, None
+        return 200, encode({"lora_A": torch.ones(2, 2)}, {"kind": "adapter", "version": 3})
+
+    def boom(req: Request):
+        raise RuntimeError("kaboom")
+
+    routes = {("GET", "/hello"): lambda req: (200, {"fingerprint": "abc"}), ("POST", "/batch"): batch,
+              ("GET", "/adapter"): adapter, ("GET", "/boom"): boom}
+    with Server(routes, token=TOKEN, max_body=MAX_BODY) as srv:
+        srv.received = received
+        yield srv
+
+
+def raw(srv, head: bytes, body: bytes = b"") -> tuple[int, bytes]:
+    """Send bytes on a bare socket, read until the server closes; returns (status, body)."""
+    u = urlsplit(srv.url)
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:  # 10 s only guards a hang
+        s.sendall(head + body)
+        resp = b""
+        while chunk := s.recv(65536):
+            resp += chunk
+    status_line, _, rest = resp.partition(b"\r\n")
+    return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2]
+
+
+def post_head(length: str | None, token: str | None = TOKEN, path="/batch") -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: x"]
+    lines += [f"Authorization: Bearer {token}"] if token is not None else []
+    lines += [f"Content-Length: {length}"] if length is not None else []
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def assert_still_serves_valid_batch(srv):
+    n = len(srv.received)
+    status, body = Client(srv.url, TOKEN).post("/batch", VALID)
+    assert status == 200 and json.loads(body) == {"rows": 3, "received": n + 1}
+    assert srv.received[-1][1] == META
+
+
+def test_valid_batch_is_decoded_by_route_and_adapter_honours_have(server):
+    assert_still_serves_valid_batch(server)
+    c = Client(server.url, TOKEN)
+    assert c.get("/hello") == (200, b'{"fingerprint": "abc"}')
+    status, body = c.get("/adapter?have=1")
+    assert status == 200 and decode(body)[1] == {"kind": "adapter", "version": 3}
+    assert c.get("/adapter?have=3") == (204, b"")
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token-0123456789abcde", "short", TOKEN + "x", TOKEN[:-1]])
+def test_missing_wrong_or_wrong_length_token_gets_401(server, token):
+    status, body = raw(server, post_head(str(len(VALID)), token=token), VALID)
+    assert status == 401 and "NANORL_TOKEN" in json.loads(body)["error"]
+    assert len(server.received) == 0 or server.received[-1][1] == META  # nothing new accepted
+    assert_still_serves_valid_batch(server)
+
+
+@pytest.mark.parametrize("value", ["Bearer t\u00e9st".encode(), b"Bearer \xff\xfe", b"bearer " + TOKEN.encode(), b""])
+def test_non_ascii_or_malformed_authorization_gets_401_not_a_crash(server, value):
+    head = b"GET /hello HTTP/1.1\r\nHost: x\r\nAuthorization: " + value + b"\r\n\r\n"
+    assert raw(server, head)[0] == 401
+    assert_still_serves_valid_batch(server)
+
+
+def test_2gb_content_length_gets_413_without_reading_body(server):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    # Only the headers are sent: if the server tried to read the 2 GB body, raw() would hang
+    # until its socket timeout instead of seeing the 413 and the close.
+    status, body = raw(server, post_head(str(2 * 1024**3)))
+    assert status == 413 and str(MAX_BODY) in json.loads(body)["error"]
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50 * 1024
+    assert_still_serves_valid_batch(server)
+
+
+def test_post_without_content_length_gets_411(server):
+    status, body = raw(server, post_head(None))
+    assert status == 411 and "Content-Length" in json.loads(body)["error"]
+    assert_still_serves_valid_batch(server)
+
+
+@pytest.mark.parametrize("length", ["abc", "-5", "1e3", "0x10", "", "99999999999999999999999"])
+def test_malformed_content_length_gets_400(server, length):
+    status, body = raw(server, post_head(length))
+    assert status == 400 and "Content-Length" in json.loads(body)["error"]
+    assert_still_serves_valid_batch(server)
+
+
+def test_conflicting_content_lengths_get_400(server):
+    head = post_head("10").replace(b"\r\n\r\n", b"\r\nContent-Length: 20\r\n\r\n")
+    assert raw(server, head, bytes(20))[0] == 400
+    assert_still_serves_valid_batch(server)
+
+
+def test_body_shorter_than_content_length_gets_400(server):
+    u = urlsplit(server.url)
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        s.sendall(post_head("100") + bytes(10))
+        s.shutdown(socket.SHUT_WR)  # client gives up mid-body
+        resp = s.recv(65536)
+    assert resp.split()[1] == b"400" and b"truncated" in resp
+    assert_still_serves_valid_batch(server)
+
+
+def test_corrupt_payload_gets_400_naming_sha_mismatch(server):
+    data = bytearray(VALID)
+    data[-1] ^= 0x80
+    status, body = Client(server.url, TOKEN).post("/batch", bytes(data))
+    assert status == 400 and "sha256 mismatch" in json.loads(body)["error"]
+    assert_still_serves_valid_batch(server)
+
+
+def test_truncated_safetensors_gets_400(server):
+    status, body = Client(server.url, TOKEN).post("/batch", VALID[: len(VALID) // 2])
+    assert status == 400 and json.loads(body)["error"].startswith("bad payload")
+    assert_still_serves_valid_batch(server)
+
+
+class CreatesFile:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):  # unpickling this calls open(path, "w"), creating the file
+        return open, (self.path, "w")
+
+
+def test_pickle_payload_is_rejected_and_never_unpickled(server, tmp_path):
+    target = tmp_path / "pwned"
+    as_torch = io.BytesIO()
+    torch.save(CreatesFile(str(target)), as_torch)  # torch.save wraps the same pickle in a zip
+    for blob in (pickle.dumps(CreatesFile(str(target))), as_torch.getvalue()):
+        status, body = Client(server.url, TOKEN).post("/batch", blob)
+        assert status == 400 and "error" in json.loads(body)
+        assert not target.exists()
+    assert_still_serves_valid_batch(server)
+
+
+def test_route_exception_gets_json_500_and_server_survives(server):
+    status, body = Client(server.url, TOKEN).get("/boom")
+    assert status == 500 and "kaboom" in json.loads(body)["error"]
+    assert_still_serves_valid_batch(server)
+
+
+def test_unknown_path_404_wrong_method_405_garbage_request_400_all_json(server):
+    c = Client(server.url, TOKEN)
+    assert c.get("/nope")[0] == 404
+    assert c.post("/hello", b"")[0] == 405
+    status, body = raw(server, b"GARBAGE\r\n\r\n")
+    assert status == 400 and "error" in json.loads(body)
+    assert_still_serves_valid_batch(server)
+
+
+# ---------------------------------------------------------------- binding and tokens
+
+def test_non_loopback_bind_without_token_refuses_before_opening_socket(monkeypatch):
+    monkeypatch.delenv("NANORL_TOKEN", raising=False)
+
+    def no_socket(*a, **k):
+        raise AssertionError("a socket was opened")
+
+    monkeypatch.setattr(socket, "socket", no_socket)
+    for host in ("0.0.0.0", "::", "", "192.168.1.10", "trainer.example"):
+        with pytest.raises(ValueError, match="NANORL_TOKEN"):
+            Server({}, host=host)
+
+
+def test_loopback_without_token_generates_one_and_still_requires_it(monkeypatch):
+    monkeypatch.delenv("NANORL_TOKEN", raising=False)
+    with Server({("GET", "/hello"): lambda req: (200, {"ok": 1})}) as srv:
+        assert len(srv.token) >= 32
+        assert raw(srv, b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n")[0] == 401
+        assert Client(srv.url, srv.token).get("/hello") == (200, b'{"ok": 1}')
+
+
+def test_env_token_is_used_by_server_and_client(monkeypatch):
+    monkeypatch.setenv("NANORL_TOKEN", "env-token-abcdefghijklmnop")
+    with Server({("GET", "/hello"): lambda req: (200, None)}) as srv:
+        assert srv.token == "env-token-abcdefghijklmnop"
+        assert Client(srv.url).get("/hello") == (200, b"")
+
+
+def test_unsendable_token_is_refused_with_a_hint(monkeypatch):
+    monkeypatch.setenv("NANORL_TOKEN", "has space")
+    with pytest.raises(ValueError, match="printable ASCII"):
+        Client("http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="NANORL_TOKEN"):
+        Server({}, token="t\u00e9st")
+
+
+# ---------------------------------------------------------------- client
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_client_raises_serve_error_when_nothing_listens():
+    c = Client(f"http://127.0.0.1:{free_port()}", TOKEN, retries=2, backoff=0)
+    with pytest.raises(ServeError, match="after 2 tries.*ConnectionRefused"):
+        c.get("/hello")
+
+
+def test_client_raises_serve_error_on_read_timeout():
+    with socket.socket() as lis:  # accepts connections (backlog) but never answers
+        lis.bind(("127.0.0.1", 0))
+        lis.listen(4)
+        c = Client(f"http://127.0.0.1:{lis.getsockname()[1]}", TOKEN, timeout=0.2, retries=1)
+        with pytest.raises(ServeError, match="timed out"):
+            c.get("/hello")
+
+
+@pytest.mark.parametrize("method,attempts", [("GET", 3), ("POST", 1)])
+def test_client_retries_get_but_never_resends_a_delivered_post(method, attempts):
+    with socket.socket() as lis:  # hangs up on every request after reading it
+        lis.bind(("127.0.0.1", 0))
+        lis.listen(8)
+        seen, stop = [], threading.Event()
+
+        def hang_up():
+            lis.settimeout(0.05)
+            while not stop.is_set():
+                try:
+                    conn, _ = lis.accept()
+                except TimeoutError:
+                    continue
+                with conn:
+                    seen.append(conn.recv(65536))
+
+        t = threading.Thread(target=hang_up)
+        t.start()
+        c = Client(f"http://127.0.0.1:{lis.getsockname()[1]}", TOKEN, retries=3, backoff=0)
+        try:
+            with pytest.raises(ServeError):
+                c.get("/hello") if method == "GET" else c.post("/batch", VALID)
+        finally:
+            stop.set()
+            t.join()
+    assert len(seen) == attempts

@@ -1,0 +1,253 @@
+"""nanorl: one training loop for REINFORCE, PPO, GRPO, RLOO and friends.
+
+    python train.py --task cartpole --algo reinforce
+    python train.py --config configs/cartpole_ppo.yaml --steps 50
+
+Every step is five stages: (1) rollout: get a batch, (2) advantage: score it under the
+weights that sampled it and call the algorithm's estimator, (3) update: the clipped surrogate
+over inner epochs, (4) publish: hand the new weights to whoever generates, (5) log, evaluate,
+checkpoint. Synchronous and asynchronous training differ only in the object that returns
+batches in stage 1.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import utils
+from algos import ALGOS, GROUPED, loss_weights, policy_loss, value_loss
+from envs import EVAL_SEED, CartPole
+from model import MLPPolicy
+
+
+@dataclass
+class Config:
+    """nanorl training run. Every flag below is a field of train.Config."""
+
+    task: str = "cartpole"  # cartpole is the seconds-long sanity check; LLM tasks live in tasks.py
+    algo: str = "reinforce"  # one of algos.ALGOS; the rest of the loop does not care which
+    seed: int = 0  # seeds torch and the training-episode stream; eval seeds never depend on it
+    steps: int = 200  # optimizer steps; CartPole REINFORCE needs ~40, so this is a safe ceiling
+    batch: int = 16  # episodes (or prompts) per step: 16 episodes give a low-noise gradient at ~no cost in lockstep
+    group_size: int = 1  # rollouts per prompt/start state; GRPO/RLOO need >= 2 to form a baseline
+    lr: float = 0.01  # Adam on a 64-unit MLP tolerates 1e-2 and it halves CartPole's time vs 3e-3
+    gamma: float = 0.99  # CartPole's 500-step horizon wants a long (~100-step) credit window
+    lam: float = 0.95  # GAE bias/variance trade-off; 0.95 is the PPO paper's value and rarely worth tuning
+    clip_eps: float = 0.2  # PPO ratio clip; irrelevant when inner_epochs == 1 (ratio == 1)
+    inner_epochs: int = 1  # passes over each batch; >1 makes the update off-policy (PPO uses 4)
+    minibatches: int = 1  # optimizer steps per epoch; 1 keeps the first-epoch ratio exactly 1
+    micro_batch: int = 0  # rows per forward/backward (0 = the whole minibatch); only memory changes
+    max_grad_norm: float = 1.0  # clips rare huge-return batches that would otherwise undo learning
+    ent_coef: float = 0.0  # entropy bonus; CartPole solves without it
+    vf_coef: float = 0.5  # value-loss weight for PPO's critic (separate trunk, so it rarely matters)
+    dr_grpo: bool = False  # GRPO without std scaling (Dr. GRPO): no up-weighting of near-uniform groups
+    hidden: int = 64  # MLP width: CartPole needs little, and small is fast
+    eval_every: int = 5  # steps between greedy evals; one 10-episode eval costs about one step
+    eval_episodes: int = 10  # held-out greedy episodes per eval (the solve criterion uses 10)
+    target_return: float = 0.0  # stop once eval return reaches this (CartPole solved: 475); 0 = never
+    out: str = ""  # run directory; empty = runs/<task>-<algo>-<timestamp>
+    resume: str = ""  # a run directory to continue from its newest checkpoint
+    ckpt_every: int = 50  # steps between checkpoints (a final one is always written)
+    keep_ckpts: int = 3  # older checkpoints are deleted; 3 survives one corrupt write with margin
+    progress: bool = True  # tqdm progress bar; --no-progress for logs and CI
+
+
+def validate(cfg: Config) -> None:
+    """Rejects impossible combinations up front, naming the fix."""
+    err = utils.ConfigError
+    if cfg.algo not in ALGOS:
+        raise err(f"unknown --algo '{cfg.algo}'{utils.closest(cfg.algo, ALGOS)} (choices: {', '.join(ALGOS)})")
+    if cfg.task not in TASKS:
+        raise err(f"unknown --task '{cfg.task}'{utils.closest(cfg.task, TASKS)} (choices: {', '.join(TASKS)})")
+    if cfg.algo in GROUPED and cfg.group_size < 2:
+        raise err(f"--algo {cfg.algo} needs --group-size >= 2 (got {cfg.group_size}); try --group-size 8")
+    if cfg.batch < 1 or cfg.batch % cfg.group_size:
+        raise err(f"--batch {cfg.batch} must be a positive multiple of --group-size {cfg.group_size}")
+    if cfg.inner_epochs < 1 or cfg.minibatches < 1 or cfg.micro_batch < 0:
+        raise err("--inner-epochs and --minibatches must be >= 1 and --micro-batch >= 0")
+    if cfg.batch % cfg.minibatches:
+        raise err(f"--minibatches {cfg.minibatches} must divide --batch {cfg.batch}")
+    if not (0 < cfg.gamma <= 1 and 0 <= cfg.lam <= 1 and cfg.lr > 0 and cfg.clip_eps > 0):
+        raise err("need 0 < gamma <= 1, 0 <= lam <= 1, lr > 0 and clip_eps > 0")
+    if cfg.resume and not Path(cfg.resume).is_dir():
+        raise err(f"--resume {cfg.resume}: no such run directory")
+
+
+# ---------------------------------------------------------------- where batches come from
+class ControlRollouts:
+    """Synchronous batches from a gymnasium control env. The seed position is part of the
+    checkpoint so that a resumed run sees exactly the episodes it would have seen."""
+
+    def __init__(self, cfg: Config, policy):
+        self.env, self.policy, self.cfg = CartPole(), policy, cfg
+        self.position = 0  # training batches drawn so far
+
+    def next(self, step: int) -> dict:
+        seed = (self.cfg.seed * 100_003 + self.position) % EVAL_SEED  # always below the eval seeds
+        self.position += 1
+        batch = self.env.rollout(self.policy, self.cfg.batch, seed, self.cfg.group_size)
+        batch["version"] = torch.full((self.cfg.batch,), step)
+        return batch
+
+    def evaluate(self) -> dict:
+        batch = self.env.rollout(self.policy, self.cfg.eval_episodes, EVAL_SEED, greedy=True)
+        return {"eval_return": batch["rewards"].sum(1).mean().item()}
+
+    def publish(self, step: int) -> None:
+        """Sync mode generates with the live weights, so there is nothing to send."""
+
+    def state(self) -> dict:
+        return {"position": self.position}
+
+    def load_state(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+TASKS = {"cartpole": ControlRollouts}
+
+
+def build(cfg: Config):
+    torch.manual_seed(cfg.seed)
+    policy = MLPPolicy(CartPole.obs_dim, CartPole.n_actions, cfg.hidden, critic=cfg.algo == "ppo")
+    opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
+    return policy, opt, TASKS[cfg.task](cfg, policy)
+
+
+# ---------------------------------------------------------------- one step
+def micro_slices(rows: torch.Tensor, size: int):
+    size = size or len(rows)
+    return [rows[i : i + size] for i in range(0, len(rows), size)]
+
+
+def single_pass(cfg: Config) -> bool:
+    """One epoch of one minibatch, on-policy: the scoring forward doubles as the old policy."""
+    return cfg.inner_epochs == 1 and cfg.minibatches == 1
+
+
+@torch.no_grad()
+def prepare(policy, batch: dict, cfg: Config) -> dict:
+    """Stage 2: old log-probs and values under the weights before this update, then advantages.
+    Old log-probs are recomputed here rather than trusted from the sampler, with the same
+    micro-batches the update uses, so the first epoch's ratio is exactly 1."""
+    n = len(batch["mask"])
+    if policy.has_critic or not single_pass(cfg):
+        parts = [policy.score(batch, rows) for rows in micro_slices(torch.arange(n), cfg.micro_batch)]
+        batch["old_logp"] = torch.cat([p[0] for p in parts]) * batch["mask"]
+        if policy.has_critic:
+            batch["values"] = torch.cat([p[2] for p in parts]) * batch["mask"]
+            batch["last_value"] = policy.value(batch["last_obs"])
+    batch["adv"] = ALGOS[cfg.algo](batch, cfg)
+    batch["weights"] = loss_weights(batch["mask"])
+    return batch
+
+
+def update(policy, opt, batch: dict, cfg: Config) -> dict:
+    """Stage 3: inner epochs x minibatches of the clipped surrogate, each minibatch accumulated
+    over micro-batches whose loss weights share one global denominator."""
+    n = len(batch["mask"])
+    stats = {"loss": 0.0, "ratio": 0.0, "clip_frac": 0.0, "entropy": 0.0, "grad_norm": 0.0, "skipped": 0}
+    updates = 0
+    for _ in range(cfg.inner_epochs):
+        order = torch.randperm(n) if cfg.minibatches > 1 else torch.arange(n)
+        for mb in order.chunk(cfg.minibatches):
+            scale = 1.0 / batch["weights"][mb].sum()  # renormalise this minibatch's weights to sum to 1
+            opt.zero_grad(set_to_none=True)
+            total = torch.zeros(())
+            for rows in micro_slices(mb, cfg.micro_batch):
+                logp, entropy, values = policy.score(batch, rows)
+                w = batch["weights"][rows] * scale
+                old = batch["old_logp"][rows] if "old_logp" in batch else logp.detach()
+                loss, s = policy_loss(logp, old, batch["adv"][rows], w, cfg.clip_eps)
+                loss = loss - cfg.ent_coef * (entropy * w).sum()
+                if values is not None:
+                    loss = loss + cfg.vf_coef * value_loss(values, batch["returns"][rows], w)
+                loss.backward()
+                total += loss.detach()
+                stats["ratio"] += s["ratio"].item()
+                stats["clip_frac"] += s["clip_frac"].item()
+                stats["entropy"] += (entropy.detach() * w).sum().item()
+            norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+            if not (torch.isfinite(total) and torch.isfinite(norm)):
+                opt.zero_grad(set_to_none=True)  # a NaN/inf never reaches the weights
+                stats["skipped"] += 1
+            else:
+                opt.step()
+            stats["loss"] += total.item()
+            stats["grad_norm"] += norm.item()
+            updates += 1
+    return {k: v / updates if k != "skipped" else v for k, v in stats.items()}
+
+
+# ---------------------------------------------------------------- the loop
+def run_dir(cfg: Config) -> Path:
+    if cfg.resume:
+        return Path(cfg.resume)
+    return Path(cfg.out or f"runs/{cfg.task}-{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def train(cfg: Config) -> Path:
+    validate(cfg)
+    policy, opt, source = build(cfg)
+    out = run_dir(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    start, wall = 0, 0.0
+    if cfg.resume:
+        meta = utils.load_checkpoint(utils.latest_checkpoint(out), policy, opt)
+        start, wall = meta["step"], meta["wall_s"]
+        source.load_state(meta["source"])
+    utils.save_config(cfg, out / "config.yaml")
+    log = utils.Metrics(out, wall_offset=wall)
+
+    def checkpoint(step: int) -> None:
+        utils.save_checkpoint(out, step, policy, opt, {"wall_s": log.wall(), "source": source.state()}, cfg.keep_ckpts)
+
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not cfg.progress, dynamic_ncols=True)
+    step, last_eval = start, {}
+    try:
+        for step in bar:
+            batch = source.next(step)  # 1. rollout
+            batch = prepare(policy, batch, cfg)  # 2. advantage
+            stats = update(policy, opt, batch, cfg)  # 3. update
+            source.publish(step + 1)  # 4. publish
+            stats["reward"] = (batch["rewards"] * batch["mask"]).sum(1).mean().item()  # 5. log
+            stats["steps_env"] = batch["mask"].sum().item()
+            log.log(step + 1, stats)
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+                last_eval = source.evaluate()
+                log.log(step + 1, last_eval)
+            bar.set_postfix(reward=f"{stats['reward']:.1f}", **{k: f"{v:.1f}" for k, v in last_eval.items()})
+            if (step + 1) % cfg.ckpt_every == 0:
+                checkpoint(step + 1)
+            if cfg.target_return and last_eval.get("eval_return", -math.inf) >= cfg.target_return:
+                break
+        checkpoint(step + 1)
+    except KeyboardInterrupt:
+        checkpoint(step)  # the interrupted step never applied its update
+        utils.stderr(f"interrupted: checkpoint saved; continue with --resume {out}")
+    finally:
+        bar.close()
+        log.close()
+    utils.plot(out)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    try:
+        cfg = utils.load_config(Config, argv)
+        out = train(cfg)
+    except utils.ConfigError as e:
+        utils.stderr(f"error: {e}")
+        return 2
+    print(f"run saved to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

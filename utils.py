@@ -1,0 +1,204 @@
+"""Plumbing shared by the loop: config parsing, run directory, metrics, plots, checkpoints."""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import difflib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+
+# ---------------------------------------------------------------- config
+class ConfigError(ValueError):
+    """A bad flag, key or combination; the message says how to fix it."""
+
+
+def closest(name: str, valid) -> str:
+    match = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.4)
+    return f"; did you mean '{match[0]}'?" if match else ""
+
+
+def coerce(field: dataclasses.Field, value, source: str):
+    """YAML/CLI value -> the field's declared type, or a ConfigError naming the key."""
+    kind = field.type if isinstance(field.type, str) else field.type.__name__
+    try:
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            raise ValueError
+        if kind == "int" and not isinstance(value, bool):
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if kind == "float" and not isinstance(value, bool):
+            return float(value)
+        if kind == "str":
+            return str(value)
+    except (TypeError, ValueError):
+        pass
+    raise ConfigError(f"{source}: '{field.name}' must be {kind}, got {value!r}")
+
+
+def load_config(cls, argv: list[str]):
+    """Defaults <- --config YAML <- command-line flags. Unknown keys stop the run."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    parser = argparse.ArgumentParser(description=cls.__doc__, allow_abbrev=False)
+    parser.add_argument("--config", help="YAML preset in configs/; flags override it")
+    for f in fields.values():
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            parser.add_argument(flag, default=None)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        bad = unknown[0].split("=")[0]
+        flags = ["--" + n.replace("_", "-") for n in fields] + ["--config"]
+        raise ConfigError(f"unknown flag {bad}{closest(bad, flags)}")
+    values = {}
+    if args.config:
+        try:
+            preset = yaml.safe_load(Path(args.config).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"--config {args.config}: no such file; presets live in configs/") from None
+        if not isinstance(preset, dict):
+            raise ConfigError(f"{args.config}: expected a mapping of config keys")
+        for key, value in preset.items():
+            if key not in fields:
+                raise ConfigError(f"{args.config}: unknown key '{key}'{closest(key, fields)}")
+            values[key] = coerce(fields[key], value, args.config)
+    for name, f in fields.items():
+        raw = getattr(args, name)
+        if raw is not None:
+            values[name] = raw if isinstance(raw, bool) else coerce_cli(f, raw)
+    return cls(**values)
+
+
+def coerce_cli(f: dataclasses.Field, raw: str):
+    return coerce(f, yaml.safe_load(raw) if f.type not in ("str", str) else raw, "--" + f.name.replace("_", "-"))
+
+
+def save_config(cfg, path: Path) -> None:
+    path.write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+
+
+# ---------------------------------------------------------------- metrics
+class Metrics:
+    """metrics.csv in long format (step, wall_s, key, value): any tool can read any metric."""
+
+    def __init__(self, out: Path, wall_offset: float = 0.0):
+        self.path = out / "metrics.csv"
+        new = not self.path.exists()
+        self.file = open(self.path, "a", newline="")
+        self.writer = csv.writer(self.file)
+        if new:
+            self.writer.writerow(["step", "wall_s", "key", "value"])
+        self.t0 = time.perf_counter() - wall_offset
+
+    def wall(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        wall = round(self.wall(), 3)
+        for key, value in values.items():
+            self.writer.writerow([step, wall, key, f"{float(value):.6g}"])
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def read_metrics(path: Path) -> dict[str, list[tuple[int, float, float]]]:
+    series: dict[str, list] = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            series.setdefault(row["key"], []).append((int(row["step"]), float(row["wall_s"]), float(row["value"])))
+    return series
+
+
+def plot(out: Path, keys=("reward", "eval_return")) -> Path:
+    import matplotlib  # imported here: only the end-of-run plot needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = read_metrics(out / "metrics.csv")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for key in keys:
+        if key in series:
+            steps, walls, values = zip(*series[key])
+            axes[0].plot(steps, values, label=key)
+            axes[1].plot(walls, values, label=key)
+    axes[0].set_xlabel("step")
+    axes[1].set_xlabel("wall seconds")
+    for ax in axes:
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = out / "curve.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------- checkpoints
+def fsync_write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(out: Path, step: int, policy: torch.nn.Module, opt: torch.optim.Optimizer, meta: dict, keep: int) -> Path:
+    """Writes ckpt-<step>/ atomically: a temp directory, fsync'd files, then one os.replace.
+    Weights are safetensors, optimizer and RNG state a tensors-only torch.save read back with
+    weights_only=True, everything else JSON. Keeps the newest `keep` checkpoints."""
+    final = out / f"ckpt-{step:07d}"
+    tmp = out / f".tmp-ckpt-{step:07d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    weights = {n: p.detach().contiguous() for n, p in policy.named_parameters() if p.requires_grad}
+    save_file(weights, str(tmp / "weights.safetensors"))
+    state = {"optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state()}
+    torch.save(state, tmp / "state.pt")
+    fsync_write(tmp / "meta.json", json.dumps({"step": step, **meta}, indent=1).encode())
+    for name in ("weights.safetensors", "state.pt"):
+        with open(tmp / name, "rb") as f:
+            os.fsync(f.fileno())
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in sorted(out.glob("ckpt-*"))[:-keep]:
+        shutil.rmtree(old)
+    return final
+
+
+def latest_checkpoint(run: Path) -> Path:
+    ckpts = sorted(run.glob("ckpt-*"))
+    if not ckpts:
+        raise FileNotFoundError(f"--resume {run}: no ckpt-* directory inside; pass a run directory written by train.py")
+    return ckpts[-1]
+
+
+def load_checkpoint(ckpt: Path, policy: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    weights = load_file(str(ckpt / "weights.safetensors"))
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    if set(weights) != trainable:
+        raise ValueError(f"{ckpt}: checkpoint tensors do not match this policy (different model or LoRA settings?)")
+    policy.load_state_dict(weights, strict=False)
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    opt.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["torch_rng"])
+    return json.loads((ckpt / "meta.json").read_text())
+
+
+def stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
