@@ -6,9 +6,34 @@ A rollout returns a batch dict of [N, T] tensors (see train.py for the keys).
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import itertools
+import json
+import math
+import os
+import random
+import re
+import selectors
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
 import numpy as np
 import torch
 from gymnasium.envs.classic_control.cartpole import CartPoleVectorEnv
+
+from tasks import (Countdown, ExprError, Problem, ProceduralTask, countdown_correct, extract_answer,
+                   format_reward, numeric_correct, safe_eval)
 
 EVAL_SEED = 1_000_000_000  # eval seeds live above this; training seeds stay below it
 
@@ -60,3 +85,596 @@ class CartPole:
             "group": torch.from_numpy(leader),  # [N]
         }
         return batch
+
+
+# ================================================================ text environments (multi-turn)
+# A text environment is a small class in the spirit of gymnasium:
+#     reset(problem) -> (messages, info)                                the opening chat messages
+#     step(completion) -> (reply messages or None, reward, done, info)
+# Rewards are per turn; an episode's reward is their sum, and every token the model sampled in
+# the episode is trained with it. `rollout_multiturn` at the end of this file runs a batch.
+
+
+class TextEnv:
+    """Base class: the problem's prompt opens the chat and each model turn gets
+    `respond(completion) -> (reply text or None, reward, solved)`. A solve, a reply of None or
+    `max_turns` turns end the episode. `task` is the tasks.Task class that supplies problems."""
+
+    max_turns = 4
+    task: type | None = None
+
+    def __init__(self, max_turns: int | None = None):
+        self.max_turns = max_turns or self.max_turns
+
+    def reset(self, problem: Problem) -> tuple[list[dict], dict]:
+        self.problem, self.turn = problem, 0
+        return [{"role": "user", "content": problem.prompt}], {}
+
+    def step(self, completion: str) -> tuple[list[dict] | None, float, bool, dict]:
+        self.turn += 1
+        reply, reward, solved = self.respond(completion)
+        done = solved or reply is None or self.turn >= self.max_turns
+        info = {"turns": self.turn, "solved_at_turn": self.turn if solved else 0}
+        return (None if done else [{"role": "user", "content": reply}]), reward, done, info
+
+    def respond(self, completion: str) -> tuple[str | None, float, bool]:
+        raise NotImplementedError
+
+
+class CountdownEnv(TextEnv):
+    """Countdown with a calculator: each wrong attempt comes back with the value it has."""
+
+    task = Countdown
+
+    def respond(self, completion):
+        ref, expr = json.loads(self.problem.answer), extract_answer(completion)
+        if countdown_correct(self.problem.prompt, completion, self.problem.answer):
+            return None, 1.0, True
+        if expr is None:
+            return "Give your expression in <answer></answer> tags.", 0.0, False
+        try:
+            value, used = safe_eval(expr.split("=")[0])
+        except ExprError as e:
+            return f"{expr} is not a valid expression ({e}). Try again.", 0.0, False
+        if sorted(used) != sorted(ref["numbers"]):
+            return f"{expr} uses {sorted(used)}; use each of {ref['numbers']} exactly once. Try again.", 0.0, False
+        return f"{expr} = {value}, but the target is {ref['target']}. Try again.", 0.0, False
+
+
+# ---------------------------------------------------------------- sandbox for model-written code
+@dataclass
+class SandboxResult:
+    stdout: str
+    stderr: str
+    returncode: int  # negative: killed by that signal (-9 after a timeout)
+    timed_out: bool
+    truncated: bool  # output past max_output characters was dropped
+
+
+SANDBOX_UID_BASE = 2_000_000_000  # as root, a run gets uid BASE + its launcher's pid: assumed unused
+_NEWNS, _NEWIPC, _NEWUSER, _NEWPID, _NEWNET = 0x20000, 0x8000000, 0x10000000, 0x20000000, 0x40000000
+
+# Runs as the child process, never in the trainer. It forks the model's process (pid 1 of a new
+# pid namespace when there is one), which mounts, limits and drops its uid before running the
+# code; the launcher enforces the wall clock, kills everything and writes "returncode timed_out".
+# As pid 1 the code ignores signals it has no handler for: past RLIMIT_FSIZE its writes fail with
+# EFBIG instead of SIGXFSZ killing it; the CPU limit's SIGKILL and the launcher's still end it.
+_LAUNCHER = r"""
+import ctypes, os, resource, select, signal, sys
+status, flags, uid_base, cpu, mem, fsize, nofile, nproc = map(int, sys.argv[1:9])
+libc = ctypes.CDLL(None, use_errno=True)
+def check(ok, what):
+    if not ok:
+        sys.stderr.write(f"sandbox setup failed: {what}: {os.strerror(ctypes.get_errno())}\n")
+        os._exit(125)
+check(not flags or libc.unshare(flags) == 0, "unshare")
+uid = uid_base + os.getpid() if uid_base else 0
+src = open("main.py", encoding="utf-8").read()
+pid = os.fork()
+if pid == 0:
+    os.close(status)
+    os.setpgid(0, 0)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with the launcher
+    if flags & 0x20000:  # own mounts: /proc of the new pid namespace, a small fresh tmpfs on writable dirs
+        check(libc.mount(b"none", b"/", None, 0x44000, None) == 0, "private mounts")  # MS_REC | MS_PRIVATE
+        check(not flags & 0x20000000 or libc.mount(b"proc", b"/proc", b"proc", 14, None) == 0, "mount /proc")
+        for d in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock"):  # the cwd, made under /tmp, stays reachable
+            opts = b"size=%dk,mode=1777" % max(64, fsize >> 10)
+            check(not os.path.isdir(d) or libc.mount(b"tmpfs", d.encode(), b"tmpfs", 6, opts) == 0, "tmpfs " + d)
+    for r, v in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, mem), (resource.RLIMIT_FSIZE, fsize),
+                 (resource.RLIMIT_NOFILE, nofile), (resource.RLIMIT_NPROC, nproc), (resource.RLIMIT_CORE, 0)):
+        resource.setrlimit(r, (v, v))
+    if uid:
+        for path in (".", "main.py"):
+            os.chown(path, uid, uid)
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+    check(libc.prctl(38, 1, 0, 0, 0) == 0, "no_new_privs")  # setuid binaries cannot give root back
+    sys.argv = ["main.py"]
+    try:
+        exec(compile(src, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    except SystemExit:
+        raise
+    except BaseException as e:  # the usual traceback, minus this launcher's frame
+        import traceback
+        traceback.print_exception(e.with_traceback(e.__traceback__.tb_next))
+        sys.exit(1)
+    sys.exit(0)
+timed_out = not select.select([os.pidfd_open(pid)], [], [], float(sys.argv[9]))[0]
+os.kill(pid, signal.SIGKILL)  # as pid 1 of its namespace, its death kills every process in it
+if flags & 0x20000000:
+    pass  # nothing escapes a pid namespace (and nothing can fork in it once its pid 1 is dead)
+elif uid and (killer := os.fork()) == 0:  # kill(-1) under the run's uid also reaches setsid'd children
+    try:
+        os.setuid(uid)
+        os.kill(-1, signal.SIGKILL)
+    finally:
+        os._exit(0)
+elif uid:
+    os.waitpid(killer, 0)
+else:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+os.write(status, b"%d %d" % (os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), timed_out))
+"""
+
+
+def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: int = 5, mem_mb: int = 512, fsize_mb: int = 16,
+               nofile: int = 64, nproc: int = 32, max_output: int = 4000) -> SandboxResult:
+    """Runs model-written Python (`python -I -S`, stdlib only) in a throwaway process tree: empty
+    environment, a temporary working directory, rlimits on CPU seconds, address space, file
+    size, open files and processes, `max_output` characters kept per stream, and a wall-clock
+    timeout. Every process of the run is dead when this returns. See `sandbox_plan` for what
+    else holds on this machine."""
+    python, flags, uid_base = sandbox_plan()
+    limits = (cpu_s, mem_mb << 20, fsize_mb << 20, nofile, nproc)
+    return _sandboxed(python, flags, uid_base, code, timeout_s, limits, max_output)
+
+
+@functools.cache
+def sandbox_plan() -> tuple[str, int, int]:
+    """(interpreter, unshare flags, uid base or 0): the strongest setup that runs here, found once.
+    Namespaces: pid (the run sees and signals only its own processes, and all of them die with
+    its first), network (none at all), mount (its own /proc and /tmp) and ipc. As root each run
+    also gets its own unused uid, so RLIMIT_NPROC binds and root's files stay unreadable; without
+    root the namespaces need an unprivileged user namespace. Warns when there are none."""
+    root = os.geteuid() == 0
+    uid_base = SANDBOX_UID_BASE if root else 0
+    # As root the code runs under another uid, so the interpreter must be readable by others
+    # (a pyenv Python under /root is not): then the system's python3 runs it.
+    system = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
+    pythons = dict.fromkeys(p for p in (sys.executable, system) if p)
+    tried = []
+    for flags in (_NEWPID | _NEWNET | _NEWNS | _NEWIPC | (0 if root else _NEWUSER), 0):
+        for python in pythons:
+            r = _sandboxed(python, flags, uid_base, "import json\nprint(json.dumps(6 * 7))", 30.0,
+                           (10, 512 << 20, 1 << 20, 64, 32), 999)
+            if r.stdout == "42\n":
+                if not flags:
+                    warnings.warn(f"sandbox: no namespaces ({tried[-1]}), so model code can use the network, see "
+                                  "other processes and write to /tmp" + ("" if root else ", and setsid'd children "
+                                  "outlive the run") + ". Run as root, or allow unprivileged user namespaces.")
+                return python, flags, uid_base
+            tried.append(f"{python} with flags {flags:#x}: {r.stderr.strip()[-300:] or f'exit {r.returncode}'}")
+    raise RuntimeError("no Python interpreter runs in the sandbox: " + "; ".join(tried) + ". As root the code runs "
+                       "under an unprivileged uid, so install a world-readable python3 (e.g. apt install python3).")
+
+
+def _sandboxed(python, flags, uid_base, code, timeout_s, limits, max_output) -> SandboxResult:
+    work = tempfile.mkdtemp(prefix="nanorl-sandbox-")
+    try:
+        Path(work, "main.py").write_text(code, encoding="utf-8", errors="replace")
+        r, w = os.pipe()
+        args = [python, "-I", "-S", "-c", _LAUNCHER, *map(str, (w, flags, uid_base, *limits, timeout_s))]
+        pipe = subprocess.PIPE
+        with open(r, "rb") as status, subprocess.Popen(args, cwd=work, env={}, stdin=subprocess.DEVNULL, stdout=pipe,
+                                                       stderr=pipe, pass_fds=(w,), start_new_session=True) as proc:
+            os.close(w)
+            stuck, backstop = True, time.monotonic() + timeout_s + 10
+            try:  # the launcher enforces timeout_s; the backstop only catches a launcher that hangs
+                (out, err, st), cut, stuck = _read_all((proc.stdout, proc.stderr, status), max_output, backstop)
+            finally:
+                if stuck:  # or the trainer was interrupted: kill the group, and as root every process of the uid
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    if uid_base:
+                        uid = uid_base + proc.pid
+                        subprocess.run(["/bin/sh", "-c", "kill -9 -1"], user=uid, group=uid, extra_groups=[], env={})
+        rc, timed_out = map(int, st.split()) if st else (proc.returncode, stuck)
+        text = [b.decode("utf-8", "replace")[:max_output] for b in (out, err)]
+        return SandboxResult(text[0], text[1], rc, bool(timed_out), cut)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _read_all(files, cap: int, deadline: float) -> tuple[list[bytes], bool, bool]:
+    """Reads the pipes to their ends, keeping at most `cap` bytes of each (the rest is drained and
+    dropped). Returns (what was kept, whether anything was dropped, whether the deadline hit)."""
+    out, cut = [bytearray() for _ in files], False
+    with selectors.DefaultSelector() as sel:
+        for i, f in enumerate(files):
+            sel.register(f, selectors.EVENT_READ, i)
+        while sel.get_map():
+            if (left := deadline - time.monotonic()) <= 0:
+                return out, cut, True
+            for key, _ in sel.select(left):
+                chunk = os.read(key.fd, 1 << 16)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                keep = max(0, cap - len(out[key.data]))
+                out[key.data] += chunk[:keep]
+                cut |= len(chunk) > keep
+    return out, cut, False
+
+
+# ---------------------------------------------------------------- SQL tool on read-only SQLite
+_SQL_ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
+
+
+def run_sql(path: str, query: str, *, max_rows: int = 1000, max_steps: int = 10_000_000,
+            timeout_s: float = 2.0) -> tuple[list[str], list[tuple], bool]:
+    """(column names, at most max_rows rows, whether more exist) of one query on a read-only
+    connection whose authorizer allows only reading (no ATTACH, PRAGMA, writes or DDL); a query
+    past `max_steps` VM steps or `timeout_s` seconds is interrupted. Raises sqlite3.Error ("not
+    authorized", "interrupted", syntax errors, more than one statement)."""
+    con = sqlite3.connect(Path(path).resolve().as_uri() + "?mode=ro", uri=True)
+    try:
+        con.set_authorizer(lambda action, *_: sqlite3.SQLITE_OK if action in _SQL_ALLOWED else sqlite3.SQLITE_DENY)
+        con.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 1_000_000)  # zeroblob(1e9) cannot fill the trainer's memory
+        deadline, calls = time.monotonic() + timeout_s, itertools.count(1)
+        con.set_progress_handler(lambda: next(calls) * 1000 > max_steps or time.monotonic() > deadline, 1000)
+        cur = con.execute(query)
+        rows = cur.fetchmany(max_rows + 1)
+        return [d[0] for d in cur.description or []], rows[:max_rows], len(rows) > max_rows
+    finally:
+        con.close()
+
+
+def format_rows(columns: list[str], rows: list[tuple], more: bool, max_rows: int = 20, max_chars: int = 2000) -> str:
+    """A query result as the observation the model sees next."""
+    lines = [" | ".join(columns)] + [" | ".join(map(str, r)) for r in rows[:max_rows]] + ["(no rows)"] * (not rows)
+    text = "\n".join(lines)
+    if more or len(rows) > max_rows:
+        text += f"\n... ({'more than ' if more else ''}{len(rows)} rows)"
+    return text if len(text) <= max_chars else text[:max_chars] + "\n... (truncated)"
+
+
+def _normal(rows: list[tuple]) -> list[tuple]:  # 2.0 == 2, and float noise below 1e-6 is ignored
+    return [tuple(round(v, 6) if isinstance(v, float) else v for v in r) for r in rows]
+
+
+@functools.lru_cache(maxsize=4096)
+def _gold_rows(db: str, gold: str) -> list[tuple]:
+    return _normal(run_sql(sql_database(db), gold, max_rows=100_000)[1])
+
+
+def sql_correct(prompt: str, completion: str, answer: str) -> float:
+    """1.0 iff the answer-tag query returns the gold query's rows: as a multiset, or in order when
+    the gold query has ORDER BY. Column names do not matter, column order does. A query that
+    fails, is denied or returns over 10,000 rows scores 0."""
+    query, ref = extract_answer(completion), json.loads(answer)
+    if query is None:
+        return 0.0
+    try:
+        _, rows, more = run_sql(sql_database(ref["db"]), re.sub(r"^```\w*|```$", "", query.strip()), max_rows=10_000)
+    except sqlite3.Error:  # the model's query is broken: a wrong answer, not a crash
+        return 0.0
+    gold = _gold_rows(ref["db"], ref["gold"])
+    ordered = "ORDER BY" in ref["gold"].upper()
+    return float(not more and (_normal(rows) == gold if ordered else Counter(_normal(rows)) == Counter(gold)))
+
+
+# Three small databases with deterministic synthetic rows (no download), with question templates
+# and gold queries whose {placeholders} are drawn from _SQL_PARAMS.
+_PEOPLE = [f"{a} {b}" for a in "Ada Ben Cleo Dev Eva Finn Gia Hugo Ines Jon Kai Lena".split()
+           for b in "Silva Chen Okafor Novak Kim Rossi".split()]
+_CITIES = "Lisbon Oslo Lima Pune Osaka Accra Quito Perth".split()
+_GOODS = {"Novel": "books", "Atlas": "books", "Puzzle": "games", "Chess Set": "games", "Rake": "garden",
+          "Hose": "garden", "Kettle": "kitchen", "Mug": "kitchen", "Drone": "toys", "Kite": "toys"}
+_COURSES = {"Algebra": "Math", "Calculus": "Math", "Statistics": "Math", "Biology": "Science", "Chemistry": "Science",
+            "Physics": "Science", "History": "Humanities", "Literature": "Humanities", "Programming": "Computing"}
+_AIRPORTS = [("LIS", "Lisbon", "Portugal"), ("OPO", "Porto", "Portugal"), ("OSL", "Oslo", "Norway"),
+             ("LIM", "Lima", "Peru"), ("KIX", "Osaka", "Japan"), ("NRT", "Tokyo", "Japan"),
+             ("ACC", "Accra", "Ghana"), ("PER", "Perth", "Australia"), ("SYD", "Sydney", "Australia")]
+_AIRLINES = [("Atlantic Air", "Portugal"), ("Fjord Wings", "Norway"), ("Andes Jet", "Peru"),
+             ("Sakura Sky", "Japan"), ("Gold Coast Air", "Ghana"), ("Southern Cross", "Australia")]
+_TERMS = ["Fall 2023", "Spring 2024"]
+_SQL_PARAMS = {
+    "shop": {"city": _CITIES, "category": sorted(set(_GOODS.values())), "price": range(10, 95, 5),
+             "k": range(2, 5), "month": range(1, 13), "year": range(2018, 2025)},
+    "school": {"city": _CITIES, "course": list(_COURSES), "term": _TERMS, "grade": range(50, 100, 5),
+               "year": range(1, 5)},
+    "flights": {"city": [a[1] for a in _AIRPORTS], "country": sorted({a[2] for a in _AIRPORTS}),
+                "airline": [a[0] for a in _AIRLINES], "minutes": range(120, 900, 60)},
+}
+_ON_C, _FROM_FL = "JOIN courses c ON c.id = e.course_id", "FROM flights f JOIN airlines l ON l.id = f.airline_id"
+_FROM_FA = "FROM flights f JOIN airports a ON a.code = f.origin"
+_SQL_QUESTIONS = {
+    "shop": [
+        ("How many customers live in {city}?", "SELECT COUNT(*) FROM customers WHERE city = '{city}'"),
+        ("List the names of the {category} products that cost more than {price}.",
+         "SELECT name FROM products WHERE category = '{category}' AND price > {price}"),
+        ("What is the total quantity ordered by customers from {city}?",
+         "SELECT SUM(o.quantity) FROM orders o JOIN customers c ON c.id = o.customer_id WHERE c.city = '{city}'"),
+        ("Give the name and price of the {k} most expensive {category} products, most expensive first.",
+         "SELECT name, price FROM products WHERE category = '{category}' ORDER BY price DESC LIMIT {k}"),
+        ("How many orders were placed in month {month} of 2023?",
+         "SELECT COUNT(*) FROM orders WHERE order_date LIKE '2023-{month:02d}-%'"),
+        ("Which customers who signed up in {year} have never ordered anything? Give their names.",
+         "SELECT name FROM customers WHERE signup_year = {year} AND id NOT IN (SELECT customer_id FROM orders)"),
+        ("What is the total revenue (quantity times price) of {category} products, rounded to 2 decimals?",
+         "SELECT ROUND(SUM(o.quantity * p.price), 2) FROM orders o JOIN products p ON p.id = o.product_id "
+         "WHERE p.category = '{category}'"),
+    ],
+    "school": [
+        ("How many students are in year {year}?", "SELECT COUNT(*) FROM students WHERE year = {year}"),
+        ("What is the average grade in {course}, rounded to 2 decimals?",
+         f"SELECT ROUND(AVG(e.grade), 2) FROM enrollments e {_ON_C} WHERE c.title = '{{course}}'"),
+        ("List the names of the students who took {course} in {term}.",
+         f"SELECT s.name FROM students s JOIN enrollments e ON e.student_id = s.id {_ON_C} "
+         "WHERE c.title = '{course}' AND e.term = '{term}'"),
+        ("How many different students from {city} scored at least {grade} in some course?",
+         "SELECT COUNT(DISTINCT s.id) FROM students s JOIN enrollments e ON e.student_id = s.id "
+         "WHERE s.city = '{city}' AND e.grade >= {grade}"),
+        ("For each department, give its name and its number of enrollments in {term}, by department name.",
+         f"SELECT c.department, COUNT(*) FROM enrollments e {_ON_C} WHERE e.term = '{{term}}' "
+         "GROUP BY c.department ORDER BY c.department"),
+    ],
+    "flights": [
+        ("How many flights depart from {city}?", f"SELECT COUNT(*) {_FROM_FA} WHERE a.city = '{{city}}'"),
+        ("What is the lowest price of a flight operated by {airline}?",
+         f"SELECT MIN(f.price) {_FROM_FL} WHERE l.name = '{{airline}}'"),
+        ("List the names of the airlines that fly to {country}.",
+         f"SELECT DISTINCT l.name {_FROM_FL} JOIN airports a ON a.code = f.destination "
+         "WHERE a.country = '{country}'"),
+        ("How many flights longer than {minutes} minutes does {airline} operate?",
+         f"SELECT COUNT(*) {_FROM_FL} WHERE l.name = '{{airline}}' AND f.duration_min > {{minutes}}"),
+        ("What is the average duration in minutes of flights from {city}, rounded to 1 decimal?",
+         f"SELECT ROUND(AVG(f.duration_min), 1) {_FROM_FA} WHERE a.city = '{{city}}'"),
+    ],
+}
+
+
+@functools.cache
+def _sql_tables(db: str) -> dict[str, tuple[str, list[tuple]]]:
+    """table -> (column definitions, rows), deterministic in the database's name."""
+    rng = random.Random(f"nanorl-sql:{db}")
+    people = rng.sample(_PEOPLE, 40)
+    date = lambda: f"2023-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"  # noqa: E731
+    if db == "shop":
+        adjectives = "Red Blue Tiny Grand Smart Quiet".split()
+        goods = rng.sample([(f"{adj} {noun}", cat) for adj in adjectives for noun, cat in _GOODS.items()], 30)
+        prices = [p / 100 for p in rng.sample(range(199, 9999), 30)]  # distinct, so "most expensive" has no ties
+        return {"customers": ("id INTEGER PRIMARY KEY, name TEXT, city TEXT, signup_year INTEGER",
+                              [(i + 1, n, rng.choice(_CITIES), rng.randint(2018, 2024)) for i, n in enumerate(people)]),
+                "products": ("id INTEGER PRIMARY KEY, name TEXT, category TEXT, price REAL",
+                             [(i + 1, n, c, p) for i, ((n, c), p) in enumerate(zip(goods, prices))]),
+                "orders": ("id INTEGER PRIMARY KEY, customer_id INTEGER, product_id INTEGER, quantity INTEGER, "
+                           "order_date TEXT", [(i + 1, rng.randint(1, 34), rng.randint(1, 30), rng.randint(1, 5),
+                                                date()) for i in range(200)])}
+    if db == "school":
+        return {"students": ("id INTEGER PRIMARY KEY, name TEXT, year INTEGER, city TEXT",
+                             [(i + 1, n, rng.randint(1, 4), rng.choice(_CITIES)) for i, n in enumerate(people)]),
+                "courses": ("id INTEGER PRIMARY KEY, title TEXT, department TEXT, credits INTEGER",
+                            [(i + 1, t, d, rng.choice([3, 4, 5])) for i, (t, d) in enumerate(_COURSES.items())]),
+                "enrollments": ("student_id INTEGER, course_id INTEGER, term TEXT, grade INTEGER",
+                                [(s, c, rng.choice(_TERMS), rng.randint(40, 100)) for s in range(1, 41)
+                                 for c in rng.sample(range(1, len(_COURSES) + 1), 4)])}
+    routes = [rng.sample(_AIRPORTS, 2) for _ in range(150)]
+    return {"airports": ("code TEXT PRIMARY KEY, city TEXT, country TEXT", _AIRPORTS),
+            "airlines": ("id INTEGER PRIMARY KEY, name TEXT, country TEXT",
+                         [(i + 1, *a) for i, a in enumerate(_AIRLINES)]),
+            "flights": ("id INTEGER PRIMARY KEY, airline_id INTEGER, origin TEXT, destination TEXT, "
+                        "departure_date TEXT, duration_min INTEGER, price REAL",
+                        [(i + 1, rng.randint(1, len(_AIRLINES)), a[0], b[0], date(), rng.randint(45, 1200),
+                          rng.randint(4000, 150000) / 100) for i, (a, b) in enumerate(routes)])}
+
+
+@functools.cache
+def sql_database(db: str) -> str:
+    """Path of generated database `db`, built on first use; the name carries a hash of the
+    content, so a changed generator never reads a stale file."""
+    tables = _sql_tables(db)
+    digest = hashlib.sha256(repr(sorted(tables.items())).encode()).hexdigest()[:16]
+    path = Path(os.environ.get("NANORL_CACHE") or Path.home() / ".cache" / "nanorl") / "sql" / f"{db}-{digest}.db"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        with sqlite3.connect(tmp) as con:
+            for name, (columns, rows) in tables.items():
+                con.execute(f"CREATE TABLE {name} ({columns})")
+                con.executemany(f"INSERT INTO {name} VALUES ({', '.join('?' * len(rows[0]))})", rows)
+        con.close()
+        os.replace(tmp, path)  # atomic, and concurrent builders write identical files
+    return str(path)
+
+
+_HINT = "You can run {} in a ```{} block and see its {}. Give the final {} in <answer></answer> tags."
+
+
+class SQLTask(ProceduralTask):
+    """Text-to-SQL on three generated SQLite databases (shop, school, flights)."""
+
+    name = "sql"
+    rewards = [(sql_correct, 1.0), (format_reward, 0.1)]
+
+    def generate(self, rng: random.Random) -> Problem:
+        db = rng.choice(sorted(_SQL_QUESTIONS))
+        question, gold = rng.choice(_SQL_QUESTIONS[db])
+        params = {k: rng.choice(v) for k, v in _SQL_PARAMS[db].items()}
+        question = question.format(**params)
+        schema = "\n".join(f"CREATE TABLE {t} ({cols});" for t, (cols, _) in _sql_tables(db).items())
+        hint = _HINT.format("read-only SQLite queries", "sql", "result", "SQL query")
+        return Problem(f"SQLite database:\n{schema}\n\nQuestion: {question}\n{hint}",
+                       json.dumps({"db": db, "gold": gold.format(**params)}), key=f"{db}: {question}")
+
+    def solve(self, problem: Problem) -> str:
+        return f"<answer>{json.loads(problem.answer)['gold']}</answer>"
+
+
+class PythonTask(ProceduralTask):
+    """Questions with a computed numeric answer: easy with code, tedious without."""
+
+    name = "python_tool"
+    rewards = [(numeric_correct, 1.0), (format_reward, 0.1)]
+
+    def generate(self, rng: random.Random) -> Problem:
+        kind = rng.randrange(4)
+        if kind == 0:
+            n = rng.randint(1_000, 200_000)
+            sieve = bytearray([0, 0]) + bytearray([1]) * (n - 2)
+            for i in range(2, math.isqrt(n) + 1):
+                sieve[i * i :: i] = bytes(len(range(i * i, n, i))) if sieve[i] else sieve[i * i :: i]
+            q, a = f"What is the sum of all prime numbers below {n}?", sum(itertools.compress(range(n), sieve))
+        elif kind == 1:
+            n, m, fib = rng.randint(100, 3000), rng.choice([1000, 998_244_353, 1_000_000_007]), (0, 1)
+            for _ in range(n - 1):
+                fib = (fib[1], (fib[0] + fib[1]) % m)
+            q, a = f"What is F({n}) modulo {m}, where F is the Fibonacci sequence with F(1) = F(2) = 1?", fib[1]
+        elif kind == 2:
+            n = rng.randint(30, 500)
+            q, a = f"What is the sum of the decimal digits of {n} factorial?", sum(map(int, str(math.factorial(n))))
+        else:
+            x, y, n = rng.randint(3, 19), rng.randint(20, 60), rng.randint(10_000, 10_000_000)
+            q = f"How many integers from 1 to {n} are divisible by {x} or by {y}, but not by both?"
+            a = n // x + n // y - 2 * (n // math.lcm(x, y))
+        return Problem(f"{q}\n{_HINT.format('Python code', 'python', 'output', 'number')}", str(a), key=q)
+
+    def solve(self, problem: Problem) -> str:
+        return f"<answer>{problem.answer}</answer>"
+
+
+class ToolEnv(TextEnv):
+    """Each model turn either runs code in a ```<lang> block, whose output is the next
+    observation, or ends the episode with a final answer in <answer></answer> tags."""
+
+    lang = ""
+
+    def respond(self, completion):
+        if extract_answer(completion) is not None:
+            reward = self.task.rewards[0][0](self.problem.prompt, completion, self.problem.answer)
+            return None, reward, reward >= 1.0
+        blocks = re.findall(rf"```{self.lang}[ \t]*\n(.*?)```", completion, re.S)
+        if not blocks:
+            return f"Run code in a ```{self.lang} block, or give the answer in <answer></answer> tags.", 0.0, False
+        return self.run(blocks[-1]), 0.0, False
+
+    def run(self, code: str) -> str:
+        raise NotImplementedError
+
+
+class PythonToolEnv(ToolEnv):
+    task, lang, timeout_s = PythonTask, "python", 5.0
+
+    def run(self, code):
+        r = run_python(code, timeout_s=self.timeout_s)
+        parts = [f"{name}:\n{text}" for name, text in (("stdout", r.stdout), ("stderr", r.stderr)) if text]
+        status = "timed out and was killed" if r.timed_out else f"exit code {r.returncode}"
+        return "\n".join(parts + [f"({status}{', output truncated' if r.truncated else ''})"])
+
+
+class SQLEnv(ToolEnv):
+    task, lang = SQLTask, "sql"
+
+    def run(self, query):
+        try:
+            return format_rows(*run_sql(sql_database(json.loads(self.problem.answer)["db"]), query))
+        except sqlite3.Error as e:  # shown to the model, which may fix its query
+            return f"error: {e}"
+
+
+TEXT_ENVS: dict[str, type[TextEnv]] = {"countdown_multiturn": CountdownEnv, "python_tool": PythonToolEnv, "sql": SQLEnv}
+
+
+# ---------------------------------------------------------------- multi-turn rollout
+@dataclass
+class Episode:
+    """One conversation as ONE token sequence after the prompt: model turns and environment
+    replies in order. Has the `ids`, `logps` and `truncated` that policy.make_batch reads."""
+
+    env: TextEnv
+    prompt: list[int]
+    ids: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)  # 0.0 on environment tokens
+    mask: list[int] = field(default_factory=list)  # 1 on the model's own tokens
+    reward: float = 0.0  # sum of the per-turn rewards
+    turns: int = 0
+    solved_at_turn: int = 0  # 0: never
+    truncated: bool = False  # a turn hit its token budget, or max_len ended the episode
+    done: bool = False
+
+
+def _chat(policy, messages: list[dict]) -> str:
+    return policy.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                enable_thinking=policy.thinking)
+
+
+def encode_reply(policy, messages: list[dict], eos_id: int) -> list[int]:
+    """Tokens that follow a model turn which ended with `eos_id`, when the environment answers
+    `messages` and the model speaks next. Only this delta is tokenized: re-rendering the whole
+    chat would let templates that rewrite history (Qwen3 drops earlier <think> blocks) change
+    tokens the model already sampled, and the mask would no longer cover what was sampled."""
+    if not policy.use_template:
+        text = "\n" + "\n\n".join(m["content"] for m in messages) + "\n"
+    else:  # render after a stand-in turn, and keep what follows that turn's end token
+        mark, eos = "NANORL-TURN-MARK", policy.tokenizer.decode([eos_id])
+        text = _chat(policy, [{"role": "user", "content": "?"}, {"role": "assistant", "content": mark}] + messages)
+        start = text.index(mark) + len(mark)
+        end = text.find(eos, start)
+        text = text[end + len(eos) :] if end >= 0 else text[start:]
+    return policy.tokenizer.encode(text, add_special_tokens=False)
+
+
+def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: int, max_turns: int,
+                      max_new_tokens: int, max_len: int, greedy: bool = False, workers: int = 8) -> dict:
+    """group_size episodes per problem, up to max_turns model turns each, with one policy.generate
+    call per turn for all live episodes; env steps run in `workers` threads (the sandbox and
+    SQLite release the GIL). Returns policy.make_batch's dict, in which only the model's tokens
+    have mask 1 and all carry the episode's reward, plus `group`, `turns`, `solved_at_turn` [N].
+    An episode whose next turn would pass max_len ends there, marked truncated."""
+    eps = []
+    for problem in problems:
+        for _ in range(group_size):
+            env = env_factory()
+            messages, _ = env.reset(problem)
+            if len(messages) == 1 or not policy.use_template:  # as single-turn tasks encode their prompts
+                prompt = policy.encode_prompt("\n\n".join(m["content"] for m in messages))
+            else:
+                prompt = policy.tokenizer.encode(_chat(policy, messages), add_special_tokens=False)
+            eps.append(Episode(env, prompt))
+    if (longest := max(len(e.prompt) for e in eps)) >= max_len:
+        raise ValueError(f"a prompt has {longest} tokens, not fewer than max_len={max_len}; raise max_len")
+    with ThreadPoolExecutor(workers) as pool:
+        for _ in range(max_turns):
+            if not (live := [e for e in eps if not e.done]):
+                break
+            room = [min(max_new_tokens, max_len - len(e.prompt) - len(e.ids)) for e in live]
+            samples = policy.generate([e.prompt + e.ids for e in live], max(room), greedy=greedy)
+            for e, s, r in zip(live, samples, room):  # a smaller budget cuts the sample: still token-exact
+                e.ids, e.logps, e.mask = e.ids + s.ids[:r], e.logps + s.logps[:r], e.mask + [1] * len(s.ids[:r])
+                e.truncated = s.truncated or len(s.ids) > r
+            texts = [policy.decode(s.ids[:r]) for s, r in zip(samples, room)]
+            for e, (obs, reward, done, info) in zip(live, pool.map(lambda e, t: e.env.step(t), live, texts)):
+                e.reward, e.turns, e.solved_at_turn = e.reward + reward, e.turns + 1, info.get("solved_at_turn", 0)
+                # A turn cut off mid-way ends the episode: a reply must follow the turn's end token.
+                e.done = done or e.truncated or e.turns == max_turns
+                if not e.done:
+                    reply = encode_reply(policy, obs, e.ids[-1])
+                    if len(e.prompt) + len(e.ids) + len(reply) >= max_len:
+                        e.done = e.truncated = True
+                    else:
+                        e.ids, e.logps, e.mask = e.ids + reply, e.logps + [0.0] * len(reply), e.mask + [0] * len(reply)
+    batch = policy.make_batch([e.prompt for e in eps], eps, [e.reward for e in eps], [e.mask for e in eps])
+    batch["group"] = torch.arange(len(problems)).repeat_interleave(group_size)  # [N]
+    batch["turns"] = torch.tensor([e.turns for e in eps])  # [N]
+    batch["solved_at_turn"] = torch.tensor([e.solved_at_turn for e in eps])  # [N], 0 = never
+    return batch
+
+
+def multiturn_metrics(batch: dict) -> dict[str, float]:
+    """Accuracy by the last turn and at the first attempt, and the mean number of turns."""
+    at = batch["solved_at_turn"].float()  # [N]
+    return {"solved": (at > 0).float().mean().item(), "solved_first_turn": (at == 1).float().mean().item(),
+            "turns": batch["turns"].float().mean().item()}

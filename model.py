@@ -7,9 +7,19 @@ training loop never needs to know whether it is pushing a cart or writing an ans
 """
 from __future__ import annotations
 
+import copy
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import NamedTuple
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import utils
 
 
 def mlp(sizes: list[int]) -> nn.Sequential:
@@ -34,10 +44,11 @@ class MLPPolicy(nn.Module):
     @torch.no_grad()
     def act(self, obs: torch.Tensor, greedy: bool = False):
         """obs [B, D] -> actions [B], logp [B], values [B] or None."""
-        logits = self.pi(obs)  # [B, A]
-        dist = torch.distributions.Categorical(logits=logits)
-        actions = logits.argmax(-1) if greedy else dist.sample()
-        return actions, dist.log_prob(actions), self.value(obs)
+        logp_all = F.log_softmax(self.pi(obs), dim=-1)  # [B, A]
+        # Gumbel-max draws from softmax(logits) in one op; torch.distributions costs 3x more here.
+        noise = 0.0 if greedy else -torch.log(-torch.log(torch.rand_like(logp_all)))
+        actions = (logp_all + noise).argmax(-1)  # [B]
+        return actions, logp_all.gather(-1, actions.unsqueeze(-1)).squeeze(-1), self.value(obs)
 
     def value(self, obs: torch.Tensor) -> torch.Tensor | None:
         return None if self.v is None else self.v(obs).squeeze(-1)
@@ -48,3 +59,316 @@ class MLPPolicy(nn.Module):
         logp = logp_all.gather(-1, batch["actions"][rows].unsqueeze(-1)).squeeze(-1)  # [n, T]
         entropy = -(logp_all.exp() * logp_all).sum(-1)  # [n, T]
         return logp, entropy, self.value(obs)
+
+
+# ================================================================ language models
+# Everything below is the LLM policy: a Hugging Face causal LM (optionally under a PEFT LoRA
+# adapter) with a hand-written sampling loop that records each sampled token's log-prob.
+# The Hugging Face stack is imported inside the functions that use it: it adds ~6 s to every
+# start-up, and CartPole runs never touch it.
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>"]  # `|` is not in the vocabulary, so no text spells them
+LOAD_HINT = "check the model id, or pass a local directory holding config.json, the weights and the tokenizer files"
+CHARS = "0123456789+-*/=() abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ<>.,:?!_\n"
+
+
+class Sample(NamedTuple):
+    ids: list[int]  # completion tokens, ending with the eos token unless truncated
+    logps: list[float]  # sampler log-prob of each token, softmax(logits / temperature)
+    truncated: bool  # max_new_tokens reached without an eos
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("NANORL_CACHE") or Path.home() / ".cache" / "nanorl")
+
+
+def char_tokenizer(max_len: int) -> PreTrainedTokenizerFast:
+    """One token per character (WordLevel over single characters), a bos before every text."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + list(dict.fromkeys(CHARS)))}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # `.` would skip newlines
+    tk.decoder = decoders.Fuse()  # join characters back without the default spaces
+    tk.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<|pad|>", bos_token="<|bos|>",
+                                   eos_token="<|eos|>", unk_token="<|unk|>", model_max_length=max_len)
+
+
+def build_tiny_model(path: str | None = None, *, layers: int = 4, hidden: int = 256, heads: int = 4,
+                     intermediate: int = 512, max_len: int = 1024, seed: int = 0) -> str:
+    """A randomly initialised Llama with the character tokenizer, saved in standard Hugging Face
+    format; returns its directory. head_dim is fixed at 64, the size transformers, PEFT and vLLM
+    all accept. Idempotent: an existing directory is reused, a new one appears atomically."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    if hidden % heads or hidden // heads != 64:
+        raise utils.ConfigError(f"tiny model needs hidden / heads == 64 (got {hidden} / {heads}); try heads={hidden // 64}")
+    name = f"tiny-v1-l{layers}-d{hidden}-h{heads}-f{intermediate}-n{max_len}-s{seed}"
+    final = Path(path) if path else cache_root() / name
+    if (final / "config.json").exists():
+        return str(final)
+    tok = char_tokenizer(max_len)
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                         head_dim=64, max_position_embeddings=max_len, tie_word_embeddings=False, **ids)
+    with torch.random.fork_rng():  # a fixed seed without touching the caller's RNG stream
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(**ids)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, final)
+    except OSError:
+        if not (final / "config.json").exists():  # losing a race to another builder is fine
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(final)
+
+
+def resolve_model(name: str) -> str:
+    """'tiny' -> the locally built tiny model; anything else is a hub id or a local directory,
+    checked here (config only) so that a typo fails at start-up rather than deep inside a run."""
+    from transformers import AutoConfig
+
+    if name == "tiny":
+        return build_tiny_model()
+    local = Path(name).expanduser()
+    if local.is_dir():
+        name = str(local)
+    elif name.startswith((".", "/", "~")):
+        raise utils.ConfigError(f"--model {name}: no such directory; {LOAD_HINT}")
+    try:
+        AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        raise utils.ConfigError(f"--model {name}: cannot load it ({str(e).splitlines()[0]}); {LOAD_HINT}") from None
+    return name
+
+
+def linear_names(lm: nn.Module) -> list[str]:
+    """Leaf names of every nn.Linear in the model except the output head: the LoRA targets."""
+    head = lm.get_output_embeddings()
+    return sorted({n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if isinstance(m, nn.Linear) and m is not head})
+
+
+class LLMPolicy(nn.Module):
+    """A causal LM as a policy over tokens. Sampling is exactly softmax(logits / temperature):
+    the loop below applies no other warper, so whatever the model's generation_config.json
+    switches on (top_k, repetition_penalty, min_p, ...) never reaches the samples. The policy
+    stays in eval mode (no dropout) so that sampling and scoring see the same network."""
+
+    has_critic = False
+
+    def __init__(self, model: str, *, lora: bool = True, lora_rank: int = 16, lora_alpha: int = 32,
+                 lora_targets: str = "all-linear", lora_dropout: float = 0.0, dtype: str = "fp32",
+                 temperature: float = 1.0, top_p: float = 1.0, chat_template: bool = True,
+                 thinking: bool = False, kl_coef: float = 0.0, device: str | None = None):
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        super().__init__()
+        if dtype not in DTYPES:
+            raise utils.ConfigError(f"--dtype {dtype}{utils.closest(dtype, DTYPES)} (choices: {', '.join(DTYPES)})")
+        if temperature <= 0 or not 0 < top_p <= 1:
+            raise utils.ConfigError(f"need temperature > 0 and 0 < top_p <= 1 (got {temperature}, {top_p}); greedy eval is generate(greedy=True)")
+        if top_p < 1:
+            warnings.warn(f"top_p={top_p}: samples come from a truncated distribution the loss does not model, "
+                          "so the importance ratio is only approximate; top_p=1 keeps it exact")
+        path = resolve_model(model)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.lora, self.bf16, self.kl_coef = lora, dtype == "bf16", kl_coef
+        self.temperature, self.top_p, self.thinking = temperature, top_p, thinking
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise utils.ConfigError(f"--model {model}: cannot load its tokenizer ({str(e).splitlines()[0]}); {LOAD_HINT}") from None
+        # A frozen LoRA base may live in bf16; anything trained stays fp32 (autocast does the bf16 compute).
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype] if lora else torch.float32)
+        self.model = lm.to(self.device)
+        if lora:
+            found = linear_names(lm)
+            targets = found if lora_targets == "all-linear" else [t.strip() for t in lora_targets.split(",") if t.strip()]
+            if not targets or set(targets) - set(found):
+                raise utils.ConfigError(f"--lora-targets {lora_targets}: this model's linear layers are {','.join(found)} (or all-linear)")
+            cfg = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules=targets, lora_dropout=lora_dropout, task_type="CAUSAL_LM")
+            self.model = get_peft_model(lm, cfg)  # freezes the base; adapter weights are fp32
+        self.ref_model = None
+        if not lora and kl_coef > 0:
+            warnings.warn("full fine-tuning with kl_coef > 0 keeps a frozen copy of the whole model as the KL reference "
+                          "(2x weight memory); LoRA gets its reference for free by disabling the adapter")
+            self.ref_model = copy.deepcopy(lm).requires_grad_(False).to(DTYPES[dtype])
+        gen = lm.generation_config
+        eos = [self.tokenizer.eos_token_id, *(gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id])]
+        self.eos_ids = {int(i) for i in eos if i is not None}
+        if not self.eos_ids:
+            raise utils.ConfigError(f"{model}: neither the tokenizer nor generation_config names an eos token, so no completion could end")
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self.use_template = chat_template and self.tokenizer.chat_template is not None
+        bos = self.tokenizer.bos_token_id
+        self.bos = [bos] if bos is not None and bos in self.tokenizer("")["input_ids"] else []
+        self.eval()
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
+    # ------------------------------------------------------------ text <-> tokens
+    def encode_prompt(self, text: str) -> list[int]:
+        """The user message under the chat template when the tokenizer has one, else plain text."""
+        if not self.use_template:
+            return self.bos + self.tokenizer.encode(text, add_special_tokens=False)
+        chat = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                  add_generation_prompt=True, enable_thinking=self.thinking)
+        return self.tokenizer.encode(chat, add_special_tokens=False)  # the template already wrote bos
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode([i for i in ids if i not in self.eos_ids])
+
+    # ------------------------------------------------------------ sampling
+    @torch.no_grad()
+    def generate(self, prefixes: list[list[int]], max_new_tokens: int, gen_batch: int = 64, greedy: bool = False) -> list[Sample]:
+        """One completion per prefix. Rows are sorted by length first so a chunk pads little."""
+        order = sorted(range(len(prefixes)), key=lambda i: len(prefixes[i]))
+        out: list[Sample] = [None] * len(prefixes)
+        for s in range(0, len(order), gen_batch):
+            chunk = order[s : s + gen_batch]
+            for i, sample in zip(chunk, self._generate_chunk([prefixes[i] for i in chunk], max_new_tokens, greedy)):
+                out[i] = sample
+        return out
+
+    def _generate_chunk(self, prefixes: list[list[int]], max_new: int, greedy: bool) -> list[Sample]:
+        B, P, dev = len(prefixes), max(map(len, prefixes)), self.device
+        ids = torch.full((B, P), self.pad_id, dtype=torch.long)  # [B, P] left-padded
+        attn = torch.zeros(B, P, dtype=torch.long)  # [B, P]
+        for r, p in enumerate(prefixes):
+            ids[r, P - len(p) :] = torch.tensor(p)
+            attn[r, P - len(p) :] = 1
+        ids, attn = ids.to(dev), attn.to(dev)
+        pos = (attn.cumsum(1) - 1).clamp(min=0)  # [B, P]: every row's first real token sits at position 0
+        eos = torch.tensor(sorted(self.eos_ids), device=dev)
+        tokens = torch.zeros(B, max_new, dtype=torch.long, device=dev)  # [B, max_new]
+        logps = torch.zeros(B, max_new, device=dev)  # [B, max_new]
+        length = torch.full((B,), max_new, device=dev)  # [B]: completion length, eos included
+        done = torch.zeros(B, dtype=torch.bool, device=dev)  # [B]
+        cache = None
+        for t in range(max_new):
+            with self.autocast():
+                out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                                 use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values
+            logp_all = F.log_softmax(out.logits[:, -1].float() / self.temperature, -1)  # [B, V], fp32 like score()
+            nxt = logp_all.argmax(-1) if greedy else torch.multinomial(self._sampling_probs(logp_all), 1).squeeze(1)  # [B]
+            tokens[:, t], logps[:, t] = nxt, logp_all.gather(1, nxt[:, None]).squeeze(1)
+            ended = ~done & torch.isin(nxt, eos)  # [B]
+            length[ended], done = t + 1, done | ended
+            if done.all():
+                break
+            ids, pos = nxt[:, None], pos[:, -1:] + 1  # [B, 1]; finished rows run on but are cut below
+            attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype, device=dev)], 1)  # [B, P + t + 1]
+        tokens, logps, length = tokens.tolist(), logps.tolist(), length.int().tolist()
+        return [Sample(tokens[r][: length[r]], logps[r][: length[r]], not bool(done[r])) for r in range(B)]
+
+    def _sampling_probs(self, logp_all: torch.Tensor) -> torch.Tensor:
+        """softmax(logits / T), or its top-p nucleus; the recorded logp is always the full one."""
+        probs = logp_all.exp()  # [B, V]
+        if self.top_p < 1:
+            sorted_p, idx = probs.sort(-1, descending=True)
+            drop = sorted_p.cumsum(-1) - sorted_p > self.top_p  # keeps the first token past top_p
+            probs = probs.scatter(-1, idx, sorted_p.masked_fill(drop, 0.0))
+        return probs
+
+    # ------------------------------------------------------------ batches
+    def make_batch(self, prefixes: list[list[int]], samples: list[Sample], rewards: list[float],
+                   loss_mask: list[list[int]] | None = None) -> dict:
+        """Collates rows into the DESIGN.md keys. `loss_mask` (0/1 per completion token) masks out
+        tokens the policy did not sample, e.g. environment replies inside a multi-turn completion;
+        the row's reward then sits on its last token with mask 1."""
+        N, L = len(prefixes), max(len(p) + len(s.ids) for p, s in zip(prefixes, samples))
+        b = {"tokens": torch.full((N, L), self.pad_id, dtype=torch.long), "attn": torch.zeros(N, L),
+             "mask": torch.zeros(N, L), "logp": torch.zeros(N, L), "rewards": torch.zeros(N, L),
+             "truncated": torch.tensor([s.truncated for s in samples], dtype=torch.bool)}  # [N, L] each, truncated [N]
+        for r, (p, s) in enumerate(zip(prefixes, samples)):
+            a, e = len(p), len(p) + len(s.ids)
+            m = torch.tensor(loss_mask[r] if loss_mask else [1] * len(s.ids), dtype=torch.float)
+            if len(m) != len(s.ids):
+                raise ValueError(f"row {r}: loss_mask has {len(m)} entries for {len(s.ids)} completion tokens")
+            b["tokens"][r, :e] = torch.tensor(p + s.ids)
+            b["attn"][r, :e] = 1.0
+            b["mask"][r, a:e] = m
+            b["logp"][r, a:e] = torch.tensor(s.logps) * m
+            last = a + int(m.nonzero().max()) if m.any() else e - 1
+            b["rewards"][r, last] = rewards[r]
+        return b
+
+    # ------------------------------------------------------------ scoring
+    def score(self, batch: dict, rows):
+        """(logp [n, L], entropy [n, L], None) at temperature, with grad, filled where mask == 1
+        (0 elsewhere: the loss weights are 0 there, so the LM head is not run on prompts)."""
+        logp, entropy = self._token_logp(self.model, batch, rows)
+        return logp, entropy, None
+
+    @torch.no_grad()
+    def ref_logp(self, batch: dict, rows) -> torch.Tensor:
+        """[n, L] log-probs under the reference: the base model with the adapter switched off
+        (LoRA), or the frozen copy made at start-up (full fine-tuning with kl_coef > 0)."""
+        if self.lora:
+            with self.model.disable_adapter():
+                return self._token_logp(self.model, batch, rows)[0]
+        if self.ref_model is None:
+            raise utils.ConfigError("ref_logp under full fine-tuning needs the frozen copy made only when kl_coef > 0")
+        return self._token_logp(self.ref_model, batch, rows)[0]
+
+    def _token_logp(self, lm: nn.Module, batch: dict, rows):
+        mask = batch["mask"][rows]  # [n, L]
+        n, L = mask.shape
+        logp, entropy = torch.zeros(n, L, device=mask.device), torch.zeros(n, L, device=mask.device)
+        end = int(batch["attn"][rows].sum(1).max())  # the micro-batch trimmed to its longest row
+        cols = mask[:, :end].any(0).nonzero()
+        first = int(cols[0]) if len(cols) else max(end - 1, 1)  # no masked token: an empty slice keeps backward() legal
+        tokens = batch["tokens"][rows, :end].to(self.device)  # [n, end]
+        attn = batch["attn"][rows, :end].to(self.device)  # [n, end]
+        with self.autocast():  # logits for positions first-1 .. end-1 only; they predict tokens first .. end
+            logits = lm(input_ids=tokens, attention_mask=attn, logits_to_keep=end - first + 1).logits[:, :-1]  # [n, end-first, V]
+        sel = mask[:, first:end].to(self.device) > 0  # [n, end-first]
+        lg = logits[sel].float() / self.temperature  # [k, V], fp32 like the sampler
+        lse = lg.logsumexp(-1)  # [k]
+        lp = lg.gather(-1, tokens[:, first:end][sel][:, None]).squeeze(-1) - lse  # [k]
+        with torch.no_grad():
+            ent = lse - (lg.softmax(-1) * lg).sum(-1)  # [k]
+        logp[:, first:end][sel.to(mask.device)] = lp.to(mask.device)
+        entropy[:, first:end][sel.to(mask.device)] = ent.to(mask.device)
+        return logp, entropy
+
+    # ------------------------------------------------------------ weights
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """The trained tensors (the adapter, or every weight), cloned: the optimizer's next
+        in-place step must not change a snapshot that is still being sent."""
+        return {n: p.detach().clone() for n, p in self.named_parameters() if p.requires_grad}
+
+    @torch.no_grad()
+    def load_trainable(self, state: dict[str, torch.Tensor]) -> None:
+        params = {n: p for n, p in self.named_parameters() if p.requires_grad}
+        if set(state) != set(params):
+            raise ValueError(f"trainable state does not match this policy: missing {sorted(set(params) - set(state))[:3]}, "
+                             f"unexpected {sorted(set(state) - set(params))[:3]} (different model or LoRA settings?)")
+        for n, p in params.items():
+            p.copy_(state[n])
+
+    def save_adapter(self, path: str) -> str:
+        """Writes adapter_config.json + adapter_model.safetensors (what vLLM's LoRARequest
+        loads), atomically, so a reader never sees half an adapter."""
+        if not self.lora:
+            raise utils.ConfigError("save_adapter needs lora=True; full fine-tuning has no adapter (use trainable_state())")
+        final = Path(path)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+        self.model.save_pretrained(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        return str(final)

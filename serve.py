@@ -70,6 +70,8 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
 
 def encode(tensors: dict[str, torch.Tensor], meta: dict) -> bytes:
     """Serialize tensors + a small JSON-able `meta` dict (kind, version, worker id, ...)."""
+    if not isinstance(meta, dict):
+        raise PayloadError(f"meta must be a JSON-able dict, got {type(meta).__name__}")
     allowed = set(DTYPES.values())
     for k, t in tensors.items():
         if not isinstance(k, str) or not isinstance(t, torch.Tensor):
@@ -131,8 +133,11 @@ def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict]:
         tensors = safetensors.torch.load(data)
     except Exception as e:  # hostile input into a native parser: any failure is the payload's fault
         raise PayloadError(f"safetensors rejected the payload: {type(e).__name__}: {e}") from None
-    if not hmac.compare_digest(_digest(tensors), head["sha256"]):
+    if _digest(tensors) != head["sha256"]:  # integrity, not a secret: no constant-time compare needed
         raise PayloadError("sha256 mismatch: tensor bytes were corrupted or tampered with in transit")
+    for k, t in tensors.items():  # a bool byte other than 0/1 is undefined behaviour in torch
+        if t.dtype == torch.bool and t.numel() and t.view(torch.uint8).max() > 1:
+            raise PayloadError(f"bool tensor {k!r} holds bytes other than 0 and 1")
     return tensors, head["meta"]
 
 
@@ -144,7 +149,7 @@ def _token_ok(got: str | None, token: str) -> bool:
     if got is None:
         return False
     want = hashlib.sha256(f"Bearer {token}".encode()).digest()
-    return hmac.compare_digest(hashlib.sha256(got.encode("utf-8", "surrogateescape")).digest(), want)
+    return hmac.compare_digest(hashlib.sha256(got.encode("utf-8", "surrogatepass")).digest(), want)
 
 
 def _check_token(token: str) -> str:
@@ -155,10 +160,8 @@ def _check_token(token: str) -> str:
 
 
 def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:  # a host name other than localhost: treat as exposed
         return False
 
@@ -183,80 +186,82 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, fmt, *args):
         log.debug("%s " + fmt, self.client_address[0], *args)
 
-    def _reply(self, status: int, body: bytes | dict | list | None, ctype: str | None = None):
-        if isinstance(body, (dict, list)):
-            body, ctype = json.dumps(body).encode(), "application/json"
-        body = body or b""
+    def _reply(self, status: int, body: bytes | dict | list | None):
+        is_json = isinstance(body, (dict, list))
+        body = json.dumps(body).encode() if is_json else body or b""
         self.send_response(status)
-        if status == 401:
-            self.send_header("WWW-Authenticate", "Bearer")
         if body:
-            self.send_header("Content-Type", ctype or "application/octet-stream")
+            self.send_header("Content-Type", "application/json" if is_json else "application/octet-stream")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
 
     def send_error(self, code, message=None, explain=None):
-        # http.server's own errors (bad request line, oversized headers, 501) as JSON too
+        # Every error, http.server's own (bad request line, 501, 431) included, is JSON. The body
+        # (if any) was not read, so this connection cannot carry another request.
         self.close_connection = True
         self._reply(code, {"error": message or self.responses.get(code, ("error",))[0]})
-
-    def _fail(self, status: int, msg: str):
-        # The body (if any) was not read, so this connection cannot carry another request.
-        self.close_connection = True
-        self._reply(status, {"error": msg})
 
     def _body_length(self) -> int | None:
         values = self.headers.get_all("Content-Length") or []
         if len(set(values)) > 1:
-            return self._fail(400, f"conflicting Content-Length headers: {values}")
+            return self.send_error(400, f"conflicting Content-Length headers: {values}")
         if not values:
             if self.command == "POST":
-                return self._fail(411, "POST needs a Content-Length header (chunked bodies are not supported)")
+                return self.send_error(411, "POST needs a Content-Length header (chunked bodies are not supported)")
             return 0
         if not re.fullmatch(r"[0-9]{1,19}", values[0].strip()):
-            return self._fail(400, f"malformed Content-Length {values[0][:40]!r}; expected a non-negative integer")
+            return self.send_error(400, f"malformed Content-Length {values[0][:40]!r}; expected a non-negative integer")
         n, limit = int(values[0]), self.server.max_body
         if n > limit:
-            return self._fail(413, f"body of {n} bytes exceeds the server limit of {limit} bytes")
+            return self.send_error(413, f"body of {n} bytes exceeds the server limit of {limit} bytes")
         return n
 
     def _dispatch(self):
         srv = self.server
         if not _token_ok(self.headers.get("Authorization"), srv.token):
-            return self._fail(401, "missing or wrong token: send 'Authorization: Bearer $NANORL_TOKEN'")
+            return self.send_error(401, "missing or wrong token: send 'Authorization: Bearer $NANORL_TOKEN'")
         url = urlsplit(self.path)
         if url.path not in srv.paths:
-            return self._fail(404, f"no route {url.path!r}")
+            return self.send_error(404, f"no route {url.path!r}")
         route = srv.routes.get((self.command, url.path))
         if route is None:
-            return self._fail(405, f"{self.command} not allowed on {url.path}")
+            return self.send_error(405, f"{self.command} not allowed on {url.path}")
         n = self._body_length()
         if n is None:
             return
         body = self.rfile.read(n)
         if len(body) < n:
-            return self._fail(400, f"body truncated: got {len(body)} of {n} bytes")
+            return self.send_error(400, f"body truncated: got {len(body)} of {n} bytes")
         req = Request(url.path, dict(parse_qsl(url.query, keep_blank_values=True)), body, self.client_address[0])
         try:
             status, out = route(req)
         except PayloadError as e:
-            return self._fail(400, f"bad payload: {e}")
+            return self.send_error(400, f"bad payload: {e}")
         except Exception as e:  # a route bug must not take the server down; log it and answer 500
             log.exception("route %s %s failed", self.command, url.path)
-            return self._fail(500, f"internal error in {url.path}: {type(e).__name__}: {e}")
+            return self.send_error(500, f"internal error in {url.path}: {type(e).__name__}: {e}")
         self._reply(status, out)
 
     do_GET = do_POST = _dispatch
 
 
 class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
+    daemon_threads = True  # a stuck worker connection must not keep the trainer process alive
+
+    def __init__(self, addr, family, token: str, max_body: int, routes: dict):
+        self.address_family = family  # read by TCPServer.__init__ when it creates the socket
+        self.token, self.max_body, self.routes = token, max_body, routes
+        self.paths = {p for _, p in routes}
+        super().__init__(addr, _Handler)
 
     def server_bind(self):
         # Skip HTTPServer.server_bind: its socket.getfqdn() can stall for seconds on a bad DNS setup.
         socketserver.TCPServer.server_bind(self)
         self.server_name, self.server_port = self.server_address[:2]
+
+    def handle_error(self, request, client_address):  # e.g. the peer hung up mid-response
+        log.warning("connection from %s failed", client_address[0], exc_info=True)
 
 
 class Server:
@@ -278,11 +283,9 @@ class Server:
                              "secret on the trainer and every worker, or bind 127.0.0.1")
         self.token = _check_token(token or secrets.token_urlsafe(32))
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        httpd = type("_Bound", (_HTTPServer,), {"address_family": family})((host, port), _Handler)
-        httpd.token, httpd.max_body, httpd.routes = self.token, max_body, dict(routes)
-        httpd.paths = {p for _, p in routes}
-        self._httpd = httpd
-        self._thread = threading.Thread(target=httpd.serve_forever, name="nanorl-serve", daemon=True)
+        self._httpd = _HTTPServer((host, port), family, self.token, max_body, dict(routes))
+        # poll_interval 0.1 s: close() returns within that instead of serve_forever's 0.5 s default
+        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.1,), daemon=True)
         self._thread.start()
 
     @property
@@ -335,7 +338,10 @@ class Client:
             try:
                 conn.connect()
                 sent = True
-                conn.request(method, path, body=body, headers=headers)
+                try:
+                    conn.request(method, path, body=body, headers=headers)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the server refused the body early (413, 401): its answer is still readable
                 resp = conn.getresponse()
                 return resp.status, resp.read()
             except (OSError, http.client.HTTPException) as e:

@@ -101,6 +101,12 @@ def test_decode_rejects_unexpected_dtype_and_absurd_shape_before_allocating():
         decode(struct.pack("<Q", 2**63) + b"{}")
 
 
+def test_decode_rejects_bool_bytes_other_than_0_and_1_even_with_valid_sha():
+    odd = torch.tensor([0, 1, 2], dtype=torch.uint8).view(torch.bool)
+    with pytest.raises(PayloadError, match="other than 0 and 1"):
+        decode(encode({"done": odd}, {}))
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=600))
 def test_decode_of_random_bytes_raises_only_payload_error(blob):
@@ -169,11 +175,13 @@ def server():
         yield srv
 
 
-def raw(srv, head: bytes, body: bytes = b"") -> tuple[int, bytes]:
+def raw(srv, head: bytes, body: bytes = b"", hang_up: bool = False) -> tuple[int, bytes]:
     """Send bytes on a bare socket, read until the server closes; returns (status, body)."""
     u = urlsplit(srv.url)
     with socket.create_connection((u.hostname, u.port), timeout=10) as s:  # 10 s only guards a hang
         s.sendall(head + body)
+        if hang_up:
+            s.shutdown(socket.SHUT_WR)
         resp = b""
         while chunk := s.recv(65536):
             resp += chunk
@@ -206,9 +214,10 @@ def test_valid_batch_is_decoded_by_route_and_adapter_honours_have(server):
 
 @pytest.mark.parametrize("token", [None, "wrong-token-0123456789abcde", "short", TOKEN + "x", TOKEN[:-1]])
 def test_missing_wrong_or_wrong_length_token_gets_401(server, token):
+    n = len(server.received)
     status, body = raw(server, post_head(str(len(VALID)), token=token), VALID)
     assert status == 401 and "NANORL_TOKEN" in json.loads(body)["error"]
-    assert len(server.received) == 0 or server.received[-1][1] == META  # nothing new accepted
+    assert len(server.received) == n  # the route never ran
     assert_still_serves_valid_batch(server)
 
 
@@ -226,6 +235,12 @@ def test_2gb_content_length_gets_413_without_reading_body(server):
     status, body = raw(server, post_head(str(2 * 1024**3)))
     assert status == 413 and str(MAX_BODY) in json.loads(body)["error"]
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50 * 1024
+    assert_still_serves_valid_batch(server)
+
+
+def test_client_sees_413_even_when_server_hangs_up_mid_upload(server):
+    status, body = Client(server.url, TOKEN, retries=1).post("/batch", bytes(16 * MAX_BODY))
+    assert status == 413 and "exceeds the server limit" in json.loads(body)["error"]
     assert_still_serves_valid_batch(server)
 
 
@@ -249,12 +264,8 @@ def test_conflicting_content_lengths_get_400(server):
 
 
 def test_body_shorter_than_content_length_gets_400(server):
-    u = urlsplit(server.url)
-    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
-        s.sendall(post_head("100") + bytes(10))
-        s.shutdown(socket.SHUT_WR)  # client gives up mid-body
-        resp = s.recv(65536)
-    assert resp.split()[1] == b"400" and b"truncated" in resp
+    status, body = raw(server, post_head("100"), bytes(10), hang_up=True)  # client gives up mid-body
+    assert status == 400 and "truncated" in json.loads(body)["error"]
     assert_still_serves_valid_batch(server)
 
 
@@ -297,12 +308,12 @@ def test_route_exception_gets_json_500_and_server_survives(server):
     assert_still_serves_valid_batch(server)
 
 
-def test_unknown_path_404_wrong_method_405_garbage_request_400_all_json(server):
+def test_unknown_path_404_wrong_method_405_unsupported_method_501_all_json(server):
     c = Client(server.url, TOKEN)
-    assert c.get("/nope")[0] == 404
+    assert json.loads(c.get("/nope")[1]) == {"error": "no route '/nope'"}
     assert c.post("/hello", b"")[0] == 405
-    status, body = raw(server, b"GARBAGE\r\n\r\n")
-    assert status == 400 and "error" in json.loads(body)
+    status, body = raw(server, b"PUT /batch HTTP/1.1\r\nContent-Length: 0\r\n\r\n")  # http.server's own error
+    assert status == 501 and "PUT" in json.loads(body)["error"]
     assert_still_serves_valid_batch(server)
 
 

@@ -1,0 +1,161 @@
+"""The sandbox for model-written code, attacked with real processes: each test runs hostile
+code through envs.run_python and then inspects the host (its /proc, files, sockets)."""
+import errno
+import os
+import random
+import signal
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+import envs
+from envs import SANDBOX_UID_BASE, PythonToolEnv, run_python, sandbox_plan
+from tasks import Problem
+
+PYTHON, FLAGS, UID_BASE = sandbox_plan()
+# Without a pid namespace or a uid of its own, code that signals "its parent" would hit pytest.
+contained = pytest.mark.skipif(not (FLAGS & envs._NEWPID or UID_BASE),
+                               reason="needs a pid namespace or root (a throwaway uid per run)")
+
+
+def survivors(marker: str) -> list[int]:
+    """Live host processes whose command line holds `marker` or that run under a sandbox uid."""
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            status = (d / "status").read_text()
+            cmdline = (d / "cmdline").read_bytes()
+        except (OSError, ValueError):  # not a process, or it exited while we looked
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if fields["State"].strip().startswith("Z"):  # dead, only waiting to be reaped
+            continue
+        if marker.encode() in cmdline or int(fields["Uid"].split()[0]) >= SANDBOX_UID_BASE:
+            found.append(int(d.name))
+    return found
+
+
+def test_exit_code_output_and_traceback_come_back_without_launcher_frames():
+    r = run_python("import sys\nprint('hi')\nsys.exit(3)")
+    assert (r.stdout, r.stderr, r.returncode, r.timed_out, r.truncated) == ("hi\n", "", 3, False, False)
+    r = run_python("x = 1\n1 / 0")
+    assert r.returncode == 1 and r.stderr.endswith("ZeroDivisionError: division by zero\n")
+    assert 'File "main.py", line 2' in r.stderr and "<string>" not in r.stderr
+
+
+def test_infinite_loop_is_killed_at_the_wall_clock_timeout_and_scores_0():
+    env = PythonToolEnv()
+    env.timeout_s = 1.0
+    env.reset(Problem("What is 6 * 7?", "42", "k"))
+    start = time.monotonic()
+    obs, reward, done, _ = env.step("```python\nwhile True:\n    pass\n```")
+    assert time.monotonic() - start < env.timeout_s + 1.0
+    assert reward == 0.0 and not done and obs[0]["content"] == "(timed out and was killed)"
+
+
+def test_fork_bomb_hits_the_process_limit_and_leaves_no_process_behind():
+    counted = run_python("import os, signal\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+                         "            signal.pause()\n        n += 1\nexcept OSError as e:\n    print(n, e.errno)",
+                         nproc=16)
+    n, err = map(int, counted.stdout.split())
+    assert n < 16 and err == errno.EAGAIN  # at most 16 processes under the run's limit, itself included
+    bomb = run_python("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+                      timeout_s=2.0, nproc=16)
+    assert bomb.timed_out and bomb.returncode == -signal.SIGKILL
+    assert survivors("sandbox setup failed") == []  # that string is in every launcher's command line
+
+
+def test_10gb_allocation_fails_inside_the_address_space_limit():
+    r = run_python("x = bytearray(10 * 2**30)\nprint('allocated')", mem_mb=512)
+    assert r.stdout == "" and r.stderr.endswith("MemoryError\n") and r.returncode == 1
+
+
+def test_1gb_file_write_stops_at_the_file_size_limit():
+    r = run_python("import os\nfd = os.open('big', os.O_WRONLY | os.O_CREAT)\nn = 0\ntry:\n    for _ in range(1024):\n"
+                   "        n += os.write(fd, b'x' * 2**20)\nexcept OSError as e:\n    print(n, e.errno)", fsize_mb=16)
+    # SIGXFSZ kills a plain process; pid 1 of a namespace ignores it, and the write fails instead
+    assert r.returncode == -signal.SIGXFSZ or r.stdout.split() == [str(16 * 2**20), str(errno.EFBIG)]
+
+
+def test_cpu_limit_kills_a_busy_loop_before_the_wall_clock():
+    r = run_python("while True:\n    pass", cpu_s=1, timeout_s=30.0)
+    assert r.returncode == -signal.SIGKILL and not r.timed_out
+
+
+@pytest.mark.skipif(not FLAGS & envs._NEWNET, reason="no network namespace on this machine")
+def test_socket_connection_to_localhost_fails_and_reaches_no_listener():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))  # a real listener on the host's loopback
+        server.listen()
+        server.setblocking(False)
+        port = server.getsockname()[1]
+        r = run_python(f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+                       "    print('connected')\nexcept OSError as e:\n    print('failed', e.errno)")
+        with pytest.raises(BlockingIOError):
+            server.accept()  # nobody connected
+    assert r.stdout.startswith("failed")
+
+
+def test_parent_environment_secret_is_invisible(monkeypatch):
+    secret = f"sk-{random.getrandbits(64):x}"
+    monkeypatch.setenv("NANORL_TEST_SECRET", secret)
+    r = run_python(f"import os\nprint(sorted(os.environ))\nfor pid in (os.getppid(), {os.getpid()}):\n    try:\n"
+                   "        print(open(f'/proc/{pid}/environ').read())\n    except OSError as e:\n"
+                   "        print(type(e).__name__)")
+    assert secret not in r.stdout + r.stderr
+    assert r.stdout.splitlines()[0] in ("[]", "['LC_CTYPE']")  # Python itself may set LC_CTYPE (PEP 538)
+
+
+@contained
+def test_model_code_cannot_kill_the_trainer():
+    r = run_python(f"import os, signal\nfor pid in (os.getppid(), {os.getpid()}, -1):\n    try:\n"
+                   "        os.kill(pid, signal.SIGKILL)\n        print(pid, 'sent')\n    except OSError as e:\n"
+                   "        print(pid, type(e).__name__)")
+    lines = r.stdout.splitlines()
+    assert lines[1] in (f"{os.getpid()} ProcessLookupError", f"{os.getpid()} PermissionError")
+    assert len(lines) == 3 and not r.timed_out  # and this test process is still here to check
+
+
+@contained
+def test_detached_child_does_not_outlive_the_run():
+    marker = f"{random.randint(10_000, 99_999)}.{random.randint(1, 999_999)}"  # a unique `sleep` argument
+    r = run_python(f"""
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.execv("/bin/sleep", ["/bin/sleep", "{marker}"])
+    os._exit(0)
+for _ in range(200):  # wait until the detached grandchild really runs `sleep`
+    if any(b"{marker}" in open(f"/proc/{{p}}/cmdline", "rb").read() for p in os.listdir("/proc") if p.isdigit()):
+        print("detached child running")
+        break
+    time.sleep(0.01)
+""")
+    assert r.stdout == "detached child running\n"
+    assert survivors(marker) == []
+
+
+def test_huge_output_is_truncated_while_reading():
+    r = run_python("print('x' * 10**8)", max_output=1000)
+    assert r.truncated and r.stdout == "x" * 1000 and r.returncode == 0
+
+
+def test_working_directory_is_deleted_and_tmp_writes_vanish():
+    leak = f"/tmp/nanorl-leak-{random.getrandbits(32):x}"
+    r = run_python(f"import os\nopen('here.txt', 'w').write('x')\nopen('{leak}', 'w').write('x')\nprint(os.getcwd())")
+    cwd = r.stdout.strip()
+    assert cwd.startswith(tempfile.gettempdir()) and not os.path.exists(cwd)
+    if FLAGS & envs._NEWNS:  # without a mount namespace /tmp is the host's
+        assert not os.path.exists(leak)
+
+
+@pytest.mark.skipif(not UID_BASE, reason="a uid per run needs root")
+def test_each_run_gets_its_own_unprivileged_uid_and_no_groups():
+    ids = [run_python("import os\nprint(os.getuid(), os.getgid(), os.getgroups())").stdout for _ in range(2)]
+    (uid1, gid1, groups1), (uid2, *_) = (line.split(" ", 2) for line in ids)
+    assert int(uid1) >= SANDBOX_UID_BASE and uid1 == gid1 and groups1 == "[]\n" and uid1 != uid2
+    assert run_python("print(open('/root/.bashrc').read())").stderr.endswith("Permission denied: '/root/.bashrc'\n")

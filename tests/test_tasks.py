@@ -1,0 +1,425 @@
+"""Invariants of tasks.py: reward functions on hand-worked (and nasty) completions, the safe
+evaluator's refusals, split disjointness and determinism, dataset loading, pass@k."""
+import json
+import operator
+import sys
+import textwrap
+import types
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import tasks
+from tasks import (ExprError, Problem, countdown_correct, extract_answer, format_reward,
+                   greedy_accuracy, int_correct, last_boxed, last_number, make_task,
+                   numeric_correct, overlong_penalty, parse_number, pass_at_k, safe_eval,
+                   solve_countdown)
+
+DATA = Path(__file__).parent / "data"
+MIXED = str(DATA / "gsm8k_mixed.jsonl")  # 9 good rows (+1 duplicate), bad lines 3, 5, 8, 15
+NATALIA = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many "
+           "clips in May. How many clips did Natalia sell altogether in April and May?")
+CD24 = json.dumps({"target": 24, "numbers": [3, 5, 3]})
+
+
+def mixed(bad_rows="skip", **kw):
+    with pytest.warns(UserWarning, match="skipped 4 malformed rows"):
+        return make_task("gsm8k", seed=0, eval_size=kw.pop("eval_size", 2), data=MIXED,
+                         bad_rows=bad_rows, **kw)
+
+
+# ---------------------------------------------------------------- numbers and tags
+@pytest.mark.parametrize("text, value", [
+    ("72", 72), ("-3", -3), ("1,234", 1234), ("$1,000", 1000), ("$5", 5), ("\\$5", 5),
+    ("3.25", Fraction(13, 4)), ("0.1", Fraction(1, 10)), ("3/4", Fraction(3, 4)),
+    ("\\frac{3}{4}", Fraction(3, 4)), ("\\dfrac{3}{4}", Fraction(3, 4)),
+    ("-\\frac{1}{2}", Fraction(-1, 2)), ("\\boxed{\\frac{1}{2}}", Fraction(1, 2)),
+    ("\\boxed{1} then \\boxed{2}", 2), ("50%", 50), ("12.5%", Fraction(25, 2)),
+    ("\\boxed{12.5\\%}", Fraction(25, 2)), ("72.", 72), ("1{,}000", 1000),
+    ("abc", None), ("3 apples", None), ("1/0", None), ("", None), ("1,2345", None),
+    ("9" * 5000, None), ("\\boxed{1", None),
+])
+def test_parse_number_is_exact_and_accepts_only_one_number(text, value):
+    assert parse_number(text) == value
+
+
+def test_last_number_takes_the_last_and_respects_separators_and_signs():
+    assert last_number("48 + 24 = 72") == 72
+    assert last_number("x = -3") == -3
+    assert last_number("5-3") == 3  # a minus right after a digit is subtraction, not a sign
+    assert last_number("1,234 and 3,4") == 4 and last_number("sold 1,234 pens") == 1234
+    assert last_number("half is \\frac{1}{2}.") == Fraction(1, 2)
+    assert last_number("\\boxed{5} then 7") == 5  # a boxed answer wins over later numbers
+    assert last_number("no digits") is None and last_number("9" * 100_000) is None
+
+
+def test_last_boxed_balances_braces_and_last_wins():
+    assert last_boxed("\\boxed{\\frac{1}{2}} or \\boxed{\\dfrac{3}{4}}") == "\\dfrac{3}{4}"
+    assert last_boxed("\\boxed{1") is None and last_boxed("none") is None
+
+
+def test_extract_answer_uses_last_complete_pair():
+    assert extract_answer("<answer> 1 </answer> <answer>2</answer>") == "2"
+    assert extract_answer("<answer>a\nb</answer>") == "a\nb"
+    assert extract_answer("<answer>7") is None and extract_answer("7</answer>") is None
+
+
+# ---------------------------------------------------------------- reward functions
+@pytest.mark.parametrize("completion, reward", [
+    ("<answer>72</answer>", 1.0), ("think... <answer> 72 </answer> trailing", 1.0),
+    ("<answer>72", 0.5), ("<answer>1</answer><answer>2</answer>", 0.25),
+    ("<answer>  </answer>", 0.25), ("</answer>72<answer>", 0.25), ("72</answer>", 0.25),
+    ("<answer><answer>72</answer>", 0.25), ("72", 0.0), ("", 0.0), ("<Answer>72</Answer>", 0.0),
+])
+def test_format_reward_grades_tag_shape(completion, reward):
+    assert format_reward("p", completion, "72") == reward
+
+
+@pytest.mark.parametrize("completion, answer, reward", [
+    ("<answer>72</answer>", "72", 1.0), ("<answer>$72.00</answer>", "72", 1.0),
+    ("<answer>1,234</answer>", "1234", 1.0), ("<answer>72 clips</answer>", "72", 1.0),
+    ("so \\boxed{\\frac{1}{2}}", "1/2", 1.0), ("<answer>0.5</answer>", "1/2", 1.0),
+    ("<answer>50%</answer>", "50", 1.0), ("<answer>0.5</answer>", "50", 0.0),  # % is not /100
+    ("48/2 = 24, 48 + 24 = 72", "72", 1.0),  # no tags: the last number
+    ("The answer is 72. Check: 48 + 24", "72", 0.0),  # ...and only the last
+    ("<answer>72</answer> since 48 + 24", "72", 1.0),  # tags win over trailing numbers
+    ("<answer>70</answer> or maybe 72", "72", 0.0),
+    ("<answer>72</answer><answer>71</answer>", "72", 0.0),  # hedging: the last pair counts
+    ("<answer>" + "9" * 100_000 + "</answer>", "72", 0.0), ("<answer>-72</answer>", "72", 0.0),
+    ("", "72", 0.0),
+])
+def test_numeric_correct_hand_examples(completion, answer, reward):
+    assert numeric_correct("p", completion, answer) == reward
+
+
+def test_numeric_correct_is_not_fooled_by_echoing_the_prompt():
+    prompt = NATALIA + "\nSolve the problem step by step."
+    assert numeric_correct(prompt, prompt, "72") == 0.0
+    assert numeric_correct(prompt, f"<answer>{NATALIA}</answer>", "72") == 0.0
+
+
+def test_numeric_correct_raises_on_a_broken_reference_instead_of_scoring_zero():
+    with pytest.raises(ValueError, match="not a number"):
+        numeric_correct("p", "<answer>1</answer>", "seventy")
+
+
+@pytest.mark.parametrize("completion, reward", [
+    ("19", 1.0), (" 19\n", 1.0), ("19 20", 1.0), ("<answer>19</answer>", 1.0),
+    ("12+7=19", 0.0),  # echoing the prompt: the first integer is 12
+    ("91", 0.0), ("1 9", 0.0), ("", 0.0), ("abc", 0.0), ("9" * 100_000, 0.0),
+])
+def test_int_correct_reads_the_first_integer(completion, reward):
+    assert int_correct("12+7=", completion, "19") == reward
+
+
+def test_int_correct_handles_negative_answers():
+    assert int_correct("3-5=", "-2", "-2") == 1.0 and int_correct("3-5=", "2", "-2") == 0.0
+
+
+@pytest.mark.parametrize("expr, reward", [
+    ("(3 + 5) * 3", 1.0), ("3 * (5 + 3)", 1.0), ("(3+5)*3 = 24", 1.0), ("((3 + 5)) * 3", 1.0),
+    ("24", 0.0),  # echoes the target, uses no numbers
+    ("3 5 3 24", 0.0), ("8 * 3", 0.0),  # 5 missing, 8 not given
+    ("(3 + 5) * 3 * 3 / 3", 0.0),  # 3 reused
+    ("(3 + 5) * 3 + 0", 0.0),  # an extra number
+    ("3 * 5 + 3", 0.0),  # all numbers once, wrong value (18)
+    ("(3 + 5) * 3.0", 0.0), ("3 / (5 - 5) * 3", 0.0),  # float literal; division by zero
+    ("9**9**9", 0.0), ("10**100000", 0.0), ("(" * 10_000 + "24" + ")" * 10_000, 0.0),
+    ("__import__('os').system('true')", 0.0), ("", 0.0),
+])
+def test_countdown_correct_hand_examples(expr, reward):
+    assert countdown_correct("p", f"<answer>{expr}</answer>", CD24) == reward
+
+
+def test_countdown_correct_needs_tags_and_ignores_an_echoed_prompt():
+    assert countdown_correct("p", "(3 + 5) * 3", CD24) == 0.0
+    problem = make_task("countdown", seed=0, eval_size=0).train_problem(0)
+    assert "<answer>(1 + 2) * 3</answer>" in problem.prompt  # the prompt's own example tag
+    assert countdown_correct(problem.prompt, problem.prompt, problem.answer) == 0.0
+
+
+def test_overlong_penalty_is_zero_then_linear_to_minus_one():
+    fn = overlong_penalty(10, 4)
+    assert [fn("p", "x" * n, "a") for n in (0, 6, 7, 8, 10, 50)] == [0, 0, -0.25, -0.5, -1, -1]
+    by_words = overlong_penalty(4, 2, length=lambda s: len(s.split()))
+    assert by_words("p", "a b c", "a") == -0.5 and by_words("p", "abcdefgh", "a") == 0
+    with pytest.raises(ValueError, match="buffer"):
+        overlong_penalty(4, 5)
+
+
+# ---------------------------------------------------------------- safe evaluator
+def test_safe_eval_is_exact_and_reports_literals():
+    assert safe_eval("(3 + 5) * 3") == (24, [3, 5, 3])
+    assert safe_eval("1/3 + 1/3 + 1/3") == (1, [1, 3, 1, 3, 1, 3])
+    assert safe_eval("-(2 - 7) / 2") == (Fraction(5, 2), [2, 7, 2])
+    assert safe_eval("6 × 4 ÷ 3") == (8, [6, 4, 3])
+
+
+@pytest.mark.parametrize("src, reason", [
+    ("9**9**9", "Pow"), ("10**100000", "Pow"),  # refused by operator, never computed
+    ("(" * 10_000 + "1" + ")" * 10_000, "longer than"),  # refused before parsing
+    ("9" * 30, "64 bits"), ("-" * 40 + "1", "depth"), ("1" + "+1" * 60, "nodes"),
+    ("1 / (2 - 2)", "division by zero"), ("abs(-1)", "characters"), ("x", "characters"),
+    ("1.5", "characters"), ("1 2", "SyntaxError"), ("05", "SyntaxError"), ("()", "Tuple"),
+    ("2 (3)", "Call"), ("1 % 2", "characters"), ("+1", "UAdd"), ("1 // 2", "FloorDiv"),
+])
+def test_safe_eval_refuses_with_the_reason(src, reason):
+    with pytest.raises(ExprError, match=reason):
+        safe_eval(src)
+
+
+def test_safe_eval_catches_parser_errors_on_pathological_nesting():
+    with pytest.raises(ExprError, match="SyntaxError"):  # parser's own nesting limit
+        safe_eval("(" * 10_000 + "1" + ")" * 10_000, max_chars=10**6)
+    with pytest.raises(ExprError, match="RecursionError|MemoryError"):  # parser stack runs out
+        safe_eval("-" * 10_000 + "1", max_chars=10**6)
+    with pytest.raises(ExprError, match="SyntaxError"):  # over int's 4300-digit limit
+        safe_eval("9" * 5000, max_chars=10**6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="0123456789+-*/() .%x×÷", max_size=60) | st.text(max_size=40))
+def test_safe_eval_returns_a_fraction_or_refuses_never_anything_else(src):
+    try:
+        value, literals = safe_eval(src)
+    except ExprError:
+        return
+    assert isinstance(value, Fraction) and all(type(n) is int for n in literals)
+
+
+_leaf = st.integers(0, 50).map(lambda n: (str(n), Fraction(n)))
+
+
+def _combine(children):
+    def build(a, op, b):
+        (ea, va), (eb, vb) = a, b
+        if op == "/" and vb == 0:
+            return (f"({ea}) + ({eb})", va + vb)
+        ops = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+        return (f"({ea}) {op} ({eb})", ops[op](va, vb))
+    return st.builds(build, children, st.sampled_from("+-*/"), children)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(_leaf, _combine, max_leaves=8))
+def test_safe_eval_agrees_with_exact_fraction_arithmetic(pair):
+    expr, value = pair
+    assert safe_eval(expr, max_chars=10_000)[0] == value
+
+
+# ---------------------------------------------------------------- procedural tasks
+def test_countdown_problems_are_always_solved_by_their_own_solver():
+    task = make_task("countdown", seed=3, eval_size=50)
+    for p in task.eval_problems() + [task.train_problem(i) for i in range(250)]:
+        ref = json.loads(p.answer)
+        assert 3 <= len(ref["numbers"]) <= 4 and all(1 <= n <= 25 for n in ref["numbers"])
+        assert str(ref["numbers"]) in p.prompt and f"equals {ref['target']}." in p.prompt
+        assert task.score(p.prompt, task.solve(p), p.answer) == (
+            pytest.approx(1.1), {"countdown_correct": 1.0, "format_reward": 1.0})
+
+
+def test_solve_countdown_finds_exact_solutions_and_reports_none():
+    assert safe_eval(solve_countdown([4, 7, 8, 8], 24))[0] == 24  # (7 - 8/8) * 4
+    assert safe_eval(solve_countdown([3, 3, 8, 8], 24))[0] == 24  # 8 / (3 - 8/3): needs fractions
+    assert solve_countdown([1, 1], 5) is None
+
+
+def test_arith_defaults_are_tiny_single_digit_sums_in_the_char_vocabulary():
+    task = make_task("arith", seed=0, eval_size=50)
+    vocab = set("0123456789+-*/=() abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ<>/.,?!:")
+    for p in task.eval_problems() + [task.train_problem(i) for i in range(300)]:
+        a, op, b = p.prompt[0], p.prompt[1], p.prompt[2]
+        assert len(p.prompt) == 4 and p.prompt[3] == "=" and set(p.prompt) <= vocab
+        assert int(p.answer) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+        assert task.solve(p) == p.answer and int_correct(p.prompt, task.solve(p), p.answer) == 1.0
+        assert len(p.answer) + 1 <= task.max_new_tokens  # the number plus an end token fits
+
+
+def test_arith_difficulty_knobs_keep_answers_integral():
+    task = make_task("arith", seed=1, eval_size=20, max_operand=12, n_operands=3, ops="*/")
+    for p in [task.train_problem(i) for i in range(200)]:
+        assert p.prompt.count("*") + p.prompt.count("/") == 2
+        assert safe_eval(p.prompt[:-1])[0] == int(p.answer) and task.correct(p, task.solve(p))
+
+
+def test_arith_rejects_an_eval_split_that_starves_training():
+    with pytest.raises(ValueError, match="--eval-size to 100 or less"):
+        make_task("arith", seed=0, eval_size=101)  # 10 * 10 * 2 = 200 distinct problems
+
+
+@pytest.mark.parametrize("name, eval_size, n", [("arith", 100, 3000), ("countdown", 200, 3000)])
+def test_train_problems_never_come_from_the_eval_split(name, eval_size, n):
+    task = make_task(name, seed=7, eval_size=eval_size)
+    eval_keys = {p.key for p in task.eval_problems()}
+    assert len(eval_keys) == eval_size  # distinct
+    assert not eval_keys & {task.train_problem(i).key for i in range(n)}
+
+
+@pytest.mark.parametrize("name", ["arith", "countdown"])
+def test_splits_depend_only_on_seed_index_and_eval_size(name):
+    a, b = make_task(name, seed=5, eval_size=30), make_task(name, seed=5, eval_size=30)
+    assert a.eval_problems() == b.eval_problems()
+    # any call order gives the same problem per index: that is what makes sharding trivial
+    backwards = [b.train_problem(i) for i in reversed(range(100))]
+    assert [a.train_problem(i) for i in range(100)] == backwards[::-1]
+    assert make_task(name, seed=6, eval_size=30).eval_problems() != a.eval_problems()
+    assert make_task(name, seed=5, eval_size=40).eval_problems()[:30] == a.eval_problems()
+
+
+def test_score_weights_and_breaks_down_each_reward():
+    task = make_task("countdown", seed=0, eval_size=0)
+    assert task.score("p", "<answer>(3 + 5", CD24) == (
+        pytest.approx(0.05), {"countdown_correct": 0.0, "format_reward": 0.5})
+    task.rewards = [(format_reward, 1.0), (format_reward, 2.0), (overlong_penalty(4, 2), 1.0)]
+    total, parts = task.score("p", "<answer>1</answer>", CD24)
+    assert parts == {"format_reward": 1.0, "format_reward_1": 1.0, "overlong_penalty": -1.0}
+    assert total == pytest.approx(2.0)
+
+
+# ---------------------------------------------------------------- dataset tasks
+def test_dataset_rows_parse_to_exact_canonical_answers():
+    task = mixed(eval_size=2)
+    problems = task.eval_problems() + [task.train_problem(i) for i in range(7)]
+    answers = {p.key[:20]: p.answer for p in problems}
+    assert answers == {"Natalia sold clips t": "72", "A shop sold 1,000 pe": "1234",
+                       "What is half of one?": "1/2", "A $5 toy is sold at ": "5/2",
+                       "What percent of 8 is": "25/2", "What is 7 times 6?": "42",
+                       "What is 100 minus 10": "-1", "What is 3 divided by": "3/4",
+                       "What is 2 plus 2?": "4"}  # line 10 repeats line 1 (whitespace aside)
+    p = next(p for p in problems if p.answer == "72")
+    assert p.prompt.startswith(NATALIA) and "<answer></answer>" in p.prompt
+    assert task.correct(p, task.solve(p)) and not task.correct(p, p.prompt)
+
+
+def test_malformed_rows_are_skipped_with_file_and_line():
+    with pytest.warns(UserWarning) as record:
+        task = make_task("gsm8k", seed=0, eval_size=2, data=MIXED)
+    message = str(record[0].message)
+    for line in (3, 5, 8, 15):
+        assert f"gsm8k_mixed.jsonl:{line} " in message
+    assert [s.split(" (")[0].rsplit(":", 1)[1] for s in task.skipped] == ["3", "5", "8", "15"]
+    assert "invalid JSON" in task.skipped[0] and "'question'" in task.skipped[1]
+    assert "'about minus ten' is not a number" in task.skipped[2]
+    assert "not a JSON object" in task.skipped[3]
+
+
+def test_malformed_rows_are_rejected_with_file_line_and_fix():
+    match = r"gsm8k_mixed.jsonl:3: malformed row \(invalid JSON.*--bad-rows skip"
+    with pytest.raises(ValueError, match=match):
+        make_task("gsm8k", seed=0, eval_size=2, data=MIXED, bad_rows="error")
+
+
+def test_dataset_split_is_disjoint_deterministic_and_cycles():
+    task = mixed(eval_size=3)
+    eval_keys = {p.key for p in task.eval_problems()}
+    train = [task.train_problem(i) for i in range(12)]
+    assert len(eval_keys) == 3 and not eval_keys & {p.key for p in train}
+    assert len({p.key for p in train}) == 6 and train[:6] == train[6:]  # 9 unique rows - 3 eval
+    assert mixed(eval_size=3).eval_problems() == task.eval_problems()
+    with pytest.warns(UserWarning):
+        other = [make_task("gsm8k", seed=s, eval_size=3, data=MIXED) for s in (1, 2)]
+    assert other[0].eval_problems() != other[1].eval_problems()
+
+
+def test_dataset_eval_size_must_leave_training_rows():
+    with pytest.raises(ValueError, match="9 usable rows.*lower --eval-size"):
+        mixed(eval_size=9)
+
+
+def test_missing_datasets_package_says_to_pass_data(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
+    with pytest.raises(ValueError, match=r"pip install datasets, or pass a local file with --data"):
+        make_task("gsm8k", seed=0, eval_size=2)
+
+
+def test_unreachable_hub_says_to_pass_data(monkeypatch):
+    def load_dataset(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (LocalEntryNotFoundError)")
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    with pytest.raises(ValueError, match=r"could not load 'openai/gsm8k'.*ConnectionError.*--data"):
+        make_task("gsm8k", seed=0, eval_size=2)
+
+
+def test_hub_rows_go_through_the_same_validation(monkeypatch):
+    calls = []
+    rows = [{"question": f"What is {i} plus 1?", "answer": f"... #### {i + 1}"} for i in range(5)]
+    rows.insert(2, {"question": "broken", "answer": "#### ?"})
+
+    def load_dataset(path, config, split):
+        calls.append((path, config, split))
+        return rows
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    with pytest.warns(UserWarning, match=r"openai/gsm8k\[train\]:row 2 "):
+        task = make_task("gsm8k", seed=0, eval_size=1)
+    assert calls == [("openai/gsm8k", "main", "train")]
+    assert len({task.train_problem(i).key for i in range(10)}) == 4  # 5 good rows - 1 eval
+    with pytest.warns(UserWarning, match="row 2"):
+        make_task("math", seed=0, eval_size=1)
+    assert calls[-1] == ("DigitalLearningGmbH/MATH-lighteval", "default", "train")
+
+
+# ---------------------------------------------------------------- registry and evaluation
+@pytest.mark.parametrize("typo, suggestion", [("countdwn", "countdown"), ("gsm8", "gsm8k"),
+                                              ("arithmetic", "arith"), ("Math", "math")])
+def test_make_task_suggests_the_closest_name(typo, suggestion):
+    with pytest.raises(ValueError, match=f"did you mean '{suggestion}'"):
+        make_task(typo, seed=0, eval_size=1)
+
+
+def test_make_task_checks_its_arguments():
+    with pytest.raises(ValueError, match="drop --data"):
+        make_task("arith", seed=0, eval_size=1, data=MIXED)
+    with pytest.raises(ValueError, match="'skip' or 'error'"):
+        make_task("gsm8k", seed=0, eval_size=1, data=MIXED, bad_rows="ignore")
+    with pytest.raises(TypeError):
+        make_task("arith", seed=0, eval_size=1, max_operandd=5)
+    assert make_task("arith", seed=0, eval_size=1, max_operand=99).max_operand == 99
+    assert set(tasks.TASKS) == {"arith", "countdown", "gsm8k", "math"}
+
+
+@pytest.mark.parametrize("n, c, k, expected", [
+    (10, 0, 1, 0.0), (10, 10, 1, 1.0), (10, 3, 1, 0.3), (5, 2, 2, 0.7),  # 1 - C(3,2)/C(5,2)
+    (4, 1, 4, 1.0), (100, 1, 10, 0.1), (3, 1, 2, 2 / 3),  # 1 - C(99,10)/C(100,10) = 1 - 90/100
+])
+def test_pass_at_k_hand_values(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("n, c, k", [(5, 6, 1), (5, 1, 0), (5, 1, 6), (5, -1, 1)])
+def test_pass_at_k_rejects_impossible_counts(n, c, k):
+    with pytest.raises(ValueError, match="pass_at_k needs"):
+        pass_at_k(n, c, k)
+
+
+def test_greedy_accuracy_counts_correctness_reward_hits():
+    task = make_task("arith", seed=0, eval_size=4)
+    problems = task.eval_problems()
+    completions = [task.solve(p) for p in problems[:3]] + ["x"]
+    assert greedy_accuracy(task, problems, completions) == 0.75
+    with pytest.raises(ValueError):
+        greedy_accuracy(task, problems, completions[:2])
+    with pytest.raises(ValueError, match="at least one"):
+        greedy_accuracy(task, [], [])
+
+
+def test_problem_is_an_immutable_value():
+    p = Problem("1+1=", "2", "1+1")
+    assert p == Problem("1+1=", "2", "1+1") and hash(p) == hash(Problem("1+1=", "2", "1+1"))
+
+
+def test_the_docstring_example_adds_a_task_with_one_class_and_one_entry(monkeypatch):
+    monkeypatch.setattr(tasks, "TASKS", dict(tasks.TASKS))  # the example writes to the registry
+    example = textwrap.dedent(tasks.__doc__.split("registry entry:")[1])
+    exec(example, {**vars(tasks)})  # noqa: S102 - our own docstring, run as documentation
+    task = make_task("parity", seed=0, eval_size=10)
+    p = task.train_problem(0)
+    assert p.key not in {q.key for q in task.eval_problems()}
+    assert task.score(p.prompt, task.solve(p), p.answer) == (1.0, {"int_correct": 1.0})
+
+
+def test_adding_a_reward_to_one_task_leaves_the_class_alone():
+    task = make_task("countdown", seed=0, eval_size=0)
+    task.rewards.append((overlong_penalty(100, 20), 1.0))
+    assert len(make_task("countdown", seed=0, eval_size=0).rewards) == 2

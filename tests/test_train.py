@@ -1,0 +1,222 @@
+"""The loop on CartPole: config handling, validation, invariants of one update, resume."""
+import copy
+import dataclasses
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+import train
+import utils
+from envs import EVAL_SEED, CartPole
+from model import MLPPolicy
+
+CONFIGS = sorted(Path(__file__).parent.parent.glob("configs/cartpole_*.yaml"))
+
+
+def cfg_from(argv):
+    return utils.load_config(train.Config, argv)
+
+
+def quick(tmp_path, *argv):
+    return cfg_from(["--out", str(tmp_path / "run"), "--no-progress", "--batch", "4", "--eval-episodes", "2", *argv])
+
+
+def weights(run: Path) -> dict:
+    return load_file(str(utils.latest_checkpoint(run) / "weights.safetensors"))
+
+
+# ---------------------------------------------------------------- config
+def test_cli_flags_override_yaml_preset_which_overrides_defaults(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("algo: grpo\ngroup_size: 4\nlr: 0.5\n")
+    cfg = cfg_from(["--config", str(preset), "--lr", "0.25", "--no-progress"])
+    assert (cfg.algo, cfg.group_size, cfg.lr, cfg.progress, cfg.gamma) == ("grpo", 4, 0.25, False, 0.99)
+
+
+def test_config_round_trips_through_yaml(tmp_path):
+    cfg = cfg_from(["--algo", "rloo", "--group-size", "4", "--dr-grpo", "--lr", "3e-4"])
+    utils.save_config(cfg, tmp_path / "c.yaml")
+    assert cfg_from(["--config", str(tmp_path / "c.yaml")]) == cfg
+
+
+def test_unknown_yaml_key_names_the_closest_valid_key(tmp_path):
+    (tmp_path / "bad.yaml").write_text("lrr: 0.1\n")
+    with pytest.raises(utils.ConfigError, match="unknown key 'lrr'.*'lr'"):
+        cfg_from(["--config", str(tmp_path / "bad.yaml")])
+
+
+def test_unknown_flag_names_the_closest_valid_flag():
+    with pytest.raises(utils.ConfigError, match="unknown flag --group-sise.*'--group-size'"):
+        cfg_from(["--group-sise", "4"])
+
+
+def test_badly_typed_value_names_the_key():
+    with pytest.raises(utils.ConfigError, match="'batch' must be int"):
+        cfg_from(["--batch", "many"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--algo", "grpo"], "--algo grpo needs --group-size >= 2 \\(got 1\\); try --group-size 8"),
+    (["--algo", "rloo", "--group-size", "1"], "--algo rloo needs --group-size >= 2"),
+    (["--algo", "ppx"], "unknown --algo 'ppx'; did you mean 'ppo'"),
+    (["--task", "cartpol"], "unknown --task 'cartpol'; did you mean 'cartpole'"),
+    (["--batch", "10", "--group-size", "4", "--algo", "grpo"], "--batch 10 must be a positive multiple of --group-size 4"),
+    (["--minibatches", "3"], "--minibatches 3 must divide --batch 16"),
+    (["--gamma", "1.5"], "0 < gamma <= 1"),
+    (["--resume", "/nonexistent/run"], "no such run directory"),
+])
+def test_validate_rejects_impossible_combinations_with_the_fix(argv, message):
+    with pytest.raises(utils.ConfigError, match=message):
+        train.validate(cfg_from(argv))
+
+
+def test_main_reports_config_errors_without_a_traceback(capsys):
+    assert train.main(["--algo", "grpo"]) == 2
+    assert "try --group-size 8" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- environment
+def test_cartpole_rollout_masks_steps_after_each_episode_ends():
+    torch.manual_seed(0)
+    policy = MLPPolicy(4, 2)
+    b = CartPole().rollout(policy, 6, seed=1)
+    lengths = b["mask"].sum(1)
+    assert torch.equal(b["rewards"].sum(1), lengths)  # +1 per live step and nothing after
+    for row, n in zip(b["mask"], lengths.long()):
+        assert row[:n].all() and not row[n:].any()  # a contiguous prefix
+    assert b["terminated"].all()  # a random policy drops the pole long before 500 steps
+
+
+def test_cartpole_time_limit_is_truncation_not_termination():
+    b = CartPole(max_steps=5).rollout(MLPPolicy(4, 2), 3, seed=0)
+    assert b["mask"].shape == (3, 5) and b["mask"].all() and not b["terminated"].any()
+
+
+def test_grouped_episodes_start_from_their_leaders_state():
+    b = CartPole().rollout(MLPPolicy(4, 2), 8, seed=3, group_size=4)
+    assert torch.equal(b["obs"][0, 0].expand(4, 4), b["obs"][:4, 0])
+    assert not torch.equal(b["obs"][0, 0], b["obs"][4, 0])
+    assert b["group"].tolist() == [0, 0, 0, 0, 4, 4, 4, 4]
+
+
+def test_training_seeds_never_reach_the_held_out_eval_seeds():
+    src = train.ControlRollouts(cfg_from(["--seed", "99999"]), MLPPolicy(4, 2))
+    seeds = []
+    for step in range(50):
+        seeds.append((src.cfg.seed * 100_003 + src.position) % EVAL_SEED)
+        src.position += 1
+    assert max(seeds) < EVAL_SEED
+
+
+# ---------------------------------------------------------------- one update
+def prepared(cfg, seed=0):
+    torch.manual_seed(seed)
+    policy = MLPPolicy(4, 2, critic=cfg.algo == "ppo")
+    batch = CartPole().rollout(policy, cfg.batch, seed=seed, group_size=cfg.group_size)
+    return policy, train.prepare(policy, batch, cfg)
+
+
+def test_first_inner_epoch_ratio_is_exactly_one():
+    cfg = cfg_from(["--algo", "ppo", "--inner-epochs", "3", "--micro-batch", "5"])
+    policy, batch = prepared(cfg)
+    for rows in train.micro_slices(torch.arange(cfg.batch), cfg.micro_batch):
+        logp = policy.score(batch, rows)[0] * batch["mask"][rows]
+        assert torch.equal(logp, batch["old_logp"][rows])
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-2)
+    stats = train.update(policy, opt, batch, dataclasses.replace(cfg, inner_epochs=1))
+    assert stats["ratio"] == pytest.approx(1.0, abs=1e-6) and stats["clip_frac"] == 0.0
+
+
+def test_later_epochs_move_the_ratio_away_from_one():
+    cfg = cfg_from(["--algo", "ppo", "--inner-epochs", "4", "--lr", "0.05"])
+    policy, batch = prepared(cfg)
+    stats = train.update(policy, torch.optim.Adam(policy.parameters(), lr=cfg.lr), batch, cfg)
+    assert stats["clip_frac"] > 0  # off-policy epochs really are off-policy
+
+
+@pytest.mark.parametrize("algo", ["reinforce", "ppo", "grpo"])
+def test_microbatched_backward_matches_one_shot(algo):
+    base = cfg_from(["--algo", algo, "--group-size", "4" if algo == "grpo" else "1", "--max-grad-norm", "1e9"])
+    grads = []
+    for micro in (0, 3):
+        cfg = copy.copy(base)
+        cfg.micro_batch = micro
+        policy, batch = prepared(cfg)
+        opt = torch.optim.SGD(policy.parameters(), lr=1.0)
+        before = [p.detach().clone() for p in policy.parameters()]
+        train.update(policy, opt, batch, cfg)
+        grads.append([b - p.detach() for b, p in zip(before, policy.parameters())])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_nan_loss_skips_the_update_and_keeps_weights_finite(monkeypatch):
+    cfg = cfg_from([])
+    policy, batch = prepared(cfg)
+    before = [p.detach().clone() for p in policy.parameters()]
+    real = policy.score
+    monkeypatch.setattr(policy, "score", lambda b, rows: (real(b, rows)[0] * float("nan"),) + real(b, rows)[1:])
+    stats = train.update(policy, torch.optim.Adam(policy.parameters(), lr=1e-2), batch, cfg)
+    assert stats["skipped"] == 1
+    for b, p in zip(before, policy.parameters()):
+        assert torch.equal(b, p) and torch.isfinite(p).all()
+
+
+# ---------------------------------------------------------------- end to end
+@pytest.mark.parametrize("preset", CONFIGS, ids=lambda p: p.stem)
+def test_every_algorithm_trains_two_steps_end_to_end(tmp_path, preset):
+    grouped = yaml.safe_load(preset.read_text()).get("group_size", 1) > 1
+    cfg = quick(tmp_path, "--config", str(preset), "--steps", "2", "--eval-every", "1", "--batch", "8",
+                "--group-size", "4" if grouped else "1")
+    torch.manual_seed(cfg.seed)
+    init = MLPPolicy(4, 2, cfg.hidden, critic=cfg.algo == "ppo").state_dict()
+    out = train.train(cfg)
+    metrics = utils.read_metrics(out / "metrics.csv")
+    assert [s for s, _, _ in metrics["loss"]] == [1, 2]
+    assert len(metrics["eval_return"]) == 2 and metrics["skipped"][-1][2] == 0
+    trained = weights(out)
+    assert any(not torch.equal(trained[k], init[k]) for k in trained)
+    assert yaml.safe_load((out / "config.yaml").read_text())["algo"] == cfg.algo
+    assert (out / "curve.png").stat().st_size > 1000
+
+
+def test_four_steps_equal_two_steps_plus_resume_plus_two_bitwise(tmp_path):
+    full = train.train(quick(tmp_path / "a", "--steps", "4", "--algo", "ppo", "--inner-epochs", "2", "--minibatches", "2"))
+    half = train.train(quick(tmp_path / "b", "--steps", "2", "--algo", "ppo", "--inner-epochs", "2", "--minibatches", "2"))
+    train.train(cfg_from(["--resume", str(half), "--steps", "4", "--no-progress", "--batch", "4", "--eval-episodes", "2",
+                          "--algo", "ppo", "--inner-epochs", "2", "--minibatches", "2"]))
+    a, b = weights(full), weights(half)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    steps = [s for s, _, _ in utils.read_metrics(half / "metrics.csv")["loss"]]
+    assert steps == [1, 2, 3, 4]
+
+
+def test_checkpoints_keep_only_the_newest_k(tmp_path):
+    out = train.train(quick(tmp_path, "--steps", "5", "--ckpt-every", "1", "--keep-ckpts", "2"))
+    assert sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-0000004", "ckpt-0000005"]
+    assert not list(out.glob(".tmp-*"))
+
+
+def test_resume_refuses_a_checkpoint_of_another_policy(tmp_path):
+    out = train.train(quick(tmp_path, "--steps", "1"))
+    with pytest.raises(ValueError, match="do not match this policy"):
+        train.train(cfg_from(["--resume", str(out), "--algo", "ppo", "--steps", "2", "--no-progress", "--batch", "4"]))
+
+
+def test_ctrl_c_finishes_the_step_then_checkpoints(tmp_path, monkeypatch):
+    real_next = train.ControlRollouts.next
+
+    def next_then_interrupt(self, step):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # arrives mid-step, like a user's Ctrl-C
+        return real_next(self, step)
+
+    monkeypatch.setattr(train.ControlRollouts, "next", next_then_interrupt)
+    out = train.train(quick(tmp_path, "--steps", "50"))
+    assert utils.latest_checkpoint(out).name == "ckpt-0000003"
+    assert [s for s, _, _ in utils.read_metrics(out / "metrics.csv")["loss"]][-1] == 3
