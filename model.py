@@ -203,7 +203,7 @@ class LLMPolicy(nn.Module):
         if not lora and kl_coef > 0:
             warnings.warn("full fine-tuning with kl_coef > 0 keeps a frozen copy of the whole model as the KL reference "
                           "(2x weight memory); LoRA gets its reference for free by disabling the adapter")
-            self.ref_model = copy.deepcopy(lm).requires_grad_(False).to(DTYPES[dtype])
+            self.ref_model = copy.deepcopy(lm).requires_grad_(False)  # same dtype as the policy: KL is exactly 0 at step 0
         gen = lm.generation_config
         eos = [self.tokenizer.eos_token_id, *(gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id])]
         self.eos_ids = {int(i) for i in eos if i is not None}

@@ -22,9 +22,10 @@ import torch
 from tqdm import tqdm
 
 import utils
-from algos import ALGOS, GROUPED, loss_weights, policy_loss, value_loss
+from algos import ALGOS, GROUPED, kl_k3, loss_weights, policy_loss, value_loss
+import tasks
 from envs import EVAL_SEED, CartPole
-from model import MLPPolicy
+from model import LLMPolicy, MLPPolicy, Sample
 
 
 @dataclass
@@ -51,12 +52,34 @@ class Config:
     hidden: int = 64  # MLP width: CartPole needs little, and small is fast
     eval_every: int = 5  # steps between greedy evals; one 10-episode eval costs about one step
     eval_episodes: int = 10  # held-out greedy episodes per eval (the solve criterion uses 10)
-    target_return: float = 0.0  # stop once eval return reaches this (CartPole solved: 475); 0 = never
+    target: float = 0.0  # stop once the headline eval metric (eval_return / eval_accuracy) reaches it; 0 = never
     out: str = ""  # run directory; empty = runs/<task>-<algo>-<timestamp>
     resume: str = ""  # a run directory to continue from its newest checkpoint
     ckpt_every: int = 50  # steps between checkpoints (a final one is always written)
     keep_ckpts: int = 3  # older checkpoints are deleted; 3 survives one corrupt write with margin
     progress: bool = True  # tqdm progress bar; --no-progress for logs and CI
+    # ---- language-model tasks (everything below is ignored by cartpole)
+    model: str = "tiny"  # HF hub id or local dir; "tiny" builds a small Llama locally, no download
+    lora: bool = True  # LoRA: ~1% of the weights train and the KL reference costs no memory
+    lora_rank: int = 16  # rank 16 is where RL fine-tuning results stop improving in most reports
+    lora_alpha: int = 32  # alpha = 2 x rank keeps the update scale stable when the rank changes
+    lora_targets: str = "all-linear"  # every linear projection the model has, found from the model
+    dtype: str = "fp32"  # bf16 on GPUs halves memory; trained parameters stay fp32 either way
+    temperature: float = 1.0  # applied to the logits of both sampling and scoring, so ratios stay exact
+    top_p: float = 1.0  # < 1 samples from a distribution the loss does not model (warned)
+    max_new_tokens: int = 256  # completion budget; a truncated completion gets no end token
+    gen_batch: int = 64  # sequences per generation call; bigger is faster until memory runs out
+    kl_coef: float = 0.0  # KL to the reference (k3); RL-from-verifiable-rewards usually needs none
+    chat_template: bool = True  # use the tokenizer's chat template when it has one
+    thinking: bool = False  # enable_thinking for hybrid-thinking templates (Qwen3): long, slow answers
+    eval_size: int = 100  # held-out problems; 100 gives a +-5% accuracy estimate
+    pass_k: int = 0  # samples per eval problem for pass@k (0 = greedy accuracy only)
+    data: str = ""  # local JSONL for gsm8k/math; empty = the datasets hub
+    bad_rows: str = "skip"  # malformed data rows: skip (counted, reported with file:line) or error
+    debug_samples: int = 0  # print this many (prompt, completion, reward breakdown) triples per eval
+    sft_steps: int = 0  # supervised warm-start steps on the task's own solver's demos, before RL
+    sft_lr: float = 1e-3  # warm-start learning rate (separate: supervised steps tolerate more)
+    overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens of the budget; 0 = off
 
 
 def validate(cfg: Config) -> None:
@@ -76,6 +99,10 @@ def validate(cfg: Config) -> None:
         raise err(f"--minibatches {cfg.minibatches} must divide --batch {cfg.batch}")
     if not (0 < cfg.gamma <= 1 and 0 <= cfg.lam <= 1 and cfg.lr > 0 and cfg.clip_eps > 0):
         raise err("need 0 < gamma <= 1, 0 <= lam <= 1, lr > 0 and clip_eps > 0")
+    if cfg.algo == "ppo" and cfg.task not in CONTROL:
+        raise err("--algo ppo needs a critic and the LLM policy has none; use grpo, rloo or reinforce_pp")
+    if cfg.bad_rows not in ("skip", "error"):
+        raise err(f"--bad-rows must be skip or error (got {cfg.bad_rows})")
     if cfg.resume and not Path(cfg.resume).is_dir():
         raise err(f"--resume {cfg.resume}: no such run directory")
 
@@ -110,17 +137,103 @@ class ControlRollouts:
         self.position = state["position"]
 
 
-TASKS = {"cartpole": ControlRollouts}
+class TaskRollouts:
+    """Synchronous batches from a verifiable-reward task: batch / group_size prompts, group_size
+    completions each, scored by the task's reward functions."""
+
+    def __init__(self, cfg: Config, policy):
+        self.cfg, self.policy = cfg, policy
+        self.task = tasks.make_task(cfg.task, seed=cfg.seed, eval_size=cfg.eval_size, data=cfg.data or None,
+                                    bad_rows=cfg.bad_rows)
+        if cfg.overlong_buffer:
+            count = lambda text: len(policy.tokenizer.encode(text, add_special_tokens=False))
+            self.task.rewards.append((tasks.overlong_penalty(cfg.max_new_tokens, cfg.overlong_buffer, count), 1.0))
+        self.position = 0  # training problems drawn so far; a rank would take every W-th index
+
+    def draw(self, n: int) -> list:
+        problems = [self.task.train_problem(self.position + i) for i in range(n)]
+        self.position += n
+        return problems
+
+    def next(self, step: int) -> dict:
+        cfg, k = self.cfg, self.cfg.group_size
+        problems = [p for p in self.draw(cfg.batch // k) for _ in range(k)]
+        prefixes = [self.policy.encode_prompt(p.prompt) for p in problems]
+        samples = self.policy.generate(prefixes, cfg.max_new_tokens, cfg.gen_batch)
+        texts = [self.policy.decode(s.ids) for s in samples]
+        scored = [self.task.score(p.prompt, t, p.answer) for p, t in zip(problems, texts)]
+        batch = self.policy.make_batch(prefixes, samples, [total for total, _ in scored])
+        batch["group"] = torch.arange(len(problems)) // k  # [N]
+        batch["version"] = torch.full((len(problems),), step)  # [N]
+        self.breakdown = {f"reward_{name}": sum(b[name] for _, b in scored) / len(scored) for name in scored[0][1]}
+        if step % cfg.eval_every == 0:
+            for p, t, (total, parts) in list(zip(problems, texts, scored))[: cfg.debug_samples]:
+                tqdm.write(f"--- step {step} prompt: {p.prompt!r}\n    completion: {t!r}\n    answer: {p.answer!r} reward {total:.3g}: {parts}")
+        return batch
+
+    def evaluate(self) -> dict:
+        problems, cfg = self.task.eval_problems(), self.cfg
+        prefixes = [self.policy.encode_prompt(p.prompt) for p in problems]
+        greedy = [self.policy.decode(s.ids) for s in self.policy.generate(prefixes, cfg.max_new_tokens, cfg.gen_batch, greedy=True)]
+        out = {"eval_accuracy": sum(self.task.correct(p, t) for p, t in zip(problems, greedy)) / len(problems)}
+        if cfg.pass_k:
+            samples = self.policy.generate([x for x in prefixes for _ in range(cfg.pass_k)], cfg.max_new_tokens, cfg.gen_batch)
+            hits = [self.task.correct(p, self.policy.decode(s.ids)) for p, s in zip([p for p in problems for _ in range(cfg.pass_k)], samples)]
+            c = [sum(hits[i * cfg.pass_k : (i + 1) * cfg.pass_k]) for i in range(len(problems))]
+            out["eval_pass@1"] = sum(c) / (len(problems) * cfg.pass_k)
+            out[f"eval_pass@{cfg.pass_k}"] = sum(tasks.pass_at_k(cfg.pass_k, ci, cfg.pass_k) for ci in c) / len(problems)
+        for p, t in list(zip(problems, greedy))[: cfg.debug_samples]:
+            _, parts = self.task.score(p.prompt, t, p.answer)
+            tqdm.write(f"--- eval prompt: {p.prompt!r}\n    completion: {t!r}\n    answer: {p.answer!r} rewards: {parts}")
+        return out
+
+    def publish(self, step: int) -> None:
+        """Sync mode generates with the live weights, so there is nothing to send."""
+
+    def state(self) -> dict:
+        return {"position": self.position}
+
+    def load_state(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+CONTROL = {"cartpole": ControlRollouts}
+TASKS = {**CONTROL, **{name: TaskRollouts for name in tasks.TASKS}}
 
 
 def build(cfg: Config):
     torch.manual_seed(cfg.seed)
-    # A 64-unit MLP is too small to split across threads: one thread is ~3x faster than two
-    # fighting over [16, 64] matmuls, and it leaves the other core to the environment.
-    torch.set_num_threads(1)
-    policy = MLPPolicy(CartPole.obs_dim, CartPole.n_actions, cfg.hidden, critic=cfg.algo == "ppo")
-    opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
+    if cfg.task in CONTROL:
+        # A 64-unit MLP is too small to split across threads: one thread is ~3x faster than two
+        # fighting over [16, 64] matmuls, and it leaves the other core to the environment.
+        torch.set_num_threads(1)
+        policy = MLPPolicy(CartPole.obs_dim, CartPole.n_actions, cfg.hidden, critic=cfg.algo == "ppo")
+    else:
+        policy = LLMPolicy(cfg.model, lora=cfg.lora, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                           lora_targets=cfg.lora_targets, dtype=cfg.dtype, temperature=cfg.temperature,
+                           top_p=cfg.top_p, chat_template=cfg.chat_template, thinking=cfg.thinking, kl_coef=cfg.kl_coef)
+    opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)
     return policy, opt, TASKS[cfg.task](cfg, policy)
+
+
+def warm_start(policy, source: TaskRollouts, cfg: Config, log: utils.Metrics) -> None:
+    """Optional supervised stage before RL: cross-entropy on demonstrations written by the
+    task's own solver (never by a model), so the RL gain on top can be reported separately."""
+    opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.sft_lr)
+    eos = policy.tokenizer.eos_token_id
+    for i in range(cfg.sft_steps):
+        problems = source.draw(cfg.batch)
+        prefixes = [policy.encode_prompt(p.prompt) for p in problems]
+        demos = [policy.tokenizer.encode(source.task.solve(p), add_special_tokens=False) + [eos] for p in problems]
+        batch = policy.make_batch(prefixes, [Sample(d, [0.0] * len(d), False) for d in demos], [0.0] * len(demos))
+        opt.zero_grad(set_to_none=True)
+        loss = torch.zeros(())
+        for rows in micro_slices(torch.arange(len(demos)), cfg.micro_batch):
+            part = -(policy.score(batch, rows)[0] * batch["mask"][rows]).sum() / batch["mask"].sum()
+            part.backward()
+            loss += part.detach()
+        opt.step()
+        log.log(-cfg.sft_steps + i + 1, {"sft_loss": loss.item()})
 
 
 # ---------------------------------------------------------------- one step
@@ -146,6 +259,8 @@ def prepare(policy, batch: dict, cfg: Config) -> dict:
         if policy.has_critic:
             batch["values"] = torch.cat([p[2] for p in parts]) * batch["mask"]
             batch["last_value"] = policy.value(batch["last_obs"])
+    if cfg.kl_coef:
+        batch["ref_logp"] = torch.cat([policy.ref_logp(batch, rows) for rows in micro_slices(torch.arange(n), cfg.micro_batch)])
     batch["adv"] = ALGOS[cfg.algo](batch, cfg)
     batch["weights"] = loss_weights(batch["mask"])
     return batch
@@ -155,7 +270,7 @@ def update(policy, opt, batch: dict, cfg: Config) -> dict:
     """Stage 3: inner epochs x minibatches of the clipped surrogate, each minibatch accumulated
     over micro-batches whose loss weights share one global denominator."""
     n = len(batch["mask"])
-    stats = {"loss": 0.0, "ratio": 0.0, "clip_frac": 0.0, "entropy": 0.0, "grad_norm": 0.0, "skipped": 0}
+    stats = {"loss": 0.0, "ratio": 0.0, "clip_frac": 0.0, "entropy": 0.0, "grad_norm": 0.0, "kl": 0.0, "skipped": 0}
     updates = 0
     for _ in range(cfg.inner_epochs):
         order = torch.randperm(n) if cfg.minibatches > 1 else torch.arange(n)
@@ -171,6 +286,10 @@ def update(policy, opt, batch: dict, cfg: Config) -> dict:
                 loss = loss - cfg.ent_coef * (entropy * w).sum()
                 if values is not None:
                     loss = loss + cfg.vf_coef * value_loss(values, batch["returns"][rows], w)
+                if cfg.kl_coef:
+                    kl = kl_k3(logp, batch["ref_logp"][rows])
+                    loss = loss + cfg.kl_coef * (kl * w).sum()
+                    stats["kl"] += (kl.detach() * w).sum().item()
                 loss.backward()
                 total += loss.detach()
                 stats["ratio"] += s["ratio"].item()
@@ -207,6 +326,11 @@ def train(cfg: Config) -> Path:
         source.load_state(meta["source"])
     utils.save_config(cfg, out / "config.yaml")
     log = utils.Metrics(out, wall_offset=wall)
+    if cfg.sft_steps and not cfg.resume:
+        log.log(-cfg.sft_steps, {f"{k}_before_sft": v for k, v in source.evaluate().items()})
+        warm_start(policy, source, cfg, log)
+    if start == 0:
+        log.log(0, source.evaluate())  # the starting point of the RL curve
 
     def checkpoint(step: int) -> None:
         utils.save_checkpoint(out, step, policy, opt, {"wall_s": log.wall(), "source": source.state()}, cfg.keep_ckpts)
@@ -223,12 +347,13 @@ def train(cfg: Config) -> Path:
             source.publish(step + 1)  # 4. publish
             stats["reward"] = (batch["rewards"] * batch["mask"]).sum(1).mean().item()  # 5. log
             stats["steps_env"] = batch["mask"].sum().item()
+            stats.update(getattr(source, "breakdown", {}))
             log.log(step + 1, stats)
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 last_eval = source.evaluate()
                 log.log(step + 1, last_eval)
             bar.set_postfix(reward=f"{stats['reward']:.1f}", **{k: f"{v:.3g}" for k, v in last_eval.items()})
-            solved = cfg.target_return and last_eval.get("eval_return", -math.inf) >= cfg.target_return
+            solved = cfg.target and max(last_eval.get(k, -math.inf) for k in ("eval_return", "eval_accuracy")) >= cfg.target
             if (step + 1) % cfg.ckpt_every == 0 or solved or interrupted or step + 1 == cfg.steps:
                 checkpoint(step + 1)
             if solved or interrupted:
@@ -239,7 +364,7 @@ def train(cfg: Config) -> Path:
         signal.signal(signal.SIGINT, previous)
         bar.close()
         log.close()
-    utils.plot(out)
+    utils.plot(out, keys=("reward", "eval_return", "eval_accuracy"))
     return out
 
 

@@ -29,7 +29,7 @@ TARGET = 475.0
 def run_nanorl(algo: str, seed: int, max_seconds: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / f"configs/cartpole_{algo}.yaml"),
-               "--seed", str(seed), "--target-return", str(TARGET), "--out", tmp, "--no-progress", "--steps", "400"]
+               "--seed", str(seed), "--target", str(TARGET), "--out", tmp, "--no-progress", "--steps", "400"]
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True, capture_output=True, timeout=max_seconds)
         process_s = time.perf_counter() - t0

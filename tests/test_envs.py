@@ -1,0 +1,364 @@
+"""Multi-turn text environments: the protocol, the shipped environments on real SQLite and real
+processes, and token-exact multi-turn rollouts (scripted policy, then the real tiny model)."""
+import hashlib
+import json
+import math
+import re
+import sqlite3
+import string
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from envs import (TEXT_ENVS, CountdownEnv, PythonTask, PythonToolEnv, SQLEnv, SQLTask, TextEnv, _sql_tables,
+                  format_rows, multiturn_metrics, rollout_multiturn, run_sql, sql_correct, sql_database)
+from model import LLMPolicy, Sample, build_tiny_model
+from tasks import Problem, ProceduralTask, completion_number, solve_countdown
+
+
+# ---------------------------------------------------------------- the README example
+class GuessTask(ProceduralTask):
+    name = "guess"
+
+    def generate(self, rng):
+        secret = rng.randint(1, 100)
+        return Problem("I picked a whole number from 1 to 100. Guess it.", str(secret), key=str(secret))
+
+
+class GuessNumber(TextEnv):
+    """Guess a secret number; each wrong guess is answered with "higher" or "lower"."""
+
+    task, max_turns = GuessTask, 7
+
+    def respond(self, completion):
+        guess, secret = completion_number(completion), int(self.problem.answer)
+        if guess == secret:
+            return None, 1.0, True
+        return ("higher" if guess is None or guess < secret else "lower"), 0.0, False
+
+
+TEXT_ENVS["guess"] = GuessNumber
+
+
+# ---------------------------------------------------------------- a chat tokenizer and a scripted policy
+# ChatML-like, and like Qwen3 it drops <think>...</think> from assistant turns that are not last.
+TEMPLATE = r"""{%- for m in messages -%}
+{%- set c = m['content'] -%}
+{%- if m['role'] == 'assistant' and not loop.last -%}{%- set c = c.split('</think>')[-1] -%}{%- endif -%}
+{{- '<|im_start|>' + m['role'] + '\n' + c + '<|im_end|>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"""
+
+
+def chat_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per printable character, plus <|im_start|> and <|im_end|> (the end token)."""
+    chars = [c for c in string.printable if c not in "\x0b\x0c"]
+    vocab = {t: i for i, t in enumerate(["<|pad|>", "<|unk|>", "<|im_start|>", "<|im_end|>"] + chars)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<|pad|>", unk_token="<|unk|>",
+                                  eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+class ScriptedPolicy:
+    """LLMPolicy's API with `script(conversation so far) -> next model turn` instead of a network.
+    Prompt encoding, decoding and collation are LLMPolicy's own code. Sampled log-probs are
+    distinct per position so a misplaced one shows; every generate() output is recorded."""
+
+    encode_prompt, decode, make_batch = LLMPolicy.encode_prompt, LLMPolicy.decode, LLMPolicy.make_batch
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script, self.sampled = tokenizer, script, []
+        self.use_template, self.thinking, self.bos = tokenizer.chat_template is not None, False, []
+        self.eos_ids, self.pad_id = {tokenizer.eos_token_id}, tokenizer.pad_token_id
+
+    def generate(self, prefixes, max_new_tokens, gen_batch=64, greedy=False):
+        out = []
+        for p in prefixes:
+            ids = self.tokenizer.encode(self.script(self.tokenizer.decode(p)), add_special_tokens=False)
+            ids = (ids + [self.tokenizer.eos_token_id])[:max_new_tokens]
+            out.append(Sample(ids, [-1e-3 * (len(p) + i + 1) for i in range(len(ids))], len(ids) == max_new_tokens
+                              and ids[-1] != self.tokenizer.eos_token_id))
+        self.sampled.append(list(zip(prefixes, out)))
+        return out
+
+
+def bisect(conversation: str) -> str:
+    """Guesses by bisection from the replies so far."""
+    lo, hi = 1, 100
+    for guess, reply in re.findall(r"(\d+)<\|im_end\|>\n<\|im_start\|>user\n(\w+)", conversation):
+        lo, hi = (int(guess) + 1, hi) if reply == "higher" else (lo, int(guess) - 1)
+    return str((lo + hi) // 2)
+
+
+def countdown_problem(numbers, target):
+    return Problem(f"Reach {target} with {numbers}.", json.dumps({"target": target, "numbers": numbers}), "k")
+
+
+# ---------------------------------------------------------------- protocol
+def test_text_env_protocol_on_the_readme_example():
+    env = GuessNumber()
+    messages, info = env.reset(Problem("Guess.", "37", "37"))
+    assert messages == [{"role": "user", "content": "Guess."}] and info == {}
+    assert env.step("50") == ([{"role": "user", "content": "lower"}], 0.0, False, {"turns": 1, "solved_at_turn": 0})
+    assert env.step("I say 25") == ([{"role": "user", "content": "higher"}], 0.0, False, {"turns": 2, "solved_at_turn": 0})
+    assert env.step("37") == (None, 1.0, True, {"turns": 3, "solved_at_turn": 3})
+    short = GuessNumber(max_turns=2)
+    short.reset(Problem("Guess.", "37", "37"))
+    short.step("1")
+    assert short.step("2") == (None, 0.0, True, {"turns": 2, "solved_at_turn": 0})  # out of turns
+
+
+def test_readme_example_solves_in_a_rollout_by_bisection():
+    task = TEXT_ENVS["guess"].task(seed=0, eval_size=4)
+    problems = task.eval_problems()
+    policy = ScriptedPolicy(chat_tokenizer(), bisect)
+    batch = rollout_multiturn(policy, GuessNumber, problems, group_size=2, max_turns=7, max_new_tokens=8, max_len=4096)
+    turns = []  # bisection by hand: guesses 50, then the middle of what is left
+    for p in problems:
+        lo, hi, n = 1, 100, 1
+        while (lo + hi) // 2 != int(p.answer):
+            lo, hi, n = ((lo + hi) // 2 + 1, hi, n + 1) if (lo + hi) // 2 < int(p.answer) else (lo, (lo + hi) // 2 - 1, n + 1)
+        turns += [n, n]
+    assert batch["solved_at_turn"].tolist() == batch["turns"].tolist() == turns
+    assert batch["group"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert batch["rewards"].sum(1).tolist() == [1.0] * 8
+    assert multiturn_metrics(batch) == {"solved": 1.0, "solved_first_turn": 0.0, "turns": sum(turns) / 8}
+
+
+# ---------------------------------------------------------------- token-exact multi-turn episodes
+def think_then_answer(conversation: str) -> str:
+    return "<think>try</think><answer>3 + 5</answer>" if "Try again" not in conversation else \
+        "<think>again</think><answer>3 * 5</answer>"
+
+
+def test_trained_tokens_are_the_sampled_tokens_under_a_template_that_rewrites_history():
+    tok = chat_tokenizer()
+    policy = ScriptedPolicy(tok, think_then_answer)
+    problem = countdown_problem([3, 5], 15)
+    batch = rollout_multiturn(policy, CountdownEnv, [problem], group_size=1, max_turns=3, max_new_tokens=64, max_len=512)
+    (_, turn1), = policy.sampled[0]
+    (prefix2, turn2), = policy.sampled[1]
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": problem.prompt}], tokenize=False,
+                                                add_generation_prompt=True), add_special_tokens=False)
+    reply = tok.encode("\n<|im_start|>user\n3 + 5 = 8, but the target is 15. Try again.<|im_end|>\n<|im_start|>assistant\n",
+                       add_special_tokens=False)
+    assert prefix2 == prompt + turn1.ids + reply  # the second turn was sampled after exactly these tokens
+    row = prompt + turn1.ids + reply + turn2.ids
+    n = len(row)
+    assert batch["tokens"][0, :n].tolist() == row and batch["attn"][0].sum() == n
+    mask = batch["mask"][0].bool()
+    assert batch["tokens"][0][mask].tolist() == turn1.ids + turn2.ids  # what is trained is what was sampled
+    assert batch["logp"][0][mask].tolist() == pytest.approx(turn1.logps + turn2.logps)
+    # The template rewrites history: re-rendering the chat drops turn 1's <think>, so re-encoding
+    # the conversation (instead of appending the reply's tokens) would train on other tokens.
+    chat = [{"role": "user", "content": problem.prompt}, {"role": "assistant", "content": tok.decode(turn1.ids[:-1])},
+            {"role": "user", "content": "3 + 5 = 8, but the target is 15. Try again."},
+            {"role": "assistant", "content": tok.decode(turn2.ids[:-1])}]
+    rerendered = tok.encode(tok.apply_chat_template(chat, tokenize=False), add_special_tokens=False)
+    assert "<think>try</think>" not in tok.decode(rerendered) and rerendered[:n] != row
+
+
+def test_mask_covers_exactly_the_model_turns_and_the_reward_sits_on_the_last_one():
+    policy = ScriptedPolicy(chat_tokenizer(), think_then_answer)
+    batch = rollout_multiturn(policy, CountdownEnv, [countdown_problem([3, 5], 15)], group_size=2, max_turns=3,
+                              max_new_tokens=64, max_len=512)
+    (_, t1), _ = policy.sampled[0]
+    (prefix2, t2), _ = policy.sampled[1]
+    p = len(prefix2) - len(t1.ids) - (len(prefix2) - len(t1.ids) - len(policy.sampled[0][0][0]))  # prompt length
+    r = len(prefix2) - p - len(t1.ids)  # reply length
+    expected = [0] * p + [1] * len(t1.ids) + [0] * r + [1] * len(t2.ids)
+    n = len(expected)
+    assert batch["mask"][:, :n].tolist() == [expected] * 2 and batch["mask"][:, n:].sum() == 0
+    assert (batch["logp"] != 0).float().tolist() == batch["mask"].tolist()
+    assert batch["rewards"][:, n - 1].tolist() == [1.0, 1.0] and batch["rewards"].sum().item() == 2.0
+    assert batch["turns"].tolist() == [2, 2] and batch["solved_at_turn"].tolist() == [2, 2]
+    assert batch["truncated"].tolist() == [False, False]
+
+
+def test_episode_that_would_pass_max_len_ends_early_and_truncated():
+    policy = ScriptedPolicy(chat_tokenizer(), think_then_answer)
+    problem = countdown_problem([3, 5], 15)
+    prompt = len(policy.encode_prompt(problem.prompt))
+    turn = len("<think>try</think><answer>3 + 5</answer>") + 1
+    # room for turn 1 but not for the reply: the episode stops after one turn, no reply appended
+    batch = rollout_multiturn(policy, CountdownEnv, [problem], 1, max_turns=3, max_new_tokens=64, max_len=prompt + turn + 10)
+    assert batch["attn"][0].sum() == prompt + turn and batch["turns"].tolist() == [1]
+    assert batch["truncated"].tolist() == [True] and batch["rewards"].sum() == 0
+    # room for only 5 tokens of turn 1: the sample is cut (still exactly what was sampled)
+    batch = rollout_multiturn(policy, CountdownEnv, [problem], 1, max_turns=3, max_new_tokens=64, max_len=prompt + 5)
+    assert batch["tokens"][0, prompt:].tolist() == policy.sampled[-1][0][1].ids[:5] and batch["truncated"].tolist() == [True]
+    with pytest.raises(ValueError, match="raise max_len"):
+        rollout_multiturn(policy, CountdownEnv, [problem], 1, max_turns=3, max_new_tokens=64, max_len=prompt)
+
+
+# ---------------------------------------------------------------- countdown_multiturn
+def test_countdown_calculator_answers_with_the_value_and_the_target():
+    env = CountdownEnv(max_turns=6)
+    env.reset(countdown_problem([3, 5, 7], 22))
+    replies = [env.step(c) for c in ["I think 22", "<answer>3 + 5 + 7</answer>", "<answer>3 * 5</answer>",
+                                     "<answer>3 / 5 + 7</answer>", "<answer>3 * (5</answer>"]]
+    assert [r[0][0]["content"] for r in replies[:4]] == [
+        "Give your expression in <answer></answer> tags.",
+        "3 + 5 + 7 = 15, but the target is 22. Try again.",
+        "3 * 5 uses [3, 5]; use each of [3, 5, 7] exactly once. Try again.",
+        "3 / 5 + 7 = 38/5, but the target is 22. Try again."]
+    assert replies[4][0][0]["content"].startswith("3 * (5 is not a valid expression")
+    assert all(r[1:3] == (0.0, False) for r in replies)
+    assert env.step("<answer>3 * 5 + 7</answer>") == (None, 1.0, True, {"turns": 6, "solved_at_turn": 6})
+
+
+# ---------------------------------------------------------------- python_tool
+def test_python_tool_runs_code_then_scores_the_final_answer():
+    env = PythonToolEnv()
+    env.reset(Problem("What is 6 * 7?", "42", "k"))
+    assert env.step("Let me think.")[0][0]["content"].startswith("Run code in a ```python block")
+    obs, reward, done, _ = env.step("```python\nprint(6 * 7)\nimport sys; print('warn', file=sys.stderr)\n```")
+    assert obs[0]["content"] == "stdout:\n42\n\nstderr:\nwarn\n\n(exit code 0)" and (reward, done) == (0.0, False)
+    assert env.step("<answer>42</answer>") == (None, 1.0, True, {"turns": 3, "solved_at_turn": 3})
+    env.reset(Problem("What is 6 * 7?", "42", "k"))
+    assert env.step("<answer>41</answer>") == (None, 0.0, False, {"turns": 1, "solved_at_turn": 0})[:2] + (True, {
+        "turns": 1, "solved_at_turn": 0})
+
+
+def test_python_task_answers_match_an_independent_computation():
+    seen = set()
+    for p in PythonTask(seed=0, eval_size=16).eval_problems():
+        nums = [int(x) for x in re.findall(r"\d+", p.prompt.split("\n")[0])]
+        if "prime" in p.prompt:
+            n = nums[0]
+            is_prime = np.ones(n, bool)
+            is_prime[:2] = False
+            for i in range(2, int(n**0.5) + 1):
+                is_prime[i * i :: i] &= ~is_prime[i]  # noqa: E203 (numpy sieve, unlike the task's bytearray one)
+            want, kind = int(np.nonzero(is_prime)[0].sum()), "primes"
+        elif "Fibonacci" in p.prompt:
+            n, m = nums[0], nums[1]
+            a, b = 1, 1  # F(1), F(2)
+            for _ in range(n - 1):
+                a, b = b, a + b
+            want, kind = a % m, "fib"
+        elif "factorial" in p.prompt:
+            want, kind = sum(int(d) for d in str(math.prod(range(1, nums[0] + 1)))), "digits"
+        else:
+            n, x, y = nums[1], nums[2], nums[3]
+            r = np.arange(1, n + 1)
+            want, kind = int(((r % x == 0) ^ (r % y == 0)).sum()), "divisible"
+        assert p.answer == str(want), p.prompt
+        seen.add(kind)
+    assert seen == {"primes", "fib", "digits", "divisible"}
+
+
+# ---------------------------------------------------------------- sql
+def db_hash(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("query", ["DELETE FROM customers", "DROP TABLE customers", "UPDATE customers SET city = 'x'",
+                                   "INSERT INTO customers VALUES (99, 'x', 'y', 2020)", "CREATE TABLE t (x)",
+                                   "CREATE TEMP TABLE t (x)", "ATTACH DATABASE '/tmp/nanorl-attached.db' AS x",
+                                   "PRAGMA user_version = 7", "PRAGMA writable_schema = ON", "PRAGMA table_info(customers)"])
+def test_sql_tool_denies_everything_but_reading(query):
+    path = sql_database("shop")
+    before = db_hash(path)
+    with pytest.raises(sqlite3.DatabaseError, match="not authorized"):
+        run_sql(path, query)
+    assert db_hash(path) == before and not Path("/tmp/nanorl-attached.db").exists()
+
+
+def test_sql_tool_interrupts_an_endless_recursive_cte_and_huge_blobs():
+    path = sql_database("shop")
+    with pytest.raises(sqlite3.OperationalError, match="interrupted"):
+        run_sql(path, "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT COUNT(*) FROM c")
+    with pytest.raises(sqlite3.DataError, match="too big"):
+        run_sql(path, "SELECT zeroblob(1000000000)")
+    assert run_sql(path, "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c LIMIT 5) SELECT SUM(x) FROM c") \
+        == (["SUM(x)"], [(15,)], False)
+
+
+def test_sql_reward_compares_result_sets_with_the_gold_query():
+    customers = _sql_tables("shop")["customers"][1]
+    oslo = sorted(name for _, name, city, _ in customers if city == "Oslo")
+    answer = json.dumps({"db": "shop", "gold": "SELECT name FROM customers WHERE city = 'Oslo'"})
+    assert len(oslo) >= 2  # the order checks below need at least two rows
+    assert sql_correct("", "<answer>SELECT name FROM customers WHERE city = 'Oslo'</answer>", answer) == 1.0
+    assert sql_correct("", "<answer>SELECT name FROM customers WHERE city IN ('Oslo') ORDER BY name DESC</answer>",
+                       answer) == 1.0  # no ORDER BY in the gold query: order does not matter
+    assert sql_correct("", "<answer>```sql\nSELECT name FROM customers WHERE 'Oslo' = city\n```</answer>", answer) == 1.0
+    assert sql_correct("", "<answer>SELECT name, city FROM customers WHERE city = 'Oslo'</answer>", answer) == 0.0
+    assert sql_correct("", "<answer>SELECT name FROM customers WHERE city = 'Lima'</answer>", answer) == 0.0
+    assert sql_correct("", "<answer>SELEC name FROM customers</answer>", answer) == 0.0
+    assert sql_correct("", "SELECT name FROM customers WHERE city = 'Oslo'", answer) == 0.0  # no answer tags
+    ordered = json.dumps({"db": "shop", "gold": "SELECT name FROM customers WHERE city = 'Oslo' ORDER BY name"})
+    assert sql_correct("", f"<answer>SELECT name FROM customers WHERE city = 'Oslo' ORDER BY name</answer>", ordered) == 1.0
+    assert sql_correct("", "<answer>SELECT name FROM customers WHERE city = 'Oslo' ORDER BY name DESC</answer>",
+                       ordered) == 0.0
+    count = json.dumps({"db": "shop", "gold": "SELECT COUNT(*) FROM customers WHERE city = 'Oslo'"})
+    assert sql_correct("", f"<answer>SELECT {len(oslo)}.0</answer>", count) == 1.0  # 2.0 == 2, as numbers
+
+
+def test_sql_env_returns_errors_and_rows_so_the_model_can_fix_its_query():
+    env = SQLEnv()
+    env.reset(Problem("q", json.dumps({"db": "shop", "gold": "SELECT COUNT(*) FROM customers"}), "k"))
+    obs, reward, done, _ = env.step("```sql\nSELEC name FROM customers\n```")
+    assert obs[0]["content"] == 'error: near "SELEC": syntax error' and (reward, done) == (0.0, False)
+    first = _sql_tables("shop")["customers"][1][:2]
+    obs, _, _, _ = env.step("```sql\nSELECT name, city FROM customers WHERE id <= 2\n```")
+    assert obs[0]["content"] == "name | city\n" + "\n".join(f"{n} | {c}" for _, n, c, _ in first)
+    assert env.step("<answer>SELECT COUNT(id) FROM customers</answer>") == (None, 1.0, True, {"turns": 3, "solved_at_turn": 3})
+
+
+def test_format_rows_truncates_rows_and_characters():
+    assert format_rows(["a"], [], False) == "a\n(no rows)"
+    assert format_rows(["a", "b"], [(i, "x") for i in range(30)], False, max_rows=2) == "a | b\n0 | x\n1 | x\n... (30 rows)"
+    assert format_rows(["a"], [(1,)], True, max_rows=5) == "a\n1\n... (more than 1 rows)"
+    assert format_rows(["a"], [("y" * 50,)], False, max_chars=10) == "a\nyyyyyyyy\n... (truncated)"
+
+
+def test_sql_task_is_deterministic_its_splits_disjoint_and_every_gold_query_runs():
+    task = SQLTask(seed=3, eval_size=40)
+    assert task.eval_problems() == SQLTask(seed=3, eval_size=40).eval_problems()
+    eval_keys = {p.key for p in task.eval_problems()}
+    train = [task.train_problem(i) for i in range(200)]
+    assert not eval_keys & {p.key for p in train} and train[7] == task.train_problem(7)
+    assert Counter(json.loads(p.answer)["db"] for p in train).keys() == {"shop", "school", "flights"}
+    assert all(sql_correct("", task.solve(p), p.answer) == 1.0 for p in task.eval_problems() + train[:50])
+
+
+# ---------------------------------------------------------------- the real tiny model
+def test_multiturn_rollout_on_the_tiny_model_rescores_to_the_sampled_logps():
+    torch.manual_seed(0)
+    policy = LLMPolicy(build_tiny_model(), lora=True)
+    # A random model almost never ends a turn. Point the end token's output row along the mean
+    # final hidden state, so its logit is about 2 everywhere: an end every dozen tokens or so.
+    with torch.no_grad():
+        ids = torch.tensor([policy.encode_prompt("Reach 3 with [1, 2]. Try again.")])
+        mean = policy.model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0].mean(0)  # [D]
+        policy.model.get_output_embeddings().weight[policy.tokenizer.eos_token_id] = 2 * mean / mean.norm() ** 2
+    sampled, generate = [], policy.generate
+    policy.generate = lambda prefixes, n, **kw: sampled.append(list(zip(prefixes, generate(prefixes, n, **kw)))) or \
+        [s for _, s in sampled[-1]]
+    problems = [countdown_problem([i, 2], i + 2) for i in range(1, 7)]
+    batch = rollout_multiturn(policy, CountdownEnv, problems, group_size=1, max_turns=3, max_new_tokens=24, max_len=400)
+    assert batch["turns"].max() >= 2  # some episodes really had several turns
+    rows = [batch["tokens"][r, : int(batch["attn"][r].sum())].tolist() for r in range(len(problems))]
+    trained = [0] * len(rows)
+    for call in sampled:
+        for prefix, s in call:
+            (r,) = [r for r, row in enumerate(rows) if row[: len(prefix)] == prefix]
+            end = len(prefix) + len(s.ids)
+            assert rows[r][len(prefix) : end] == s.ids and batch["mask"][r, len(prefix) : end].sum() == len(s.ids)
+            trained[r] += len(s.ids)
+    assert batch["mask"].sum(1).tolist() == trained  # and nothing else is trained
+    with torch.no_grad():
+        logp, _, _ = policy.score(batch, slice(None))
+    mask = batch["mask"].bool()
+    torch.testing.assert_close(logp[mask], batch["logp"][mask], atol=2e-4, rtol=0)

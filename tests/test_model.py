@@ -1,0 +1,303 @@
+"""model.py's LLM policy on a tiny locally built Llama: the invariants the training loop relies on."""
+import json
+import os
+import shutil
+import warnings
+
+import pytest
+import torch
+
+import utils
+from algos import loss_weights, policy_loss
+from model import CHARS, SPECIALS, LLMPolicy, Sample, build_tiny_model, resolve_model
+
+DIMS = dict(layers=2, hidden=128, heads=2, intermediate=256, max_len=256)  # 2 x 64 heads: small and fast
+PROMPTS = ["1+2=", "17*3=", "(12+30)/6=?\n", "x"]  # 5, 6, 13 and 2 tokens with bos: a ragged batch
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_model(str(tmp_path_factory.mktemp("cache") / "tiny"), **DIMS)
+
+
+def policy(path, **kw) -> LLMPolicy:
+    torch.manual_seed(0)
+    return LLMPolicy(path, device="cpu", **kw)
+
+
+def variant(tiny, tmp_path, **generation) -> str:
+    """A copy of the tiny model whose generation_config.json also sets `generation`."""
+    path = tmp_path / "variant"
+    shutil.copytree(tiny, path)
+    cfg = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**cfg, **generation}))
+    return str(path)
+
+
+def randomise_adapter(pol: LLMPolicy, scale: float = 0.05) -> None:
+    """lora_B starts at zero, which hides bugs; give every trained tensor a random value."""
+    g = torch.Generator().manual_seed(1)
+    pol.load_trainable({n: torch.randn(t.shape, generator=g) * scale for n, t in pol.trainable_state().items()})
+
+
+def rollout(pol: LLMPolicy, max_new: int = 12, n: int = 2, seed: int = 0):
+    prefixes = [pol.encode_prompt(p) for p in PROMPTS for _ in range(n)]
+    torch.manual_seed(seed)
+    samples = pol.generate(prefixes, max_new)
+    return prefixes, samples, pol.make_batch(prefixes, samples, [float(i) for i in range(len(samples))])
+
+
+# ---------------------------------------------------------------- the tiny model
+def test_build_tiny_model_is_idempotent_and_loads_in_transformers_and_peft(tiny):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    weights = os.path.join(tiny, "model.safetensors")
+    stamp = os.stat(weights).st_mtime_ns
+    assert build_tiny_model(tiny, **DIMS) == tiny and os.stat(weights).st_mtime_ns == stamp  # reused, not rewritten
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= set(os.listdir(tiny))
+    assert not [f for f in os.listdir(os.path.dirname(tiny)) if f.startswith(".tmp")]
+    lm = AutoModelForCausalLM.from_pretrained(tiny)
+    assert (lm.config.head_dim, lm.config.num_hidden_layers, lm.config.vocab_size) == (64, 2, len(SPECIALS) + len(CHARS))
+    assert len(SPECIALS) + len(CHARS) == 83
+    tok = AutoTokenizer.from_pretrained(tiny)
+    text = "(12+3)*4=60\n<answer>Yes, x_1!</answer>?"
+    ids = tok(text)["input_ids"]
+    assert len(ids) == len(text) + 1 and ids[0] == tok.bos_token_id  # one token per character, after bos
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    peft_lm = get_peft_model(lm, LoraConfig(r=4, target_modules=["q_proj"]))
+    assert peft_lm(input_ids=torch.tensor([ids])).logits.shape == (1, len(ids), 83)
+
+
+def test_resolve_tiny_builds_under_nanorl_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANORL_CACHE", str(tmp_path))
+    path = resolve_model("tiny")
+    assert os.path.dirname(path) == str(tmp_path) and os.path.basename(path) == "tiny-v1-l4-d256-h4-f512-n1024-s0"
+
+
+def test_bad_model_id_fails_at_start_up_naming_the_fix(tmp_path):
+    with pytest.raises(utils.ConfigError, match="no such directory; check the model id, or pass a local directory"):
+        LLMPolicy("./no-such-model")
+    with pytest.raises(utils.ConfigError, match=r"--model .*: cannot load it \(.*\); check the model id"):
+        resolve_model(str(tmp_path))  # a directory, but no config.json inside
+    with pytest.raises(utils.ConfigError, match="choices: fp32, bf16"):
+        LLMPolicy(str(tmp_path), dtype="fp16")
+
+
+# ---------------------------------------------------------------- sampling == scoring
+def test_sampler_logps_equal_recomputed_logps(tiny):
+    pol = policy(tiny)
+    randomise_adapter(pol)
+    prefixes, samples, batch = rollout(pol, max_new=16, n=3)
+    mask = batch["mask"] > 0
+    assert mask.sum() == sum(len(s.ids) for s in samples) and not mask[:, 0].any()
+    logp, entropy, values = pol.score(batch, slice(0, len(samples)))  # one micro-batch
+    assert values is None and logp.shape == batch["tokens"].shape
+    assert (logp[mask] - batch["logp"][mask]).abs().max() < 1e-5
+    assert (logp[~mask] == 0).all() and (entropy[mask] > 0).all()
+    singles = torch.cat([pol.score(batch, torch.tensor([r]))[0] for r in range(len(samples))])  # micro-batches of 1
+    assert (singles[mask] - batch["logp"][mask]).abs().max() < 1e-5
+
+
+def test_entropy_is_the_full_distribution_entropy_at_temperature(tiny):
+    pol = policy(tiny, temperature=0.7)
+    randomise_adapter(pol)
+    prefixes, samples, batch = rollout(pol, max_new=4, n=1)
+    logp, entropy, _ = pol.score(batch, slice(0, 1))
+    t = int(batch["mask"][0].nonzero()[0])
+    logits = pol.model(input_ids=batch["tokens"][:1, :t]).logits[0, -1] / 0.7
+    p = logits.softmax(-1)
+    assert abs(entropy[0, t].item() - -(p * p.log()).sum().item()) < 1e-5
+    assert abs(logp[0, t].item() - p[batch["tokens"][0, t]].log().item()) < 1e-5
+
+
+def test_left_padded_batch_generates_like_each_row_alone(tiny):
+    pol = policy(tiny)
+    randomise_adapter(pol)
+    prefixes = [pol.encode_prompt(p) for p in PROMPTS]
+    together = pol.generate(prefixes, 10, greedy=True)
+    alone = pol.generate(prefixes, 10, gen_batch=1, greedy=True)
+    for a, b in zip(together, alone):
+        assert a.ids == b.ids and a.truncated == b.truncated
+        assert max(abs(x - y) for x, y in zip(a.logps, b.logps)) < 1e-5
+
+
+def test_generation_config_warpers_are_neutralised(tiny, tmp_path):
+    noisy = variant(tiny, tmp_path, do_sample=True, top_k=1, top_p=0.1, min_p=0.9, typical_p=0.2,
+                    repetition_penalty=5.0, no_repeat_ngram_size=1, temperature=0.05)
+    plain, warped = policy(tiny), policy(noisy)
+    assert warped.model.generation_config.top_k == 1  # the settings really were loaded...
+    _, a, _ = rollout(plain, n=4, seed=3)
+    _, b, _ = rollout(warped, n=4, seed=3)
+    assert a == b  # ...and change nothing: same ids, same logps, same truncation
+    assert len({tuple(s.ids) for s in a[:4]}) == 4  # and it really sampled (top_k=1 would make 4 copies)
+
+
+def test_top_p_below_one_warns_once_that_the_ratio_is_approximate(tiny):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pol = policy(tiny, top_p=0.5)
+        rollout(pol, n=2)
+    assert [str(w.message)[:30] for w in caught] == ["top_p=0.5: samples come from a"]
+
+
+# ---------------------------------------------------------------- stop tokens and batches
+def test_second_eos_from_generation_config_stops_and_reward_sits_on_last_real_token(tiny, tmp_path):
+    prefixes = [policy(tiny).encode_prompt(p) for p in PROMPTS]
+    free = policy(tiny).generate(prefixes, 10, greedy=True)
+    stop = free[0].ids[3]  # a token the greedy model emits, so it must end row 0 by step 4
+    pol = policy(variant(tiny, tmp_path, eos_token_id=[2, stop]))
+    assert pol.eos_ids == {2, stop}
+    samples = pol.generate(prefixes, 10, greedy=True)
+    for f, s in zip(free, samples):
+        cut = next((i + 1 for i, t in enumerate(f.ids) if t in (2, stop)), None)  # first end token, included
+        assert s.ids == f.ids[: cut or 10] and s.truncated == (cut is None)
+    assert samples[0].ids[-1] == stop and len(samples[0].ids) <= 4 and not samples[0].truncated
+    batch = pol.make_batch(prefixes, samples, [1.0, 2.0, 3.0, 4.0])
+    ends = [len(p) + len(s.ids) for p, s in zip(prefixes, samples)]
+    assert batch["tokens"].shape[1] == max(ends)
+    for r, end in enumerate(ends):
+        assert batch["rewards"][r].nonzero().flatten().tolist() == [end - 1] and batch["rewards"][r, end - 1] == r + 1
+        assert batch["attn"][r].sum() == end and (batch["tokens"][r, end:] == pol.pad_id).all()
+        assert batch["mask"][r].sum() == len(samples[r].ids) and batch["mask"][r, end - 1] == 1
+    assert batch["truncated"].tolist() == [s.truncated for s in samples]
+
+
+def test_loss_mask_hides_environment_tokens_and_reward_sits_on_last_policy_token(tiny):
+    pol = policy(tiny)
+    samples = [Sample([10, 11, 12, 13, 14], [-1.0, -2.0, -3.0, -4.0, -5.0], False), Sample([20, 21], [-0.5, -0.25], True)]
+    batch = pol.make_batch([[1, 5], [1]], samples, [7.0, 9.0], loss_mask=[[1, 0, 0, 1, 0], [1, 1]])
+    assert batch["tokens"].tolist() == [[1, 5, 10, 11, 12, 13, 14], [1, 20, 21, 0, 0, 0, 0]]
+    assert batch["mask"].tolist() == [[0, 0, 1, 0, 0, 1, 0], [0, 1, 1, 0, 0, 0, 0]]
+    assert batch["logp"].tolist() == [[0, 0, -1, 0, 0, -4, 0], [0, -0.5, -0.25, 0, 0, 0, 0]]
+    assert batch["rewards"].tolist() == [[0, 0, 0, 0, 0, 7, 0], [0, 0, 9, 0, 0, 0, 0]]
+    assert batch["attn"].tolist() == [[1] * 7, [1, 1, 1, 0, 0, 0, 0]] and batch["truncated"].tolist() == [False, True]
+
+
+# ---------------------------------------------------------------- training
+def test_microbatched_backward_matches_one_shot(tiny):
+    pol = policy(tiny)
+    randomise_adapter(pol)
+    _, samples, batch = rollout(pol, max_new=10, n=2)
+    n = len(samples)
+    adv = torch.linspace(-1, 1, n)[:, None] * batch["mask"]  # [N, L]
+    w = loss_weights(batch["mask"])  # one global denominator for every split
+
+    def grads(size: int) -> dict:
+        pol.zero_grad(set_to_none=True)
+        for s in range(0, n, size):
+            rows = torch.arange(s, min(s + size, n))
+            logp, _, _ = pol.score(batch, rows)
+            policy_loss(logp, batch["logp"][rows], adv[rows], w[rows], 0.2)[0].backward()
+        return {k: p.grad.clone() for k, p in pol.named_parameters() if p.requires_grad}
+
+    one, micro = grads(n), grads(3)
+    assert max(g.abs().max() for g in one.values()) > 1e-4  # not trivially zero
+    for k in one:
+        torch.testing.assert_close(micro[k], one[k], rtol=1e-4, atol=1e-7)
+
+
+def test_lora_trains_only_adapter_and_base_stays_bit_identical(tiny):
+    pol = policy(tiny)
+    trained = {k for k, p in pol.named_parameters() if p.requires_grad}
+    # every linear layer of the architecture, found from the model: 7 per layer x 2 layers x (A, B)
+    assert len(trained) == 28 and all(".lora_A." in k or ".lora_B." in k for k in trained)
+    assert {k.split(".")[-4] for k in trained} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    # r=16 on 128-wide layers: q,k,v,o 4 x (16*128 + 128*16); gate, up, down 3 x (16*128 + 256*16); x 2 layers
+    assert sum(pol.get_parameter(k).numel() for k in trained) == 2 * (4 * 4096 + 3 * 6144)
+    assert set(pol.trainable_state()) == trained
+    base = {k: p.detach().clone() for k, p in pol.named_parameters() if not p.requires_grad}
+    before = pol.trainable_state()
+    opt = torch.optim.Adam([p for p in pol.parameters() if p.requires_grad], lr=1e-2)
+    _, _, batch = rollout(pol, max_new=6, n=1)
+    logp, _, _ = pol.score(batch, slice(0, 4))
+    (-(logp * batch["mask"]).sum()).backward()
+    opt.step()
+    assert all(torch.equal(p, base[k]) for k, p in pol.named_parameters() if not p.requires_grad)
+    assert all(not torch.equal(p, before[k]) for k, p in pol.named_parameters() if p.requires_grad)
+
+
+def test_lora_targets_comma_list_and_unknown_name(tiny):
+    pol = policy(tiny, lora_targets="q_proj, v_proj", lora_rank=4)
+    assert len(pol.trainable_state()) == 2 * 2 * 2
+    with pytest.raises(utils.ConfigError, match="linear layers are down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj"):
+        policy(tiny, lora_targets="q_proj,qkv_proj")
+
+
+def test_ref_logp_is_the_base_model_with_the_adapter_off(tiny):
+    pol = policy(tiny)
+    _, _, batch = rollout(pol, max_new=8, n=1)
+    rows, mask = slice(0, 4), batch["mask"] > 0
+    assert torch.equal(pol.ref_logp(batch, rows), pol.score(batch, rows)[0].detach())  # lora_B == 0: adapter is a no-op
+    randomise_adapter(pol)
+    ref = pol.ref_logp(batch, rows)
+    assert (ref[mask] - batch["logp"][mask]).abs().max() < 1e-5  # still the model that sampled
+    assert (pol.score(batch, rows)[0][mask] - ref[mask]).abs().max() > 1e-3
+
+
+def test_full_finetune_trains_everything_and_keeps_a_frozen_reference_only_with_kl(tiny):
+    pol = policy(tiny, lora=False)
+    assert pol.ref_model is None and len(pol.trainable_state()) == len(dict(pol.model.named_parameters()))
+    with pytest.warns(UserWarning, match="frozen copy of the whole model"):
+        pol = policy(tiny, lora=False, kl_coef=0.1)
+    _, _, batch = rollout(pol, max_new=6, n=1)
+    assert torch.equal(pol.ref_logp(batch, slice(0, 4)), pol.score(batch, slice(0, 4))[0].detach())
+    assert not any(p.requires_grad for p in pol.ref_model.parameters())
+    with pytest.raises(utils.ConfigError, match="lora=True"):
+        pol.save_adapter("unused")
+
+
+def test_bf16_autocast_runs_and_keeps_trainable_params_fp32(tiny):
+    pol = policy(tiny, dtype="bf16")
+    randomise_adapter(pol)
+    assert {p.dtype for p in pol.parameters() if p.requires_grad} == {torch.float32}
+    assert {p.dtype for p in pol.parameters() if not p.requires_grad} == {torch.bfloat16}  # the frozen LoRA base
+    _, samples, batch = rollout(pol, max_new=8, n=1)
+    logp, entropy, _ = pol.score(batch, slice(0, 4))
+    mask = batch["mask"] > 0
+    assert logp.dtype == torch.float32 and (logp[mask] - batch["logp"][mask]).abs().max() < 0.05  # bf16, not exact
+    (logp * batch["mask"]).sum().backward()
+    grads = [p.grad for p in pol.parameters() if p.requires_grad]
+    assert all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
+
+
+# ---------------------------------------------------------------- weights in and out
+def test_saved_adapter_reloads_in_peft_with_identical_logits(tiny, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    pol = policy(tiny)
+    randomise_adapter(pol)
+    out = pol.save_adapter(str(tmp_path / "adapter"))
+    assert sorted(os.listdir(out)) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"] == 16
+    again = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny), out)
+    ids = torch.tensor([pol.encode_prompt("12+7=")])
+    torch.testing.assert_close(again(input_ids=ids).logits, pol.model(input_ids=ids).logits, rtol=0, atol=1e-6)
+
+
+def test_checkpoint_round_trip_restores_exactly_the_trained_tensors(tiny, tmp_path):
+    pol = policy(tiny)
+    randomise_adapter(pol)
+    opt = torch.optim.Adam([p for p in pol.parameters() if p.requires_grad])
+    ckpt = utils.save_checkpoint(tmp_path, 3, pol, opt, {}, keep=1)
+    fresh = policy(tiny)
+    utils.load_checkpoint(ckpt, fresh, torch.optim.Adam([p for p in fresh.parameters() if p.requires_grad]))
+    a, b = pol.trainable_state(), fresh.trainable_state()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="does not match this policy"):
+        fresh.load_trainable({k: v for k, v in list(a.items())[1:]})
+
+
+def test_encode_prompt_plain_text_and_chat_template_with_thinking(tiny, tmp_path):
+    pol = policy(tiny)
+    tok = pol.tokenizer
+    assert pol.encode_prompt("12") == [tok.bos_token_id] + tok.convert_tokens_to_ids(["1", "2"])
+    path = tmp_path / "chat"
+    shutil.copytree(tiny, path)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if enable_thinking %}?{% endif %}:"
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert policy(str(path)).decode(policy(str(path)).encode_prompt("1+1")) == "<user>1+1:"
+    assert policy(str(path), thinking=True).decode(policy(str(path), thinking=True).encode_prompt("1+1")) == "<user>1+1?:"
+    assert policy(str(path), chat_template=False).encode_prompt("12") == pol.encode_prompt("12")
