@@ -178,7 +178,7 @@ def test_every_algorithm_trains_two_steps_end_to_end(tmp_path, preset):
     out = train.train(cfg)
     metrics = utils.read_metrics(out / "metrics.csv")
     assert [s for s, _, _ in metrics["loss"]] == [1, 2]
-    assert len(metrics["eval_return"]) == 2 and metrics["skipped"][-1][2] == 0
+    assert [s for s, _, _ in metrics["eval_return"]] == [0, 1, 2] and metrics["skipped"][-1][2] == 0
     trained = weights(out)
     assert any(not torch.equal(trained[k], init[k]) for k in trained)
     assert yaml.safe_load((out / "config.yaml").read_text())["algo"] == cfg.algo
