@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "configs" / "skypilot").glob("*.yaml"))
 # Flags of the async trainer/worker (serve.py, branch `async`), allowed while train.Config lacks
 # them; once a field lands, its flag is checked like any other. Value: how many values it takes.
-PENDING = {"--role": 1, "--trainer-url": 1, "--bind": 1, "--vllm": 0}
+PENDING = {"--role": 1, "--trainer-url": 1, "--vllm": 0}
 SKYPILOT_VARS = {"SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2", "SKYPILOT_NODE_RANK": "0", "SKYPILOT_NUM_NODES": "2"}
 
 
@@ -101,6 +101,6 @@ def test_the_worker_recipe_passes_the_token_only_as_a_launch_time_secret():
     assert spec["secrets"] == {"NANORL_TOKEN": None}  # no value in the file: `sky launch --secret NANORL_TOKEN`
     assert "NANORL_TOKEN" not in (spec.get("envs") or {})
     trainer, worker = train_commands(spec)
-    assert trainer[:4] == ["--role", "trainer", "--bind", "0.0.0.0:8765"]
+    assert trainer[:4] == ["--role", "trainer", "--trainer-url", "http://0.0.0.0:8765"]  # listens on every interface
     assert worker[:5] == ["--role", "rollout", "--trainer-url", "http://10.0.0.1:8765", "--vllm"]
     assert spec["num_nodes"] >= 2  # a trainer plus at least one worker
