@@ -99,8 +99,7 @@ def validate(cfg: Config) -> None:
         raise err("--inner-epochs and --minibatches must be >= 1 and --micro-batch >= 0")
     if cfg.batch % cfg.minibatches:
         raise err(f"--minibatches {cfg.minibatches} must divide --batch {cfg.batch}")
-    # Under torchrun each rank takes batch / W rows made of whole groups (group statistics stay
-    # local). An async source would split the trainer's queue batch the same way.
+    # torchrun: each rank takes batch / W rows of whole groups (an async trainer splits its queue's batch alike)
     unit = utils.world() * math.lcm(cfg.group_size, cfg.minibatches)
     if cfg.batch % unit:
         raise err(f"--batch {cfg.batch} is the global batch: {utils.world()} ranks need a multiple of {unit} (ranks x "
@@ -134,8 +133,7 @@ class ControlRollouts:
         return batch
 
     def evaluate(self) -> dict:
-        """Every rank plays the same greedy episodes (identical weights, so identical numbers):
-        a vectorised CartPole eval costs less than the collective that sharding it would need."""
+        """Not sharded: every rank plays the same greedy episodes, cheaper than sharding them."""
         batch = self.env.rollout(self.policy, self.cfg.eval_episodes, EVAL_SEED, greedy=True)
         return {"eval_return": batch["rewards"].sum(1).mean().item()}
 
@@ -185,8 +183,7 @@ class TaskRollouts:
         return batch
 
     def evaluate(self) -> dict:
-        """Rank r of W scores eval problems r, r + W, ...; the sums are all-reduced, so every
-        rank returns the numbers a single process would."""
+        """Rank r of W scores eval problems r, r + W, ...; summed over ranks, as one process would."""
         problems, cfg = self.task.eval_problems()[utils.rank() :: utils.world()], self.cfg
         prefixes = [self.policy.encode_prompt(p.prompt) for p in problems]
         greedy = [self.policy.decode(s.ids) for s in self.policy.generate(prefixes, cfg.max_new_tokens, cfg.gen_batch, greedy=True)]
@@ -381,7 +378,7 @@ def train(cfg: Config) -> Path:
                 log.log(step + 1, last_eval)
             bar.set_postfix(reward=f"{stats['reward']:.1f}", **{k: f"{v:.3g}" for k, v in last_eval.items()})
             solved = cfg.target and max(last_eval.get(k, -math.inf) for k in ("eval_return", "eval_accuracy")) >= cfg.target
-            if utils.any_rank(bool(interrupted)):  # a Ctrl-C seen by one rank stops all of them at this step
+            if utils.reduce_dict({"stop": bool(interrupted)})["stop"]:  # a Ctrl-C seen by one rank stops all at this step
                 interrupted.append(True)
             if (step + 1) % cfg.ckpt_every == 0 or solved or interrupted or step + 1 == cfg.steps:
                 checkpoint(step + 1)

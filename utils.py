@@ -212,14 +212,9 @@ def stderr(msg: str) -> None:
 # rolls out its own share of the batch, and the only traffic is all-reduced sums (gradients, loss
 # denominators, statistics). In a plain `python train.py` every helper below is a no-op; under
 # torchrun every one is a collective, so all ranks must call it, in the same order.
-BUCKET = 1 << 26  # floats per gradient all-reduce: 256 MB bounds the extra memory on a full fine-tune
-
-
 def init_distributed(timeout_s: float) -> None:
-    """Joins the process group that torchrun describes in RANK / WORLD_SIZE / LOCAL_RANK /
-    MASTER_ADDR. CUDA tensors go over NCCL and CPU tensors over gloo, so CartPole and the scalar
-    statistics work on a GPU node too. A rank stuck in a collective for timeout_s raises instead
-    of hanging forever (when a rank dies, torchrun also stops the others at once)."""
+    """Joins the group torchrun describes in RANK / WORLD_SIZE / LOCAL_RANK: CUDA tensors over NCCL,
+    CPU ones over gloo. A rank stuck in a collective for timeout_s raises rather than hangs."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or dist.is_initialized():
         return
     if torch.cuda.is_available():
@@ -251,50 +246,34 @@ def all_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def reduce_dict(values: dict[str, float], mean: bool = False) -> dict[str, float]:
-    """Sums (or averages) a dict of numbers over ranks; every rank must pass the same keys."""
-    if world() == 1:
-        return dict(values)
+    """Sums (or averages) numbers over ranks; every rank must pass the same keys."""
     total = all_sum(torch.tensor(list(values.values()), dtype=torch.float64))
     return dict(zip(values, (total / world() if mean else total).tolist()))
 
 
-def any_rank(flag: bool) -> bool:
-    return bool(all_sum(torch.tensor([float(flag)])).item())
-
-
 def batch_totals(mask: torch.Tensor) -> dict[str, float]:
-    """The whole batch's token and row counts, for loss_weights: every rank's weights then share
-    one global denominator, and summing the ranks' gradients equals one backward on the batch."""
+    """The whole batch's token and row counts for loss_weights: with one global denominator on every
+    rank, the sum of the ranks' gradients is the gradient of one backward on the whole batch."""
     tokens, rows = all_sum(torch.tensor([mask.sum().item(), len(mask)], dtype=torch.float64)).tolist()
     return {"total_tokens": tokens, "total_rows": rows}
 
 
 def sum_grads(module: torch.nn.Module) -> None:
-    """Adds every rank's .grad into every rank's .grad, a few flat buffers at a time (hundreds of
-    small LoRA tensors would otherwise cost one collective each)."""
-    if world() == 1:
-        return
-    params = [p for p in module.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:  # a parameter this rank's micro-batches never reached still joins the sum
-            p.grad = torch.zeros_like(p)
-    start = 0
-    while start < len(params):
-        end, size = start + 1, params[start].numel()
-        while end < len(params) and size + params[end].numel() <= BUCKET:
-            size, end = size + params[end].numel(), end + 1
-        group = params[start:end]
-        flat = torch.cat([p.grad.flatten() for p in group])
-        dist.all_reduce(flat)
-        for p, g in zip(group, flat.split([p.numel() for p in group])):
-            p.grad.copy_(g.view_as(p))
-        start = end
+    """Every rank's .grad becomes the sum over ranks. All reduces are queued before the first wait,
+    so hundreds of small LoRA tensors cost about one round trip, and no flat copy is needed."""
+    if world() > 1:
+        params = [p for p in module.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # a parameter this rank's micro-batches never reached still joins the sum
+                p.grad = torch.zeros_like(p)
+        for work in [dist.all_reduce(p.grad, async_op=True) for p in params]:
+            work.wait()
 
 
 @torch.no_grad()
 def broadcast_weights(module: torch.nn.Module) -> None:
-    """Rank 0's weights everywhere. From then on ranks stay identical without further syncing:
-    they apply the same summed gradients with the same optimizer."""
+    """Rank 0's weights everywhere. Ranks then stay identical with no further syncing: they apply
+    the same summed gradients with the same optimizer."""
     if world() > 1:
         for t in module.state_dict().values():
             dist.broadcast(t, 0)
@@ -309,12 +288,6 @@ def split_rng() -> None:
 
 class NoMetrics:
     """What ranks other than 0 log to: rank 0 alone writes the (all-reduced) numbers."""
-
-    def log(self, step: int, values: dict[str, float]) -> None:
-        pass
-
-    def wall(self) -> float:
-        return 0.0
-
-    def close(self) -> None:
-        pass
+    def log(self, step: int, values: dict) -> None: pass  # noqa: E301,E704
+    def wall(self) -> float: return 0.0  # noqa: E301,E704
+    def close(self) -> None: pass  # noqa: E301,E704
