@@ -54,6 +54,28 @@ def step_delta(algo: str, rows: slice) -> dict:
     return {k: before[k] - v for k, v in policy.state_dict().items()}
 
 
+def llm_step_delta(rows: slice) -> dict:
+    """The same for GRPO on a LoRA LLM (a one-layer tiny Llama), rows of different lengths."""
+    from model import LLMPolicy, build_tiny_model
+
+    cfg = cfg_from("--task", "arith", "--algo", "grpo", "--group-size", "4", "--batch", str(BATCH), "--micro-batch", "3")
+    torch.manual_seed(0)
+    policy = LLMPolicy(build_tiny_model(layers=1, hidden=64, heads=1, intermediate=128, max_len=64), lora_rank=4)
+    for name, p in policy.named_parameters():
+        if "lora_B" in name:  # PEFT starts B at 0, which would leave A without a gradient to compare
+            torch.nn.init.normal_(p, std=0.1)
+    g = torch.Generator().manual_seed(1)
+    prefixes = [torch.randint(4, 40, (3 + i % 3,), generator=g).tolist() for i in range(BATCH)]
+    samples = [Sample(torch.randint(4, 40, (1 + 2 * i,), generator=g).tolist(), [0.0] * (1 + 2 * i), True) for i in range(BATCH)]
+    whole = policy.make_batch(prefixes, samples, torch.randn(BATCH, generator=g).tolist())
+    whole["group"] = torch.arange(BATCH) // 4
+    batch = {k: v[rows] for k, v in whole.items()}
+    before = policy.trainable_state()
+    train.update(policy, torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0),
+                 train.prepare(policy, batch, cfg), cfg)
+    return {k: before[k] - v for k, v in policy.trainable_state().items()}
+
+
 class Oracle:
     """A stand-in LLM policy with a known score: greedy answers eval problem i correctly iff
     i % 3 == 0, sampled answers iff i % 2 == 0. With 10 problems: accuracy 4/10, pass@1 = pass@2 = 5/10."""
@@ -90,6 +112,9 @@ def worker(out: Path) -> None:
         delta = step_delta(algo, slice(r * share, (r + 1) * share))
         if r == 0:
             save_file(delta, str(out / f"delta-{algo}.safetensors"))
+    delta = llm_step_delta(slice(r * share, (r + 1) * share))
+    if r == 0:
+        save_file(delta, str(out / "delta-llm.safetensors"))
     source = train.TaskRollouts(cfg_from("--task", "arith"), policy=None)
     report["drawn"] = [p.key for p in source.draw(4) + source.draw(4)]
     report["position"] = source.position
@@ -132,6 +157,15 @@ def test_two_ranks_sum_to_the_one_process_gradient(ranks, algo):
     two = load_file(str(out / f"delta-{algo}.safetensors"))
     assert one.keys() == two.keys()
     assert any(v.abs().max() > 1e-3 for v in one.values())  # the update is not trivially zero
+    for k in one:
+        assert torch.allclose(one[k], two[k], atol=1e-6, rtol=0), (k, (one[k] - two[k]).abs().max())
+
+
+def test_two_ranks_sum_to_the_one_process_lora_gradient(ranks):
+    out, _ = ranks
+    one, two = llm_step_delta(slice(None)), load_file(str(out / "delta-llm.safetensors"))
+    assert one.keys() == two.keys() and len(one) == 14  # 7 projections x (A, B) in one layer
+    assert min(v.abs().max() for v in one.values()) > 1e-5  # every adapter tensor moves
     for k in one:
         assert torch.allclose(one[k], two[k], atol=1e-6, rtol=0), (k, (one[k] - two[k]).abs().max())
 
@@ -217,15 +251,15 @@ sys.exit(utils.record(train.main)(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("action, message", [
-    ("raise RuntimeError('simulated crash')", "rank 1 of 2 failed (RuntimeError: simulated crash)"),
-    ("time.sleep(600)", "rank 0 of 2 failed"),  # a hung rank: rank 0's collective times out instead
+@pytest.mark.parametrize("action, timeout, message", [
+    ("raise RuntimeError('simulated crash')", "60", "rank 1 of 2 failed (RuntimeError: simulated crash)"),
+    ("time.sleep(600)", "5", "rank 0 of 2 failed"),  # a hung rank: rank 0's collective times out instead
 ])
-def test_a_failing_rank_stops_the_whole_run_with_a_message(tmp_path, action, message):
+def test_a_failing_rank_stops_the_whole_run_with_a_message(tmp_path, action, timeout, message):
     script = tmp_path / "failing.py"
     script.write_text(FAILING.format(action=action))
     proc = torchrun(str(script), "--batch", "4", "--steps", "5", "--eval-episodes", "2", "--no-progress",
-                    "--dist-timeout", "5", "--out", str(tmp_path / "run"), timeout=120)
+                    "--dist-timeout", timeout, "--out", str(tmp_path / "run"), timeout=180)
     assert proc.returncode != 0
     assert message in proc.stderr
     assert not list((tmp_path / "run").glob("ckpt-*"))  # no checkpoint of a half-finished run
