@@ -2,6 +2,7 @@
 
     python train.py --task cartpole --algo reinforce
     python train.py --config configs/cartpole_ppo.yaml --steps 50
+    torchrun --nproc_per_node=4 train.py --config configs/arith_tiny_cpu.yaml   # data parallel, same --batch
 
 Every step is five stages: (1) rollout: get a batch, (2) advantage: score it under the
 weights that sampled it and call the algorithm's estimator, (3) update: the clipped surrogate
