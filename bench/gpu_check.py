@@ -1,4 +1,4 @@
-"""GPU check: builds a ~300M-parameter Llama locally (random init, no download, no internet) and,
+"""GPU check: builds a ~308M-parameter Llama locally (random init, no download, no internet) and,
 under bf16 autocast with LoRA and with full fine-tuning, measures peak memory, scoring tokens/s,
 training tokens/s (forward + backward), and sampling tokens/s (LLMPolicy.generate); then checks,
 on this device, the two invariants the loop relies on:
@@ -28,7 +28,7 @@ import utils  # noqa: E402
 from algos import loss_weights, policy_loss  # noqa: E402
 from model import SPECIALS, LLMPolicy, Sample, build_tiny_model  # noqa: E402
 
-BIG = dict(layers=24, hidden=1024, heads=16, intermediate=2816, max_len=2048)  # ~305M parameters
+BIG = dict(layers=24, hidden=1024, heads=16, intermediate=2816, max_len=2048)  # ~308M parameters
 SMALL = dict(layers=2, hidden=128, heads=2, intermediate=256, max_len=256)
 # Tolerances: ratio deviations are in fp32 log-softmax space whatever the autocast dtype; micro-batch
 # gradients differ by bf16 rounding of differently shaped matmuls (~1e-3), a wrong denominator by ~1e-1.
