@@ -25,7 +25,7 @@ from tqdm import tqdm
 import utils
 from algos import ALGOS, GROUPED, kl_k3, loss_weights, policy_loss, value_loss
 import tasks
-from envs import EVAL_SEED, CartPole
+from envs import EVAL_SEED, TEXT_ENVS, CartPole, multiturn_metrics, rollout_multiturn
 from model import LLMPolicy, MLPPolicy, Sample
 
 
@@ -81,6 +81,8 @@ class Config:
     sft_steps: int = 0  # supervised warm-start steps on the task's own solver's demos, before RL
     sft_lr: float = 1e-3  # warm-start learning rate (separate: supervised steps tolerate more)
     overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens of the budget; 0 = off
+    max_turns: int = 4  # multi-turn envs: model turns per episode; each one is a chance to fix an error
+    max_len: int = 2048  # multi-turn envs: an episode longer than this (tokens) ends early, cleanly
     # ---- torchrun (`torchrun --nproc_per_node=N train.py ...`: --batch stays the global batch)
     dist_timeout: float = 1800.0  # seconds a rank waits in a collective before failing: > the longest checkpoint write
 
@@ -213,8 +215,35 @@ class TaskRollouts:
         self.position = state["position"]
 
 
+class EnvRollouts(TaskRollouts):
+    """Multi-turn episodes: the model acts, the environment replies, up to max_turns times. One
+    episode is one token sequence; only the model's own tokens are trained."""
+
+    def __init__(self, cfg: Config, policy):
+        self.cfg, self.policy, self.env = cfg, policy, TEXT_ENVS[cfg.task]
+        self.task = self.env.task(seed=cfg.seed, eval_size=cfg.eval_size)
+        self.position = 0
+
+    def episodes(self, problems: list, k: int, greedy: bool = False) -> dict:
+        cfg = self.cfg
+        return rollout_multiturn(self.policy, self.env, problems, k, cfg.max_turns, cfg.max_new_tokens, cfg.max_len, greedy)
+
+    def next(self, step: int) -> dict:
+        batch = self.episodes(self.draw(self.cfg.batch // self.cfg.group_size), self.cfg.group_size)
+        batch["version"] = torch.full((len(batch["mask"]),), step)  # [N]
+        self.breakdown = multiturn_metrics(batch)
+        return batch
+
+    def evaluate(self) -> dict:
+        """Rank r plays eval problems r, r + W, ...; per-rank means are weighted and summed over ranks."""
+        problems = self.task.eval_problems()[utils.rank() :: utils.world()]
+        m = multiturn_metrics(self.episodes(problems, 1, greedy=True)) if problems else dict.fromkeys(("solved", "solved_first_turn", "turns"), 0.0)
+        s = utils.reduce_dict({"n": len(problems), **{k: v * len(problems) for k, v in m.items()}})
+        return {"eval_accuracy": s["solved"] / s["n"], "eval_accuracy_first_turn": s["solved_first_turn"] / s["n"], "eval_turns": s["turns"] / s["n"]}
+
+
 CONTROL = {"cartpole": ControlRollouts}
-TASKS = {**CONTROL, **{name: TaskRollouts for name in tasks.TASKS}}
+TASKS = {**CONTROL, **{name: TaskRollouts for name in tasks.TASKS}, **{name: EnvRollouts for name in TEXT_ENVS}}
 
 
 def build(cfg: Config):
