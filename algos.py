@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import torch
 
+import utils
+
 EPS = 1e-6
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
+    """Mean over the whole batch: under torchrun the sums span every rank (a collective)."""
+    total = utils.all_sum(torch.stack([(x * mask).sum(), mask.sum()]))
+    return total[0] / total[1].clamp(min=1)
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -122,10 +126,13 @@ ALGOS = {
 GROUPED = {"grpo", "rloo"}  # estimators that need group_size >= 2
 
 
-def loss_weights(mask: torch.Tensor) -> torch.Tensor:
+def loss_weights(mask: torch.Tensor, total_tokens: float | None = None, total_rows: float | None = None) -> torch.Tensor:
     """Token-mean weights over the whole batch. Computing them once, before any micro-batching,
-    is what makes the sum of micro-batch gradients equal one big backward."""
-    return mask / mask.sum().clamp(min=1)  # [N, T], sums to 1
+    is what makes the sum of micro-batch gradients equal one big backward. Under torchrun the
+    totals are the whole batch's over all ranks (utils.batch_totals); total_rows is for
+    row-normalised modes."""
+    tokens = mask.sum() if total_tokens is None else torch.tensor(float(total_tokens))
+    return mask / tokens.clamp(min=1)  # [N, T], sums to 1 over the whole batch
 
 
 def policy_loss(logp, old_logp, adv, weights, clip_eps: float):
