@@ -39,7 +39,7 @@ class Config:
     steps: int = 200  # optimizer steps; CartPole REINFORCE needs ~40, so this is a safe ceiling
     batch: int = 16  # episodes (or prompts) per step: 16 episodes give a low-noise gradient at ~no cost in lockstep
     group_size: int = 1  # rollouts per prompt/start state; GRPO/RLOO need >= 2 to form a baseline
-    lr: float = 0.01  # Adam on a 64-unit MLP tolerates 1e-2 and it halves CartPole's time vs 3e-3
+    lr: float = 0.005  # CartPole REINFORCE, 8 seeds: 5e-3 solved all (median 33k env steps); 1e-2 left one at 600k
     gamma: float = 0.99  # CartPole's 500-step horizon wants a long (~100-step) credit window
     lam: float = 0.95  # GAE bias/variance trade-off; 0.95 is the PPO paper's value and rarely worth tuning
     clip_eps: float = 0.2  # PPO ratio clip; irrelevant when inner_epochs == 1 (ratio == 1)
