@@ -32,10 +32,10 @@ def tiny(tmp_path_factory):
     return build_tiny_model(str(tmp_path_factory.mktemp("cache") / "tiny"), **DIMS)
 
 
-def flags(tiny, run, *extra):
+def flags(tiny, run, *extra):  # --ent-coef: random-model rewards are all 0, yet the adapter must change
     return ["--task", "arith", "--algo", "grpo", "--model", tiny, "--batch", "8", "--group-size", "4",
             "--max-new-tokens", "8", "--eval-size", "4", "--eval-every", "1000", "--lora-rank", "8",
-            "--lr", "0.003", "--no-progress", "--out", str(run), "--worker-patience", "8", *extra]
+            "--lr", "0.003", "--ent-coef", "0.01", "--no-progress", "--out", str(run), "--worker-patience", "8", *extra]
 
 
 def launch(args, log: Path, **env) -> subprocess.Popen:
@@ -273,4 +273,5 @@ def test_vllm_worker_trains_with_advancing_versions_and_exact_old_logprobs(tiny,
     gaps = [v for _, _, v in m["logp_gap"]]
     assert len(gaps) == steps and max(gaps) < 1e-3  # fp32 vLLM vs fp32 HF scoring of the same tokens
     assert max(v for _, _, v in m["staleness_max"]) <= 2 and "dropped_no_snapshot" not in m
+    assert min(v for _, _, v in m["grad_norm"]) > 0  # the entropy bonus moves the adapter every step
     assert m["adapters_sent"][-1][2] >= 2 and m["sync_bytes"][-1][2] < 2_000_000
