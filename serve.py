@@ -459,6 +459,7 @@ class AsyncRollouts:
 
     def __init__(self, cfg, policy, local):
         self.cfg, self.policy, self.local, self.groups = cfg, policy, local, cfg.batch // cfg.group_size
+        self.task, self.draw = local.task, local.draw  # the SFT warm-start runs on the trainer
         self.capacity = max(1, cfg.max_staleness) * self.groups  # groups; a longer queue would only feed stale ones
         self.cond = threading.Condition()  # guards everything the HTTP threads touch
         self.queue, self.snapshots = [], {}  # groups; version -> trainable_state, inside the window only

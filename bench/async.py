@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -69,7 +70,7 @@ def adapter_sync(args) -> dict:
     cfg = utils.load_config(train.Config, ["--task", "arith", "--role", "trainer"])
     policy = LLMPolicy(cfg.model, lora=True)
     worker = serve.HFGenerator(LLMPolicy(cfg.model, lora=True))
-    src = serve.AsyncRollouts(cfg, policy, None)
+    src = serve.AsyncRollouts(cfg, policy, SimpleNamespace(task=None, draw=None))
     client = serve.Client(src.server.url, token=src.server.token)
     sync, raw = [], []
     for v in range(args.repeats + 1):

