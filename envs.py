@@ -6,6 +6,7 @@ A rollout returns a batch dict of [N, T] tensors (see train.py for the keys).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -88,11 +89,9 @@ class CartPole:
 
 
 # ================================================================ text environments (multi-turn)
-# A text environment is a small class in the spirit of gymnasium:
-#     reset(problem) -> (messages, info)                                the opening chat messages
-#     step(completion) -> (reply messages or None, reward, done, info)
-# Rewards are per turn; an episode's reward is their sum, and every token the model sampled in
-# the episode is trained with it. `rollout_multiturn` at the end of this file runs a batch.
+# A text environment, in the spirit of gymnasium: reset(problem) -> (chat messages, info) and
+# step(completion) -> (reply messages or None, reward, done, info). Rewards are per turn; an
+# episode's reward is their sum, given to every token the model sampled (rollout_multiturn).
 
 
 class TextEnv:
@@ -147,7 +146,7 @@ class SandboxResult:
     stdout: str
     stderr: str
     returncode: int  # negative: killed by that signal (-9 after a timeout)
-    timed_out: bool
+    timed_out: bool  # the wall clock ran out (or, a bug, the launcher hung and was killed)
     truncated: bool  # output past max_output characters was dropped
 
 
@@ -162,6 +161,7 @@ _NEWNS, _NEWIPC, _NEWUSER, _NEWPID, _NEWNET = 0x20000, 0x8000000, 0x10000000, 0x
 _LAUNCHER = r"""
 import ctypes, os, resource, select, signal, sys
 status, flags, uid_base, cpu, mem, fsize, nofile, nproc = map(int, sys.argv[1:9])
+NEWNS, NEWPID, NOSUID, NODEV, NOEXEC, REC_PRIVATE = 0x20000, 0x20000000, 2, 4, 8, 0x44000
 libc = ctypes.CDLL(None, use_errno=True)
 def check(ok, what):
     if not ok:
@@ -175,12 +175,12 @@ if pid == 0:
     os.close(status)
     os.setpgid(0, 0)
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with the launcher
-    if flags & 0x20000:  # own mounts: /proc of the new pid namespace, a small fresh tmpfs on writable dirs
-        check(libc.mount(b"none", b"/", None, 0x44000, None) == 0, "private mounts")  # MS_REC | MS_PRIVATE
-        check(not flags & 0x20000000 or libc.mount(b"proc", b"/proc", b"proc", 14, None) == 0, "mount /proc")
+    if flags & NEWNS:  # own mounts: /proc of the new pid namespace, a small fresh tmpfs on writable dirs
+        check(libc.mount(b"none", b"/", None, REC_PRIVATE, None) == 0, "private mounts")
+        check(not flags & NEWPID or libc.mount(b"proc", b"/proc", b"proc", NOSUID | NODEV | NOEXEC, None) == 0, "/proc")
         for d in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock"):  # the cwd, made under /tmp, stays reachable
             opts = b"size=%dk,mode=1777" % max(64, fsize >> 10)
-            check(not os.path.isdir(d) or libc.mount(b"tmpfs", d.encode(), b"tmpfs", 6, opts) == 0, "tmpfs " + d)
+            check(not os.path.isdir(d) or libc.mount(b"tmpfs", d.encode(), b"tmpfs", NOSUID | NODEV, opts) == 0, d)
     for r, v in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, mem), (resource.RLIMIT_FSIZE, fsize),
                  (resource.RLIMIT_NOFILE, nofile), (resource.RLIMIT_NPROC, nproc), (resource.RLIMIT_CORE, 0)):
         resource.setrlimit(r, (v, v))
@@ -203,32 +203,32 @@ if pid == 0:
     sys.exit(0)
 timed_out = not select.select([os.pidfd_open(pid)], [], [], float(sys.argv[9]))[0]
 os.kill(pid, signal.SIGKILL)  # as pid 1 of its namespace, its death kills every process in it
-if flags & 0x20000000:
-    pass  # nothing escapes a pid namespace (and nothing can fork in it once its pid 1 is dead)
-elif uid and (killer := os.fork()) == 0:  # kill(-1) under the run's uid also reaches setsid'd children
+try:
+    os.killpg(pid, signal.SIGKILL)  # without a namespace: its process group
+except ProcessLookupError:
+    pass
+# and as root every process of the run's uid, setsid'd ones too. Not needed with a pid namespace,
+# which nothing escapes, and impossible: no fork works in one whose pid 1 is dead.
+if uid and not flags & NEWPID and (killer := os.fork()) == 0:
     try:
         os.setuid(uid)
         os.kill(-1, signal.SIGKILL)
     finally:
         os._exit(0)
-elif uid:
+if uid and not flags & NEWPID:
     os.waitpid(killer, 0)
-else:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 os.write(status, b"%d %d" % (os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), timed_out))
 """
 
 
 def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: int = 5, mem_mb: int = 512, fsize_mb: int = 16,
-               nofile: int = 64, nproc: int = 32, max_output: int = 4000) -> SandboxResult:
+               nofile: int = 64, nproc: int = 8, max_output: int = 4000) -> SandboxResult:
     """Runs model-written Python (`python -I -S`, stdlib only) in a throwaway process tree: empty
     environment, a temporary working directory, rlimits on CPU seconds, address space, file
     size, open files and processes, `max_output` characters kept per stream, and a wall-clock
-    timeout. Every process of the run is dead when this returns. See `sandbox_plan` for what
-    else holds on this machine."""
+    timeout. Every process of the run is dead when this returns. The limits are per process, so
+    a run can hold nproc * mem_mb of memory (4 GB by default). See `sandbox_plan` for what else
+    holds on this machine."""
     python, flags, uid_base = sandbox_plan()
     limits = (cpu_s, mem_mb << 20, fsize_mb << 20, nofile, nproc)
     return _sandboxed(python, flags, uid_base, code, timeout_s, limits, max_output)
@@ -249,14 +249,15 @@ def sandbox_plan() -> tuple[str, int, int]:
     pythons = dict.fromkeys(p for p in (sys.executable, system) if p)
     tried = []
     for flags in (_NEWPID | _NEWNET | _NEWNS | _NEWIPC | (0 if root else _NEWUSER), 0):
-        for python in pythons:
+        for python in pythons:  # importing json, not loaded at start-up, proves the uid can read the stdlib
             r = _sandboxed(python, flags, uid_base, "import json\nprint(json.dumps(6 * 7))", 30.0,
                            (10, 512 << 20, 1 << 20, 64, 32), 999)
             if r.stdout == "42\n":
                 if not flags:
-                    warnings.warn(f"sandbox: no namespaces ({tried[-1]}), so model code can use the network, see "
-                                  "other processes and write to /tmp" + ("" if root else ", and setsid'd children "
-                                  "outlive the run") + ". Run as root, or allow unprivileged user namespaces.")
+                    warnings.warn(f"sandbox: no namespaces ({tried[-1]}): model code can use the network and write "
+                                  "to /tmp" + ("" if root else "; and as it runs as you, it can signal your processes "
+                                  "(the trainer too), read their environment and leave setsid'd children running")
+                                  + ". Run as root, or allow unprivileged user namespaces.")
                 return python, flags, uid_base
             tried.append(f"{python} with flags {flags:#x}: {r.stderr.strip()[-300:] or f'exit {r.returncode}'}")
     raise RuntimeError("no Python interpreter runs in the sandbox: " + "; ".join(tried) + ". As root the code runs "
@@ -278,13 +279,14 @@ def _sandboxed(python, flags, uid_base, code, timeout_s, limits, max_output) -> 
                 (out, err, st), cut, stuck = _read_all((proc.stdout, proc.stderr, status), max_output, backstop)
             finally:
                 if stuck:  # or the trainer was interrupted: kill the group, and as root every process of the uid
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
                     if uid_base:
                         uid = uid_base + proc.pid
                         subprocess.run(["/bin/sh", "-c", "kill -9 -1"], user=uid, group=uid, extra_groups=[], env={})
         rc, timed_out = map(int, st.split()) if st else (proc.returncode, stuck)
         text = [b.decode("utf-8", "replace")[:max_output] for b in (out, err)]
-        return SandboxResult(text[0], text[1], rc, bool(timed_out), cut)
+        return SandboxResult(text[0], text[1], rc, bool(timed_out) or stuck, cut)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -390,7 +392,6 @@ _SQL_PARAMS = {
                 "airline": [a[0] for a in _AIRLINES], "minutes": range(120, 900, 60)},
 }
 _ON_C, _FROM_FL = "JOIN courses c ON c.id = e.course_id", "FROM flights f JOIN airlines l ON l.id = f.airline_id"
-_FROM_FA = "FROM flights f JOIN airports a ON a.code = f.origin"
 _SQL_QUESTIONS = {
     "shop": [
         ("How many customers live in {city}?", "SELECT COUNT(*) FROM customers WHERE city = '{city}'"),
@@ -404,9 +405,6 @@ _SQL_QUESTIONS = {
          "SELECT COUNT(*) FROM orders WHERE order_date LIKE '2023-{month:02d}-%'"),
         ("Which customers who signed up in {year} have never ordered anything? Give their names.",
          "SELECT name FROM customers WHERE signup_year = {year} AND id NOT IN (SELECT customer_id FROM orders)"),
-        ("What is the total revenue (quantity times price) of {category} products, rounded to 2 decimals?",
-         "SELECT ROUND(SUM(o.quantity * p.price), 2) FROM orders o JOIN products p ON p.id = o.product_id "
-         "WHERE p.category = '{category}'"),
     ],
     "school": [
         ("How many students are in year {year}?", "SELECT COUNT(*) FROM students WHERE year = {year}"),
@@ -423,7 +421,8 @@ _SQL_QUESTIONS = {
          "GROUP BY c.department ORDER BY c.department"),
     ],
     "flights": [
-        ("How many flights depart from {city}?", f"SELECT COUNT(*) {_FROM_FA} WHERE a.city = '{{city}}'"),
+        ("How many flights depart from {city}?",
+         "SELECT COUNT(*) FROM flights f JOIN airports a ON a.code = f.origin WHERE a.city = '{city}'"),
         ("What is the lowest price of a flight operated by {airline}?",
          f"SELECT MIN(f.price) {_FROM_FL} WHERE l.name = '{{airline}}'"),
         ("List the names of the airlines that fly to {country}.",
@@ -431,8 +430,6 @@ _SQL_QUESTIONS = {
          "WHERE a.country = '{country}'"),
         ("How many flights longer than {minutes} minutes does {airline} operate?",
          f"SELECT COUNT(*) {_FROM_FL} WHERE l.name = '{{airline}}' AND f.duration_min > {{minutes}}"),
-        ("What is the average duration in minutes of flights from {city}, rounded to 1 decimal?",
-         f"SELECT ROUND(AVG(f.duration_min), 1) {_FROM_FA} WHERE a.city = '{{city}}'"),
     ],
 }
 
@@ -481,7 +478,8 @@ def sql_database(db: str) -> str:
     path = Path(os.environ.get("NANORL_CACHE") or Path.home() / ".cache" / "nanorl") / "sql" / f"{db}-{digest}.db"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")  # one per builder, threads included
+        os.close(fd)
         with sqlite3.connect(tmp) as con:
             for name, (columns, rows) in tables.items():
                 con.execute(f"CREATE TABLE {name} ({columns})")
@@ -526,7 +524,8 @@ class PythonTask(ProceduralTask):
             n = rng.randint(1_000, 200_000)
             sieve = bytearray([0, 0]) + bytearray([1]) * (n - 2)
             for i in range(2, math.isqrt(n) + 1):
-                sieve[i * i :: i] = bytes(len(range(i * i, n, i))) if sieve[i] else sieve[i * i :: i]
+                if sieve[i]:
+                    sieve[i * i :: i] = bytes(len(range(i * i, n, i)))
             q, a = f"What is the sum of all prime numbers below {n}?", sum(itertools.compress(range(n), sieve))
         elif kind == 1:
             n, m, fib = rng.randint(100, 3000), rng.choice([1000, 998_244_353, 1_000_000_007]), (0, 1)

@@ -234,6 +234,8 @@ class LLMPolicy(nn.Module):
     @torch.no_grad()
     def generate(self, prefixes: list[list[int]], max_new_tokens: int, gen_batch: int = 64, greedy: bool = False) -> list[Sample]:
         """One completion per prefix. Rows are sorted by length first so a chunk pads little."""
+        if max_new_tokens < 1 or not all(prefixes):
+            raise ValueError(f"generate needs max_new_tokens >= 1 (got {max_new_tokens}) and non-empty prefixes")
         order = sorted(range(len(prefixes)), key=lambda i: len(prefixes[i]))
         out: list[Sample] = [None] * len(prefixes)
         for s in range(0, len(order), gen_batch):
@@ -332,7 +334,7 @@ class LLMPolicy(nn.Module):
         cols = mask[:, :end].any(0).nonzero()
         first = int(cols[0]) if len(cols) else max(end - 1, 1)  # no masked token: an empty slice keeps backward() legal
         tokens = batch["tokens"][rows, :end].to(self.device)  # [n, end]
-        attn = batch["attn"][rows, :end].to(self.device)  # [n, end]
+        attn = batch["attn"][rows, :end].to(self.device).long()  # [n, end]
         with self.autocast():  # logits for positions first-1 .. end-1 only; they predict tokens first .. end
             logits = lm(input_ids=tokens, attention_mask=attn, logits_to_keep=end - first + 1).logits[:, :-1]  # [n, end-first, V]
         sel = mask[:, first:end].to(self.device) > 0  # [n, end-first]

@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerFast
 from envs import (TEXT_ENVS, CountdownEnv, PythonTask, PythonToolEnv, SQLEnv, SQLTask, TextEnv, _sql_tables,
                   format_rows, multiturn_metrics, rollout_multiturn, run_sql, sql_correct, sql_database)
 from model import LLMPolicy, Sample, build_tiny_model
-from tasks import Problem, ProceduralTask, completion_number, solve_countdown
+from tasks import Problem, ProceduralTask, completion_number
 
 
 # ---------------------------------------------------------------- the README example
@@ -40,9 +40,6 @@ class GuessNumber(TextEnv):
         if guess == secret:
             return None, 1.0, True
         return ("higher" if guess is None or guess < secret else "lower"), 0.0, False
-
-
-TEXT_ENVS["guess"] = GuessNumber
 
 
 # ---------------------------------------------------------------- a chat tokenizer and a scripted policy
@@ -109,7 +106,8 @@ def test_text_env_protocol_on_the_readme_example():
     messages, info = env.reset(Problem("Guess.", "37", "37"))
     assert messages == [{"role": "user", "content": "Guess."}] and info == {}
     assert env.step("50") == ([{"role": "user", "content": "lower"}], 0.0, False, {"turns": 1, "solved_at_turn": 0})
-    assert env.step("I say 25") == ([{"role": "user", "content": "higher"}], 0.0, False, {"turns": 2, "solved_at_turn": 0})
+    assert env.step("I say 25") == ([{"role": "user", "content": "higher"}], 0.0, False,
+                                    {"turns": 2, "solved_at_turn": 0})
     assert env.step("37") == (None, 1.0, True, {"turns": 3, "solved_at_turn": 3})
     short = GuessNumber(max_turns=2)
     short.reset(Problem("Guess.", "37", "37"))
@@ -117,16 +115,17 @@ def test_text_env_protocol_on_the_readme_example():
     assert short.step("2") == (None, 0.0, True, {"turns": 2, "solved_at_turn": 0})  # out of turns
 
 
-def test_readme_example_solves_in_a_rollout_by_bisection():
+def test_readme_example_solves_in_a_rollout_by_bisection(monkeypatch):
+    monkeypatch.setitem(TEXT_ENVS, "guess", GuessNumber)  # the README registers it at import time
     task = TEXT_ENVS["guess"].task(seed=0, eval_size=4)
     problems = task.eval_problems()
     policy = ScriptedPolicy(chat_tokenizer(), bisect)
     batch = rollout_multiturn(policy, GuessNumber, problems, group_size=2, max_turns=7, max_new_tokens=8, max_len=4096)
-    turns = []  # bisection by hand: guesses 50, then the middle of what is left
+    turns = []  # bisection by hand: guess 50, then the middle of what is left
     for p in problems:
         lo, hi, n = 1, 100, 1
-        while (lo + hi) // 2 != int(p.answer):
-            lo, hi, n = ((lo + hi) // 2 + 1, hi, n + 1) if (lo + hi) // 2 < int(p.answer) else (lo, (lo + hi) // 2 - 1, n + 1)
+        while (guess := (lo + hi) // 2) != int(p.answer):
+            lo, hi, n = (guess + 1, hi, n + 1) if guess < int(p.answer) else (lo, guess - 1, n + 1)
         turns += [n, n]
     assert batch["solved_at_turn"].tolist() == batch["turns"].tolist() == turns
     assert batch["group"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
@@ -144,13 +143,13 @@ def test_trained_tokens_are_the_sampled_tokens_under_a_template_that_rewrites_hi
     tok = chat_tokenizer()
     policy = ScriptedPolicy(tok, think_then_answer)
     problem = countdown_problem([3, 5], 15)
-    batch = rollout_multiturn(policy, CountdownEnv, [problem], group_size=1, max_turns=3, max_new_tokens=64, max_len=512)
+    batch = rollout_multiturn(policy, CountdownEnv, [problem], 1, max_turns=3, max_new_tokens=64, max_len=512)
     (_, turn1), = policy.sampled[0]
     (prefix2, turn2), = policy.sampled[1]
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": problem.prompt}], tokenize=False,
                                                 add_generation_prompt=True), add_special_tokens=False)
-    reply = tok.encode("\n<|im_start|>user\n3 + 5 = 8, but the target is 15. Try again.<|im_end|>\n<|im_start|>assistant\n",
-                       add_special_tokens=False)
+    reply = tok.encode("\n<|im_start|>user\n3 + 5 = 8, but the target is 15. Try again.<|im_end|>\n"
+                       "<|im_start|>assistant\n", add_special_tokens=False)
     assert prefix2 == prompt + turn1.ids + reply  # the second turn was sampled after exactly these tokens
     row = prompt + turn1.ids + reply + turn2.ids
     n = len(row)
@@ -168,20 +167,24 @@ def test_trained_tokens_are_the_sampled_tokens_under_a_template_that_rewrites_hi
 
 
 def test_mask_covers_exactly_the_model_turns_and_the_reward_sits_on_the_last_one():
-    policy = ScriptedPolicy(chat_tokenizer(), think_then_answer)
-    batch = rollout_multiturn(policy, CountdownEnv, [countdown_problem([3, 5], 15)], group_size=2, max_turns=3,
-                              max_new_tokens=64, max_len=512)
-    (_, t1), _ = policy.sampled[0]
-    (prefix2, t2), _ = policy.sampled[1]
-    p = len(prefix2) - len(t1.ids) - (len(prefix2) - len(t1.ids) - len(policy.sampled[0][0][0]))  # prompt length
-    r = len(prefix2) - p - len(t1.ids)  # reply length
-    expected = [0] * p + [1] * len(t1.ids) + [0] * r + [1] * len(t2.ids)
+    tok = chat_tokenizer()
+    policy = ScriptedPolicy(tok, think_then_answer)
+    problem = countdown_problem([3, 5], 15)
+    batch = rollout_multiturn(policy, CountdownEnv, [problem], 2, max_turns=3, max_new_tokens=64, max_len=512)
+    # One token per character; S, E: the single tokens <|im_start|>, <|im_end|> (E also ends a turn).
+    S = E = 1
+    prompt = S + len("user\n" + problem.prompt) + E + len("\n") + S + len("assistant\n")
+    turn1 = len("<think>try</think><answer>3 + 5</answer>") + E
+    reply = len("\n") + S + len("user\n3 + 5 = 8, but the target is 15. Try again.") + E + len("\n") + S
+    reply += len("assistant\n")
+    turn2 = len("<think>again</think><answer>3 * 5</answer>") + E
+    expected = [0] * prompt + [1] * turn1 + [0] * reply + [1] * turn2
     n = len(expected)
-    assert batch["mask"][:, :n].tolist() == [expected] * 2 and batch["mask"][:, n:].sum() == 0
+    assert batch["mask"].tolist() == [expected] * 2 and batch["attn"].sum(1).tolist() == [n, n]
     assert (batch["logp"] != 0).float().tolist() == batch["mask"].tolist()
     assert batch["rewards"][:, n - 1].tolist() == [1.0, 1.0] and batch["rewards"].sum().item() == 2.0
     assert batch["turns"].tolist() == [2, 2] and batch["solved_at_turn"].tolist() == [2, 2]
-    assert batch["truncated"].tolist() == [False, False]
+    assert batch["truncated"].tolist() == [False, False] and batch["group"].tolist() == [0, 0]
 
 
 def test_episode_that_would_pass_max_len_ends_early_and_truncated():
@@ -190,12 +193,13 @@ def test_episode_that_would_pass_max_len_ends_early_and_truncated():
     prompt = len(policy.encode_prompt(problem.prompt))
     turn = len("<think>try</think><answer>3 + 5</answer>") + 1
     # room for turn 1 but not for the reply: the episode stops after one turn, no reply appended
-    batch = rollout_multiturn(policy, CountdownEnv, [problem], 1, max_turns=3, max_new_tokens=64, max_len=prompt + turn + 10)
+    batch = rollout_multiturn(policy, CountdownEnv, [problem], 1, 3, max_new_tokens=64, max_len=prompt + turn + 10)
     assert batch["attn"][0].sum() == prompt + turn and batch["turns"].tolist() == [1]
     assert batch["truncated"].tolist() == [True] and batch["rewards"].sum() == 0
     # room for only 5 tokens of turn 1: the sample is cut (still exactly what was sampled)
     batch = rollout_multiturn(policy, CountdownEnv, [problem], 1, max_turns=3, max_new_tokens=64, max_len=prompt + 5)
-    assert batch["tokens"][0, prompt:].tolist() == policy.sampled[-1][0][1].ids[:5] and batch["truncated"].tolist() == [True]
+    assert batch["tokens"][0, prompt:].tolist() == policy.sampled[-1][0][1].ids[:5]
+    assert batch["truncated"].tolist() == [True]
     with pytest.raises(ValueError, match="raise max_len"):
         rollout_multiturn(policy, CountdownEnv, [problem], 1, max_turns=3, max_new_tokens=64, max_len=prompt)
 
@@ -225,8 +229,7 @@ def test_python_tool_runs_code_then_scores_the_final_answer():
     assert obs[0]["content"] == "stdout:\n42\n\nstderr:\nwarn\n\n(exit code 0)" and (reward, done) == (0.0, False)
     assert env.step("<answer>42</answer>") == (None, 1.0, True, {"turns": 3, "solved_at_turn": 3})
     env.reset(Problem("What is 6 * 7?", "42", "k"))
-    assert env.step("<answer>41</answer>") == (None, 0.0, False, {"turns": 1, "solved_at_turn": 0})[:2] + (True, {
-        "turns": 1, "solved_at_turn": 0})
+    assert env.step("<answer>41</answer>") == (None, 0.0, True, {"turns": 1, "solved_at_turn": 0})
 
 
 def test_python_task_answers_match_an_independent_computation():
@@ -265,7 +268,8 @@ def db_hash(path: str) -> str:
 @pytest.mark.parametrize("query", ["DELETE FROM customers", "DROP TABLE customers", "UPDATE customers SET city = 'x'",
                                    "INSERT INTO customers VALUES (99, 'x', 'y', 2020)", "CREATE TABLE t (x)",
                                    "CREATE TEMP TABLE t (x)", "ATTACH DATABASE '/tmp/nanorl-attached.db' AS x",
-                                   "PRAGMA user_version = 7", "PRAGMA writable_schema = ON", "PRAGMA table_info(customers)"])
+                                   "PRAGMA user_version = 7", "PRAGMA writable_schema = ON",
+                                   "PRAGMA table_info(customers)"])
 def test_sql_tool_denies_everything_but_reading(query):
     path = sql_database("shop")
     before = db_hash(path)
@@ -280,8 +284,8 @@ def test_sql_tool_interrupts_an_endless_recursive_cte_and_huge_blobs():
         run_sql(path, "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT COUNT(*) FROM c")
     with pytest.raises(sqlite3.DataError, match="too big"):
         run_sql(path, "SELECT zeroblob(1000000000)")
-    assert run_sql(path, "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c LIMIT 5) SELECT SUM(x) FROM c") \
-        == (["SUM(x)"], [(15,)], False)
+    five = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c LIMIT 5) SELECT SUM(x) FROM c"
+    assert run_sql(path, five) == (["SUM(x)"], [(15,)], False)
 
 
 def test_sql_reward_compares_result_sets_with_the_gold_query():
@@ -292,13 +296,15 @@ def test_sql_reward_compares_result_sets_with_the_gold_query():
     assert sql_correct("", "<answer>SELECT name FROM customers WHERE city = 'Oslo'</answer>", answer) == 1.0
     assert sql_correct("", "<answer>SELECT name FROM customers WHERE city IN ('Oslo') ORDER BY name DESC</answer>",
                        answer) == 1.0  # no ORDER BY in the gold query: order does not matter
-    assert sql_correct("", "<answer>```sql\nSELECT name FROM customers WHERE 'Oslo' = city\n```</answer>", answer) == 1.0
+    assert sql_correct("", "<answer>```sql\nSELECT name FROM customers WHERE 'Oslo' = city\n```</answer>",
+                       answer) == 1.0
     assert sql_correct("", "<answer>SELECT name, city FROM customers WHERE city = 'Oslo'</answer>", answer) == 0.0
     assert sql_correct("", "<answer>SELECT name FROM customers WHERE city = 'Lima'</answer>", answer) == 0.0
     assert sql_correct("", "<answer>SELEC name FROM customers</answer>", answer) == 0.0
     assert sql_correct("", "SELECT name FROM customers WHERE city = 'Oslo'", answer) == 0.0  # no answer tags
     ordered = json.dumps({"db": "shop", "gold": "SELECT name FROM customers WHERE city = 'Oslo' ORDER BY name"})
-    assert sql_correct("", f"<answer>SELECT name FROM customers WHERE city = 'Oslo' ORDER BY name</answer>", ordered) == 1.0
+    assert sql_correct("", "<answer>SELECT name FROM customers WHERE city = 'Oslo' ORDER BY name</answer>",
+                       ordered) == 1.0
     assert sql_correct("", "<answer>SELECT name FROM customers WHERE city = 'Oslo' ORDER BY name DESC</answer>",
                        ordered) == 0.0
     count = json.dumps({"db": "shop", "gold": "SELECT COUNT(*) FROM customers WHERE city = 'Oslo'"})
@@ -313,12 +319,14 @@ def test_sql_env_returns_errors_and_rows_so_the_model_can_fix_its_query():
     first = _sql_tables("shop")["customers"][1][:2]
     obs, _, _, _ = env.step("```sql\nSELECT name, city FROM customers WHERE id <= 2\n```")
     assert obs[0]["content"] == "name | city\n" + "\n".join(f"{n} | {c}" for _, n, c, _ in first)
-    assert env.step("<answer>SELECT COUNT(id) FROM customers</answer>") == (None, 1.0, True, {"turns": 3, "solved_at_turn": 3})
+    assert env.step("<answer>SELECT COUNT(id) FROM customers</answer>") == (None, 1.0, True,
+                                                                             {"turns": 3, "solved_at_turn": 3})
 
 
 def test_format_rows_truncates_rows_and_characters():
     assert format_rows(["a"], [], False) == "a\n(no rows)"
-    assert format_rows(["a", "b"], [(i, "x") for i in range(30)], False, max_rows=2) == "a | b\n0 | x\n1 | x\n... (30 rows)"
+    thirty = [(i, "x") for i in range(30)]
+    assert format_rows(["a", "b"], thirty, False, max_rows=2) == "a | b\n0 | x\n1 | x\n... (30 rows)"
     assert format_rows(["a"], [(1,)], True, max_rows=5) == "a\n1\n... (more than 1 rows)"
     assert format_rows(["a"], [("y" * 50,)], False, max_chars=10) == "a\nyyyyyyyy\n... (truncated)"
 
@@ -334,9 +342,19 @@ def test_sql_task_is_deterministic_its_splits_disjoint_and_every_gold_query_runs
 
 
 # ---------------------------------------------------------------- the real tiny model
-def test_multiturn_rollout_on_the_tiny_model_rescores_to_the_sampled_logps():
+@pytest.fixture
+def one_thread():
+    """A model this small runs ~50x faster on one thread than on two contended ones (measured on
+    a busy 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_multiturn_rollout_on_the_tiny_model_rescores_to_the_sampled_logps(one_thread):
     torch.manual_seed(0)
-    policy = LLMPolicy(build_tiny_model(), lora=True)
+    policy = LLMPolicy(build_tiny_model(layers=1, hidden=64, heads=1, intermediate=128), lora=True)
     # A random model almost never ends a turn. Point the end token's output row along the mean
     # final hidden state, so its logit is about 2 everywhere: an end every dozen tokens or so.
     with torch.no_grad():
@@ -346,8 +364,8 @@ def test_multiturn_rollout_on_the_tiny_model_rescores_to_the_sampled_logps():
     sampled, generate = [], policy.generate
     policy.generate = lambda prefixes, n, **kw: sampled.append(list(zip(prefixes, generate(prefixes, n, **kw)))) or \
         [s for _, s in sampled[-1]]
-    problems = [countdown_problem([i, 2], i + 2) for i in range(1, 7)]
-    batch = rollout_multiturn(policy, CountdownEnv, problems, group_size=1, max_turns=3, max_new_tokens=24, max_len=400)
+    problems = [countdown_problem([i, 2], i + 2) for i in range(1, 5)]
+    batch = rollout_multiturn(policy, CountdownEnv, problems, group_size=1, max_turns=3, max_new_tokens=16, max_len=300)
     assert batch["turns"].max() >= 2  # some episodes really had several turns
     rows = [batch["tokens"][r, : int(batch["attn"][r].sum())].tolist() for r in range(len(problems))]
     trained = [0] * len(rows)

@@ -15,6 +15,16 @@ DIMS = dict(layers=2, hidden=128, heads=2, intermediate=256, max_len=256)  # 2 x
 PROMPTS = ["1+2=", "17*3=", "(12+30)/6=?\n", "x"]  # 5, 6, 13 and 2 tokens with bos: a ragged batch
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """A model this small gains nothing from a second thread, and on a shared 2-core machine a
+    busy neighbour makes torch's spinning OpenMP threads up to 50x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return build_tiny_model(str(tmp_path_factory.mktemp("cache") / "tiny"), **DIMS)
@@ -214,7 +224,8 @@ def test_lora_trains_only_adapter_and_base_stays_bit_identical(tiny):
     (-(logp * batch["mask"]).sum()).backward()
     opt.step()
     assert all(torch.equal(p, base[k]) for k, p in pol.named_parameters() if not p.requires_grad)
-    assert all(not torch.equal(p, before[k]) for k, p in pol.named_parameters() if p.requires_grad)
+    moved = {k for k, p in pol.named_parameters() if p.requires_grad and not torch.equal(p, before[k])}
+    assert moved == {k for k in trained if ".lora_B." in k}  # lora_A's gradient is 0 while lora_B is still 0
 
 
 def test_lora_targets_comma_list_and_unknown_name(tiny):
