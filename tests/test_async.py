@@ -86,6 +86,17 @@ def finish(proc, log, limit=300) -> str:
 
 
 # ---------------------------------------------------------------- in process: exactness
+@pytest.mark.parametrize("argv, message", [
+    (["--task", "arith", "--role", "rollout", "--trainer-url", "http://h:1", "--vllm", "--no-lora"], "would ship the whole model"),
+    (["--task", "arith", "--role", "rollout"], "needs --trainer-url"),
+    (["--role", "trainer"], "cartpole runs in one process"),
+    (["--task", "arith", "--role", "trainer", "--max-staleness", "-1"], "--max-staleness >= 0"),
+])
+def test_role_flags_are_checked_up_front_naming_the_fix(argv, message):
+    with pytest.raises(utils.ConfigError, match=message):
+        train.validate(utils.load_config(train.Config, argv))
+
+
 @pytest.fixture(scope="module")
 def policy(tiny):
     threads = torch.get_num_threads()
