@@ -139,6 +139,7 @@ def generation(args) -> dict:
         params = gen.SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=args.gen_tokens,
                                     stop_token_ids=sorted(policy.eos_ids))
         raw = lambda: sum(len(o.outputs[0].token_ids) for o in gen.llm.generate(prompts, params, lora_request=gen.request, use_tqdm=False))
+        print(f"generation so far: {out}", flush=True)
         out["vllm_worker"] = tokens_per_second(lambda: worker_path(gen, policy, prefixes, args.gen_tokens), args.repeats)
         out["vllm_raw"] = tokens_per_second(raw, args.repeats)
     return out
@@ -146,17 +147,20 @@ def generation(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=16, help="max_new_tokens of the training workload")
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--e2e-repeats", type=int, default=1, help="end-to-end runs per mode (each is minutes on 2 cores)")
     ap.add_argument("--no-vllm", dest="vllm", action="store_false")
     args = ap.parse_args()
     one = {"OMP_NUM_THREADS": "1", "NANORL_TOKEN": TOKEN}  # trainer and worker get a core each
-    sync = statistics.median(trained_per_second(args, [], {}) for _ in range(args.repeats))
-    split = statistics.median(trained_per_second(args, ["--role", "trainer", "--workers", "1"], one) for _ in range(args.repeats))
+    sync = statistics.median(trained_per_second(args, [], {}) for _ in range(args.e2e_repeats))
+    split = statistics.median(trained_per_second(args, ["--role", "trainer", "--workers", "1"], one) for _ in range(args.e2e_repeats))
+    print(f"trained sequences/s: sync {sync:.2f}, trainer + 1 worker {split:.2f}", flush=True)  # the table comes last
     a = adapter_sync(args)
+    print(f"adapter sync: {a}", flush=True)
     g = generation(args)
     rows = [("trained sequences/s, sync loop", f"{sync:.1f}", ""),
             ("trained sequences/s, trainer + 1 HF worker", f"{split:.1f}", f"{split / sync:.2f}x sync (goal >= 1.5x)"),
@@ -166,7 +170,7 @@ def main() -> None:
     if args.vllm:
         rows.append(("vLLM worker tokens/s (64x8x64)", f"{g['vllm_worker']:.0f}",
                      f"{g['vllm_worker'] / g['vllm_raw']:.0%} of raw LLM.generate ({g['vllm_raw']:.0f}; goal >= 80%)"))
-    print(f"\n{os.cpu_count()} cores, tiny model, medians of {args.repeats}\n\n| measure | value | vs |\n|---|---|---|")
+    print(f"\n{os.cpu_count()} cores, tiny model, medians of {args.repeats} ({args.e2e_repeats} for end to end)\n\n| measure | value | vs |\n|---|---|---|")
     for r in rows:
         print("| " + " | ".join(r) + " |")
 
