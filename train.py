@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 import utils
 from algos import ALGOS, GROUPED, kl_k3, loss_weights, policy_loss, value_loss
+import serve
 import tasks
 from envs import EVAL_SEED, TEXT_ENVS, CartPole, multiturn_metrics, rollout_multiturn
 from model import LLMPolicy, MLPPolicy, Sample
@@ -85,6 +86,13 @@ class Config:
     max_len: int = 2048  # multi-turn envs: an episode longer than this (tokens) ends early, cleanly
     # ---- torchrun (`torchrun --nproc_per_node=N train.py ...`: --batch stays the global batch)
     dist_timeout: float = 1800.0  # seconds a rank waits in a collective before failing: > the longest checkpoint write
+    # ---- disaggregated training (serve.py): a trainer process and any number of rollout workers
+    role: str = "sync"  # sync: one process; trainer + rollout: generation moves to workers that may come and go
+    trainer_url: str = ""  # rollout: the trainer's url; trainer: where to listen (empty = 127.0.0.1, a free port)
+    vllm: bool = False  # rollout workers generate with vLLM (LoRA only: a full model per sync would be too slow)
+    max_staleness: int = 2  # steps a sample may lag the weights it trains on; 2 keeps workers busy, ratios near 1
+    workers: int = 0  # rollout workers the trainer starts on its own machine (others may join)
+    worker_patience: float = 60.0  # seconds a worker waits for an unreachable trainer before exiting 0
 
 
 def validate(cfg: Config) -> None:
@@ -115,6 +123,9 @@ def validate(cfg: Config) -> None:
         raise err(f"--bad-rows must be skip or error (got {cfg.bad_rows})")
     if cfg.resume and not Path(cfg.resume).is_dir():
         raise err(f"--resume {cfg.resume}: no such run directory")
+    if cfg.role != "sync" and cfg.task in CONTROL:
+        raise err(f"--role {cfg.role} is for LLM tasks; {cfg.task} runs in one process (--role sync)")
+    serve.check_roles(cfg)
 
 
 # ---------------------------------------------------------------- where batches come from
@@ -259,7 +270,8 @@ def build(cfg: Config):
                            top_p=cfg.top_p, chat_template=cfg.chat_template, thinking=cfg.thinking, kl_coef=cfg.kl_coef)
     utils.broadcast_weights(policy)  # torchrun: every rank starts from rank 0's weights
     opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)
-    return policy, opt, TASKS[cfg.task](cfg, policy)
+    source = TASKS[cfg.task](cfg, policy)
+    return policy, opt, serve.AsyncRollouts(cfg, policy, source) if cfg.role == "trainer" else source
 
 
 def warm_start(policy, source: TaskRollouts, cfg: Config, log: utils.Metrics) -> None:
@@ -300,9 +312,10 @@ def prepare(policy, batch: dict, cfg: Config) -> dict:
     Old log-probs are recomputed here rather than trusted from the sampler, with the same
     micro-batches the update uses, so the first epoch's ratio is exactly 1."""
     n = len(batch["mask"])
-    if policy.has_critic or not single_pass(cfg):
+    if policy.has_critic or (not single_pass(cfg) and "old_logp" not in batch):
         parts = [policy.score(batch, rows) for rows in micro_slices(torch.arange(n), cfg.micro_batch)]
-        batch["old_logp"] = torch.cat([p[0] for p in parts]) * batch["mask"]
+        # An async source already scored each row under the version that sampled it: keep that.
+        batch.setdefault("old_logp", torch.cat([p[0] for p in parts]) * batch["mask"])
         if policy.has_critic:
             batch["values"] = torch.cat([p[2] for p in parts]) * batch["mask"]
             batch["last_value"] = policy.value(batch["last_obs"])
@@ -420,6 +433,8 @@ def train(cfg: Config) -> Path:
         signal.signal(signal.SIGINT, previous)
         bar.close()
         log.close()
+        if hasattr(source, "close"):  # the trainer tells its workers the run is over
+            source.close()
     if lead:
         utils.plot(out, keys=("reward", "eval_return", "eval_accuracy"))
     return out
@@ -428,6 +443,9 @@ def train(cfg: Config) -> Path:
 def main(argv: list[str]) -> int:
     try:
         cfg = utils.load_config(Config, argv)
+        if cfg.role == "rollout":  # a worker generates and never trains
+            validate(cfg)
+            return serve.run_worker(cfg, build)
         utils.init_distributed(cfg.dist_timeout)
         out = train(cfg)
         if utils.rank() == 0:
