@@ -7,16 +7,14 @@ Routes: POST /hello (fingerprint check, worker id), GET /adapter?have=V (long-po
 adapter), POST /batch (scored groups). The trainer's `AsyncRollouts` has the interface of
 train.TaskRollouts, so sync and async runs share one training loop.
 
-Standard library HTTP only (http.server / http.client). Everything that crosses the wire is a
-safetensors blob made by `encode` and read back by `decode`: tensors plus one JSON header (the
-caller's meta and a SHA-256 of the tensors) in the safetensors string metadata. Network bytes are
-never unpickled; `decode` turns every malformed input into `PayloadError`.
+Standard library HTTP only. Everything on the wire is a safetensors blob from `encode`: tensors
+plus a JSON header (the caller's meta and a SHA-256 of the tensors). Network bytes are never
+unpickled; `decode` turns every malformed input into `PayloadError`.
 
-Security model: one shared secret, env NANORL_TOKEN, sent as `Authorization: Bearer <token>` on
-every request and checked in constant time. The server always requires it. On a loopback bind
-with no token configured it generates one (`Server.token`) for the trainer to hand to the workers
-it spawns; a token-less loopback server would let any local user of a shared machine push
-batches or read the adapter. A bind to any other address without NANORL_TOKEN refuses to start.
+Security: every request carries the shared secret NANORL_TOKEN as `Authorization: Bearer <token>`,
+checked in constant time. A loopback bind without one generates it (`Server.token`) for the workers
+the trainer spawns, since a token-less server would let any local user push batches; any other bind
+without NANORL_TOKEN refuses to start.
 """
 import hashlib
 import hmac
@@ -74,9 +72,7 @@ class ServeError(RuntimeError):
 
 
 # ---------------------------------------------------------------- payloads
-
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
-    """SHA-256 over names, dtypes, shapes and raw bytes, in sorted name order."""
     h = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name]
@@ -92,10 +88,9 @@ def encode(tensors: dict[str, torch.Tensor], meta: dict) -> bytes:
         raise PayloadError(f"meta must be a JSON-able dict, got {type(meta).__name__}")
     allowed = set(DTYPES.values())
     for k, t in tensors.items():
-        if not isinstance(k, str) or not isinstance(t, torch.Tensor):
-            raise PayloadError(f"encode needs dict[str, Tensor]; got {type(k).__name__} -> {type(t).__name__}")
-        if t.dtype not in allowed:
-            raise PayloadError(f"tensor {k!r} has dtype {t.dtype}; allowed: {sorted(map(str, allowed))}")
+        if not (isinstance(k, str) and isinstance(t, torch.Tensor) and t.dtype in allowed):
+            raise PayloadError(f"encode needs dict[str, Tensor] with dtypes {sorted(map(str, allowed))}; "
+                               f"got {k!r} -> {getattr(t, 'dtype', type(t).__name__)}")
     tensors = {k: t.detach().cpu().contiguous() for k, t in tensors.items()}
     header = json.dumps({"format": FORMAT, "sha256": _digest(tensors), "meta": meta})
     return safetensors.torch.save(tensors, metadata={"nanorl": header})
@@ -160,14 +155,11 @@ def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 # ---------------------------------------------------------------- auth
-
 def _token_ok(got: str | None, token: str) -> bool:
     # Hashing both sides gives equal-length inputs (no length leak) and turns any header
     # text, non-ASCII included, into bytes that compare_digest accepts.
-    if got is None:
-        return False
-    want = hashlib.sha256(f"Bearer {token}".encode()).digest()
-    return hmac.compare_digest(hashlib.sha256(got.encode("utf-8", "surrogatepass")).digest(), want)
+    sha = lambda text: hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+    return got is not None and hmac.compare_digest(sha(got), sha(f"Bearer {token}"))
 
 
 def _check_token(token: str) -> str:
@@ -185,17 +177,12 @@ def _is_loopback(host: str) -> bool:
 
 
 # ---------------------------------------------------------------- server
-
 @dataclass
 class Request:
     path: str
     query: dict[str, str]
     body: bytes
     peer: str
-
-
-# A route returns (status, body): bytes go out as octet-stream, dict/list as JSON, None as empty.
-Route = Callable[[Request], tuple[int, bytes | dict | list | None]]
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -220,34 +207,26 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         self._reply(code, {"error": message or self.responses.get(code, ("error",))[0]})
 
-    def _body_length(self) -> int | None:
-        values = self.headers.get_all("Content-Length") or []
-        if len(set(values)) > 1:
-            return self.send_error(400, f"conflicting Content-Length headers: {values}")
-        if not values:
-            if self.command == "POST":
-                return self.send_error(411, "POST needs a Content-Length header (chunked bodies are not supported)")
-            return 0
-        if not re.fullmatch(r"[0-9]{1,19}", values[0].strip()):
-            return self.send_error(400, f"malformed Content-Length {values[0][:40]!r}; expected a non-negative integer")
-        n, limit = int(values[0]), self.server.max_body
-        if n > limit:
-            return self.send_error(413, f"body of {n} bytes exceeds the server limit of {limit} bytes")
-        return n
-
     def _dispatch(self):
-        srv = self.server
+        srv, url = self.server, urlsplit(self.path)
+        lengths = self.headers.get_all("Content-Length") or []
+        length = lengths[0].strip() if lengths else "0"
         if not _token_ok(self.headers.get("Authorization"), srv.token):
             return self.send_error(401, "missing or wrong token: send 'Authorization: Bearer $NANORL_TOKEN'")
-        url = urlsplit(self.path)
-        if url.path not in srv.paths:
+        if all(path != url.path for _, path in srv.routes):
             return self.send_error(404, f"no route {url.path!r}")
         route = srv.routes.get((self.command, url.path))
         if route is None:
             return self.send_error(405, f"{self.command} not allowed on {url.path}")
-        n = self._body_length()
-        if n is None:
-            return
+        if len(set(lengths)) > 1:
+            return self.send_error(400, f"conflicting Content-Length headers: {lengths}")
+        if not lengths and self.command == "POST":
+            return self.send_error(411, "POST needs a Content-Length header (chunked bodies are not supported)")
+        if not re.fullmatch(r"[0-9]{1,19}", length):
+            return self.send_error(400, f"malformed Content-Length {length[:40]!r}; expected a non-negative integer")
+        n = int(length)
+        if n > srv.max_body:
+            return self.send_error(413, f"body of {n} bytes exceeds the server limit of {srv.max_body} bytes")
         body = self.rfile.read(n)
         if len(body) < n:
             return self.send_error(400, f"body truncated: got {len(body)} of {n} bytes")
@@ -264,14 +243,30 @@ class _Handler(BaseHTTPRequestHandler):
     do_GET = do_POST = _dispatch
 
 
-class _HTTPServer(ThreadingHTTPServer):
+class Server(ThreadingHTTPServer):
+    """Authenticated HTTP server in a background thread; a context manager.
+
+    routes: {("POST", "/batch"): fn, ...}; fn(Request) returns (status, body), and body goes out
+    as octet-stream (bytes), JSON (dict or list) or empty (None). token: None reads NANORL_TOKEN.
+    """
     daemon_threads = True  # a stuck worker connection must not keep the trainer process alive
 
-    def __init__(self, addr, family, token: str, max_body: int, routes: dict):
-        self.address_family = family  # read by TCPServer.__init__ when it creates the socket
-        self.token, self.max_body, self.routes = token, max_body, routes
-        self.paths = {p for _, p in routes}
-        super().__init__(addr, _Handler)
+    def __init__(self, routes: dict[tuple[str, str], Callable[[Request], tuple]], host: str = "127.0.0.1",
+                 port: int = 0, token: str | None = None, max_body: int = DEFAULT_MAX_BODY):
+        bad = [m for m, _ in routes if m not in ("GET", "POST")]
+        if bad:
+            raise ValueError(f"routes support GET and POST only; got {bad}")
+        token = token or os.environ.get("NANORL_TOKEN")
+        if not token and not _is_loopback(host):  # checked before a socket is opened
+            raise ValueError(f"refusing to serve on {host!r} without a token: set NANORL_TOKEN to a shared "
+                             "secret on the trainer and every worker, or bind 127.0.0.1")
+        self.token = _check_token(token or secrets.token_urlsafe(32))
+        self.routes, self.max_body = dict(routes), max_body
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET  # read when the socket is made
+        super().__init__((host, port), _Handler)
+        # poll_interval 0.1 s: close() returns within that instead of serve_forever's 0.5 s default
+        self._thread = threading.Thread(target=self.serve_forever, args=(0.1,), daemon=True)
+        self._thread.start()
 
     def server_bind(self):
         # Skip HTTPServer.server_bind: its socket.getfqdn() can stall for seconds on a bad DNS setup.
@@ -281,50 +276,21 @@ class _HTTPServer(ThreadingHTTPServer):
     def handle_error(self, request, client_address):  # e.g. the peer hung up mid-response
         log.warning("connection from %s failed", client_address[0], exc_info=True)
 
-
-class Server:
-    """Generic authenticated HTTP server in a background thread.
-
-    routes: {("GET", "/hello"): fn, ("POST", "/batch"): fn, ...}, fn(Request) -> (status, body).
-    token: None reads NANORL_TOKEN; if that is unset too, loopback binds generate one (see
-    `.token`) and any other bind raises before a socket is opened.
-    """
-
-    def __init__(self, routes: dict[tuple[str, str], Route], host: str = "127.0.0.1", port: int = 0,
-                 token: str | None = None, max_body: int = DEFAULT_MAX_BODY):
-        bad = [m for m, _ in routes if m not in ("GET", "POST")]
-        if bad:
-            raise ValueError(f"routes support GET and POST only; got {bad}")
-        token = token or os.environ.get("NANORL_TOKEN") or None
-        if token is None and not _is_loopback(host):
-            raise ValueError(f"refusing to serve on {host!r} without a token: set NANORL_TOKEN to a shared "
-                             "secret on the trainer and every worker, or bind 127.0.0.1")
-        self.token = _check_token(token or secrets.token_urlsafe(32))
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._httpd = _HTTPServer((host, port), family, self.token, max_body, dict(routes))
-        # poll_interval 0.1 s: close() returns within that instead of serve_forever's 0.5 s default
-        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.1,), daemon=True)
-        self._thread.start()
-
     @property
     def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
+        host, port = self.server_address[:2]
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def close(self):
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        self.shutdown()
+        self.server_close()
         self._thread.join()
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, *exc):
         self.close()
 
 
 # ---------------------------------------------------------------- client
-
 class Client:
     """Tiny HTTP client: one connection per request, bounded retries with linear backoff.
 
@@ -454,10 +420,9 @@ def collate(groups: list[dict], pad_id: int) -> dict:
 class AsyncRollouts:
     """The trainer's batch source, with train.TaskRollouts' interface, fed by POST /batch.
 
-    next(step) takes batch / group_size groups from the queue, drops (and counts) every group
-    older than max_staleness or without a snapshot of its version, and scores each row under
-    the exact adapter version that sampled it: old_logp, so the loss's ratio is exact whatever
-    the lag. The workers' logprobs stay in the batch as sampler_logp, only logged (logp_gap)."""
+    next(step) drops (and counts) groups older than max_staleness or without a snapshot of their
+    version, and scores each row under the exact version that sampled it (old_logp), so the loss's
+    ratio is exact whatever the lag; the workers' logprobs are only logged (logp_gap)."""
 
     def __init__(self, cfg, policy, local):
         self.cfg, self.policy, self.local, self.groups = cfg, policy, local, cfg.batch // cfg.group_size
@@ -467,10 +432,10 @@ class AsyncRollouts:
         self.queue, self.snapshots = [], {}  # groups; version -> trainable_state, inside the window only
         self.version, self.payload, self.finished, self.next_worker = -1, b"", False, 0
         self.names, self.config_json = wire_names(policy), adapter_config(policy)
-        self.fp, self.vocab = fingerprint(cfg), policy.model.get_input_embeddings().num_embeddings
+        self.vocab = policy.model.get_input_embeddings().num_embeddings
         self.seen, self.told = {}, set()  # worker -> time of its last request; workers told "finished"
         self.counts, self.apply_s, self.publish_s = Counter(), [], 0.0
-        url = urlsplit(cfg.trainer_url or "http://127.0.0.1:0")
+        url = urlsplit(cfg.trainer_url)  # "" (the usual case) binds an ephemeral loopback port
         self.server = Server({("POST", "/hello"): self.hello, ("GET", "/adapter"): self.adapter,
                               ("POST", "/batch"): self.receive}, url.hostname or "127.0.0.1", url.port or 0)
         utils.stderr(f"trainer listening on {self.server.url}; start workers with --role rollout --trainer-url "
@@ -496,12 +461,13 @@ class AsyncRollouts:
             theirs = dict(json.loads(req.body)["fingerprint"])
         except (ValueError, KeyError, TypeError):
             return 400, {"error": 'POST /hello needs JSON {"fingerprint": {...}}'}
-        diff = [f"{k} (trainer {v!r}, worker {theirs.get(k)!r})" for k, v in self.fp.items() if theirs.get(k) != v]
+        diff = [f"{k} (trainer {v!r}, worker {theirs.get(k)!r})"
+                for k, v in fingerprint(self.cfg).items() if theirs.get(k) != v]
         if diff:
             return 409, {"error": f"worker and trainer disagree on {'; '.join(diff)}: start the worker with the trainer's config"}
         with self.cond:
-            self.next_worker += 1
-            return (410, {"finished": True}) if self._heard(self.next_worker - 1) else (200, {"worker": self.next_worker - 1})
+            worker, self.next_worker = self.next_worker, self.next_worker + 1
+            return (410, {"finished": True}) if self._heard(worker) else (200, {"worker": worker})
 
     def adapter(self, req: Request):
         """The newest adapter once it is newer than ?have=V, waiting up to LONG_POLL for one."""
@@ -539,11 +505,11 @@ class AsyncRollouts:
     def next(self, step: int) -> dict:
         if self.version < step:
             self.publish(step)  # the first call: after any resume or SFT warm-start, so v0 is what trains
-        got, quiet = [], time.time()
+        got = []
         while len(got) < self.groups:
             with self.cond:
-                if not self.queue:
-                    self.cond.wait(timeout=1.0)
+                if not self.cond.wait_for(lambda: self.queue, timeout=60):
+                    utils.stderr(f"step {step}: waiting for rollout batches ({len(self.live())} live workers)")
                 taken, self.queue = self.queue[: self.groups - len(got)], self.queue[self.groups - len(got):]
                 for g in taken:
                     if step - int(g["version"].min()) > self.cfg.max_staleness:
@@ -552,10 +518,6 @@ class AsyncRollouts:
                         self.counts["dropped_no_snapshot"] += 1
                     else:
                         got.append(g)
-            if taken or time.time() - quiet > 60:
-                if not taken:
-                    utils.stderr(f"step {step}: waiting for rollout batches ({self.live()} live workers)")
-                quiet = time.time()
         got.sort(key=lambda g: int(g["version"].min()))  # rows of one version share micro-batches: fewer swaps
         batch = collate(got, self.policy.pad_id)
         batch["group"] = torch.arange(len(got)).repeat_interleave(self.cfg.group_size)  # [N]
@@ -567,7 +529,7 @@ class AsyncRollouts:
             self.breakdown.update(
                 staleness_mean=lag.mean().item(), staleness_max=lag.max().item(), queue_depth=len(self.queue),
                 logp_gap=((batch["old_logp"] - batch["sampler_logp"]).abs() * mask).sum().item() / max(mask.sum().item(), 1),
-                live_workers=self.live(), sync_bytes=len(self.payload), sync_publish_s=self.publish_s,
+                live_workers=len(self.live()), sync_bytes=len(self.payload), sync_publish_s=self.publish_s,
                 sync_apply_s=statistics.median(self.apply_s or [0.0]), **self.counts)
             self.apply_s = []
         return batch
@@ -591,8 +553,7 @@ class AsyncRollouts:
         return out * batch["mask"]
 
     def publish(self, step: int) -> None:
-        """Snapshots the weights as version `step`, encodes the adapter once for all workers,
-        and forgets the versions that fell out of the staleness window."""
+        """Version `step`: a snapshot for scoring, and the adapter encoded once for all workers."""
         t, state = time.perf_counter(), self.policy.trainable_state()
         payload = encode({self.names[n]: x for n, x in state.items()}, {"version": step, "adapter_config": self.config_json})
         with self.cond:
@@ -600,8 +561,8 @@ class AsyncRollouts:
             self.version, self.payload, self.publish_s = step, payload, time.perf_counter() - t
             self.cond.notify_all()
 
-    def live(self) -> int:
-        return sum(time.time() - t < HEARTBEAT for t in self.seen.values())
+    def live(self) -> set[int]:
+        return {w for w, t in self.seen.items() if time.time() - t < HEARTBEAT}
 
     def evaluate(self) -> dict:
         return self.local.evaluate()  # with the trainer's live weights, never a worker's
@@ -619,7 +580,7 @@ class AsyncRollouts:
             self.finished = True
             self.cond.notify_all()
         deadline = time.time() + 2 * LONG_POLL + 1
-        while time.time() < deadline and {w for w, t in self.seen.items() if time.time() - t < HEARTBEAT} - self.told:
+        while time.time() < deadline and self.live() - self.told:
             time.sleep(0.1)
         self.server.close()
         for p in self.procs:
@@ -754,8 +715,8 @@ def run_worker(cfg, build) -> int:
         return 0
     policy, _, local = build(cfg)
     me, k = reply["worker"], cfg.group_size
-    torch.manual_seed(cfg.seed * STRIDE + me)  # workers share cfg.seed, not their sampling noise
-    gen = VLLMGenerator(resolve_model(cfg.model), cfg, policy.eos_ids, cfg.seed * STRIDE + me) if cfg.vllm else HFGenerator(policy)
+    torch.manual_seed(seed := cfg.seed * STRIDE + me)  # workers share cfg.seed, not their sampling noise
+    gen = VLLMGenerator(resolve_model(cfg.model), cfg, policy.eos_ids, seed) if cfg.vllm else HFGenerator(policy)
     fetcher = AdapterFetcher(client, me, cfg.worker_patience)
     fetcher.start()
     utils.stderr(f"worker {me}: generating for {cfg.trainer_url} with {'vLLM' if cfg.vllm else 'the policy'}")
