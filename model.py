@@ -169,7 +169,7 @@ class LLMPolicy(nn.Module):
     def __init__(self, model: str, *, lora: bool = True, lora_rank: int = 16, lora_alpha: int = 32,
                  lora_targets: str = "all-linear", lora_dropout: float = 0.0, dtype: str = "fp32",
                  temperature: float = 1.0, top_p: float = 1.0, chat_template: bool = True,
-                 thinking: bool = False, kl_coef: float = 0.0, device: str | None = None):
+                 thinking: bool = False, kl_coef: float = 0.0, critic: bool = False, device: str | None = None):
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -199,6 +199,13 @@ class LLMPolicy(nn.Module):
                 raise utils.ConfigError(f"--lora-targets {lora_targets}: this model's linear layers are {','.join(found)} (or all-linear)")
             cfg = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules=targets, lora_dropout=lora_dropout, task_type="CAUSAL_LM")
             self.model = get_peft_model(lm, cfg)  # freezes the base; adapter weights are fp32
+        # PPO's critic: a linear head on the last hidden state, trained through the same adapter (or
+        # weights); zero-initialised so the first values are 0 rather than noise of the reward's scale.
+        self.has_critic = critic
+        self.v = nn.Linear(lm.get_output_embeddings().in_features, 1).to(self.device) if critic else None
+        if critic:
+            nn.init.zeros_(self.v.weight)
+            nn.init.zeros_(self.v.bias)
         self.ref_model = None
         if not lora and kl_coef > 0:
             warnings.warn("full fine-tuning with kl_coef > 0 keeps a frozen copy of the whole model as the KL reference "
@@ -310,10 +317,10 @@ class LLMPolicy(nn.Module):
 
     # ------------------------------------------------------------ scoring
     def score(self, batch: dict, rows):
-        """(logp [n, L], entropy [n, L], None) at temperature, with grad, filled where mask == 1
-        (0 elsewhere: the loss weights are 0 there, so the LM head is not run on prompts)."""
-        logp, entropy = self._token_logp(self.model, batch, rows)
-        return logp, entropy, None
+        """(logp [n, L], entropy [n, L], values [n, L] or None) at temperature, with grad, filled where
+        mask == 1 (0 elsewhere: the loss weights are 0 there, so the LM head is not run on prompts).
+        values[:, t] is the critic's estimate before token t, read where logits for token t are."""
+        return self._token_logp(self.model, batch, rows, self.v)
 
     @torch.no_grad()
     def ref_logp(self, batch: dict, rows) -> torch.Tensor:
@@ -326,7 +333,7 @@ class LLMPolicy(nn.Module):
             raise utils.ConfigError("ref_logp under full fine-tuning needs the frozen copy made only when kl_coef > 0")
         return self._token_logp(self.ref_model, batch, rows)[0]
 
-    def _token_logp(self, lm: nn.Module, batch: dict, rows):
+    def _token_logp(self, lm: nn.Module, batch: dict, rows, head: nn.Module | None = None):
         mask = batch["mask"][rows]  # [n, L]
         n, L = mask.shape
         logp, entropy = torch.zeros(n, L, device=mask.device), torch.zeros(n, L, device=mask.device)
@@ -336,7 +343,8 @@ class LLMPolicy(nn.Module):
         tokens = batch["tokens"][rows, :end].to(self.device)  # [n, end]
         attn = batch["attn"][rows, :end].to(self.device).long()  # [n, end]
         with self.autocast():  # logits for positions first-1 .. end-1 only; they predict tokens first .. end
-            logits = lm(input_ids=tokens, attention_mask=attn, logits_to_keep=end - first + 1).logits[:, :-1]  # [n, end-first, V]
+            out = lm(input_ids=tokens, attention_mask=attn, logits_to_keep=end - first + 1, output_hidden_states=head is not None)
+        logits = out.logits[:, :-1]  # [n, end-first, V]
         sel = mask[:, first:end].to(self.device) > 0  # [n, end-first]
         lg = logits[sel].float() / self.temperature  # [k, V], fp32 like the sampler
         lse = lg.logsumexp(-1)  # [k]
@@ -345,7 +353,12 @@ class LLMPolicy(nn.Module):
             ent = lse - (lg.softmax(-1) * lg).sum(-1)  # [k]
         logp[:, first:end][sel.to(mask.device)] = lp.to(mask.device)
         entropy[:, first:end][sel.to(mask.device)] = ent.to(mask.device)
-        return logp, entropy
+        if head is None:
+            return logp, entropy, None
+        values = torch.zeros(n, L, device=mask.device)
+        h = out.hidden_states[-1][:, first - 1 : end - 1][sel].float()  # [k, H]: the states that predict tokens first .. end-1
+        values[:, first:end][sel.to(mask.device)] = head(h).squeeze(-1).to(mask.device)
+        return logp, entropy, values
 
     # ------------------------------------------------------------ weights
     def trainable_state(self) -> dict[str, torch.Tensor]:

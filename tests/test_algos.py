@@ -115,23 +115,23 @@ def test_loss_weights_sum_to_one_over_the_whole_batch():
 def test_policy_loss_at_ratio_one_is_minus_weighted_advantage():
     logp = torch.tensor([[-0.5, -1.0]], requires_grad=True)
     adv, w = t([[2.0, -1.0]]), t([[0.5, 0.5]])
-    loss, stats = algos.policy_loss(logp, logp.detach(), adv, w, 0.2)
+    loss, stats = algos.policy_loss(logp, logp.detach(), adv, w, torch.ones_like(adv))
     assert loss.item() == pytest.approx(-0.5)  # -(0.5*2 + 0.5*-1)
     loss.backward()
     assert torch.allclose(logp.grad, t([[-1.0, 0.5]]))  # d/dlogp of -w*adv*ratio at ratio 1
-    assert stats["ratio"].item() == 1.0 and stats["clip_frac"].item() == 0.0
+    assert torch.equal(stats["ratio"], t([[1.0, 1.0]])) and not stats["clip_frac_low"].any() and not stats["clip_frac_high"].any()
 
 
 def test_policy_loss_clips_the_ratio_on_the_side_that_would_overshoot():
     old = t([[0.0, 0.0]])
     logp = torch.log(t([[1.5, 0.5]])).requires_grad_()
     adv, w = t([[1.0, -1.0]]), t([[1.0, 1.0]])
-    loss, stats = algos.policy_loss(logp, old, adv, w, 0.2)
+    loss, stats = algos.policy_loss(logp, old, adv, w, torch.ones_like(adv))
     # row 0: min(1.5, 1.2)*1 -> -1.2 (clipped, no grad); row 1: max(-0.5*-1,...) -> ratio .5 vs .8: -(-0.8) clipped
     assert loss.item() == pytest.approx(-1.2 + 0.8)
     loss.backward()
     assert torch.equal(logp.grad, t([[0.0, 0.0]]))
-    assert stats["clip_frac"].item() == 2.0
+    assert torch.equal(stats["clip_frac_high"], t([[1, 0]])) and torch.equal(stats["clip_frac_low"], t([[0, 1]]))
 
 
 def test_value_loss_is_half_weighted_squared_error():
