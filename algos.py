@@ -133,7 +133,7 @@ def loss_weights(mask: torch.Tensor, mode: str = "token_mean", total_tokens=None
       seq_mean:   token-mean inside each row, then mean over rows (the GRPO paper): mask / (len_i * rows).
       constant:   mask / (rows * constant) (Dr. GRPO): no length bias; constant = the token budget."""
     tokens = mask.sum() if total_tokens is None else torch.as_tensor(float(total_tokens))
-    rows = len(mask) if total_rows is None else float(total_rows)
+    rows = float((mask.sum(1) > 0).sum()) if total_rows is None else float(total_rows)  # a fully masked row is not counted
     if mode == "token_mean":
         return mask / tokens.clamp(min=1)
     if mode == "seq_mean":  # a row's length is its own: no collective needed

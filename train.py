@@ -126,8 +126,8 @@ def validate(cfg: Config) -> None:
         if getattr(cfg, name) not in valid:
             value = getattr(cfg, name)
             raise err(f"unknown --{name.replace('_', '-')} '{value}'{utils.closest(value, valid)} (choices: {', '.join(valid)})")
-    if not (0 < cfg.eps_low < 1 and cfg.eps_high > 0) or 0 < cfg.dual_clip <= 1:
-        raise err(f"need 0 < eps_low < 1, eps_high > 0 and dual_clip 0 (off) or > 1 (got {cfg.eps_low}, {cfg.eps_high}, {cfg.dual_clip})")
+    if not (0 < cfg.eps_low <= 1 and cfg.eps_high > 0) or 0 < cfg.dual_clip <= 1:
+        raise err(f"need 0 < eps_low <= 1, eps_high > 0 and dual_clip 0 (off) or > 1 (got {cfg.eps_low}, {cfg.eps_high}, {cfg.dual_clip})")
     if cfg.tis_cap < 1 or not 0 < cfg.mis_low <= 1 <= cfg.mis_high:
         raise err("need tis_cap >= 1 and mis_low <= 1 <= mis_high, so that agreeing sampler and trainer get weight 1")
     if cfg.kl_in_reward and not cfg.kl_coef:
@@ -389,13 +389,13 @@ def update(policy, opt, batch: dict, cfg: Config) -> dict:
     critic = list(policy.v.parameters()) if policy.has_critic and cfg.critic_max_grad_norm else []
     actor = [p for p in policy.parameters() if p.requires_grad and all(p is not c for c in critic)]
     stats, updates = {"loss": 0.0, "grad_norm": 0.0, "skipped": 0}, 0
+    unit = batch["loss_mask"] if cfg.loss_agg == "token_mean" else (batch["loss_mask"].sum(1) > 0).float()  # what a denominator counts
     for _ in range(cfg.inner_epochs):
         order = torch.randperm(n) if cfg.minibatches > 1 else torch.arange(n)
         for mb in order.chunk(cfg.minibatches):
             # A minibatch is weighted as if it were the batch: by its share of the tokens (token_mean)
             # or of the rows (seq_mean, constant). One minibatch keeps the weights exactly as they are.
-            share = 1.0 if cfg.minibatches == 1 else (batch["weights"][mb].sum() / batch["weights"].sum()
-                                                      if cfg.loss_agg == "token_mean" else len(mb) / n)
+            share = 1.0 if cfg.minibatches == 1 else unit[mb].sum() / unit.sum()
             tokens = batch["loss_mask"][mb].sum().clamp(min=1)  # logged stats are token means in every mode
             opt.zero_grad(set_to_none=True)
             total = torch.zeros(())
