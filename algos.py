@@ -5,6 +5,10 @@ Contract: every estimator is `fn(batch, cfg) -> adv [N, T]`, reading per-step `r
 `last_value` [N] and `terminated` [N]. Positions with mask == 0 get advantage 0. An estimator
 that trains a critic also stores its regression targets in `batch["returns"]`. Adding an
 algorithm is one function and one entry in ALGOS; the loss below never changes.
+
+Below the estimators: `loss_weights` (how tokens are aggregated: AGGREGATIONS), the one
+`policy_loss` (PPO clip / GSPO / CISPO: LOSSES), `value_loss`, the KL estimators (KL) and the
+sampler/trainer mismatch corrections (`importance_correction`: IS_LEVELS).
 """
 from __future__ import annotations
 
@@ -139,6 +143,8 @@ def loss_weights(mask: torch.Tensor, mode: str = "token_mean", total_tokens=None
     if mode == "seq_mean":  # a row's length is its own: no collective needed
         return mask / (mask.sum(1, keepdim=True).clamp(min=1) * max(rows, 1))
     if mode == "constant":
+        if not constant:
+            raise ValueError("loss aggregation 'constant' needs constant= (tokens per row, e.g. max_new_tokens)")
         return mask / (max(rows, 1) * constant)
     raise ValueError(f"unknown loss aggregation '{mode}' (choices: {', '.join(AGGREGATIONS)})")
 

@@ -214,7 +214,7 @@ class TaskRollouts:
                 texts = [(s, self.policy.decode(s.ids)) for s in itertools.islice(samples, k)]
                 group = [(p, x, s, t, self.task.score(p.prompt, t, p.answer)) for s, t in texts]
                 spread = len({total for *_, (total, _) in group}) > 1
-                self.spread += [p] if spread else []
+                self.spread += [p] if spread and cfg.prompt_reweight else []
                 (kept if spread or not cfg.dynamic_sampling else flat).append(group)
         self.spread = self.spread[-cfg.batch :]  # "recent": the last batch-many prompts with spread
         # Nothing informative within the bound: train on what there is (no GRPO/RLOO gradient).
