@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import torch
 
+import utils
+
 EPS = 1e-6
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
+    """Mean over the whole batch: under torchrun the sums span every rank (a collective)."""
+    total = utils.all_sum(torch.stack([(x * mask).sum(), mask.sum()]))
+    return total[0] / total[1].clamp(min=1)
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,8 @@
 
 recomputes, with grad, the log-probability of the actions stored in `batch[...][rows]`, so the
 training loop never needs to know whether it is pushing a cart or writing an answer.
+MLPPolicy acts in control tasks; LLMPolicy is a Hugging Face causal LM (LoRA or full fine-tuning)
+that also samples completions with their log-probs (`generate`) and collates them (`make_batch`).
 """
 from __future__ import annotations
 
@@ -158,6 +160,28 @@ def linear_names(lm: nn.Module) -> list[str]:
     return sorted({n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if isinstance(m, nn.Linear) and m is not head})
 
 
+def add_lora(lm: nn.Module, targets: str, rank: int, alpha: int, dropout: float) -> nn.Module:
+    """Wraps `lm` in a PEFT LoRA adapter on `targets` ("all-linear" or a comma list); PEFT
+    freezes the base and keeps the adapter in fp32 even over a bf16 base."""
+    from peft import LoraConfig, get_peft_model
+
+    found = linear_names(lm)
+    names = found if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    if not names or set(names) - set(found):
+        raise utils.ConfigError(f"--lora-targets {targets}: this model's linear layers are {','.join(found)} (or all-linear)")
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=names, lora_dropout=dropout, task_type="CAUSAL_LM")
+    return get_peft_model(lm, cfg)
+
+
+def end_tokens(tokenizer, generation_config) -> set[int]:
+    """Every id that ends a completion: the tokenizer's eos and generation_config's (int or list)."""
+    eos = generation_config.eos_token_id
+    ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
+    if not ids:
+        raise utils.ConfigError("neither the tokenizer nor generation_config names an eos token, so no completion could end")
+    return {int(i) for i in ids}
+
+
 class LLMPolicy(nn.Module):
     """A causal LM as a policy over tokens. Sampling is exactly softmax(logits / temperature):
     the loop below applies no other warper, so whatever the model's generation_config.json
@@ -170,14 +194,14 @@ class LLMPolicy(nn.Module):
                  lora_targets: str = "all-linear", lora_dropout: float = 0.0, dtype: str = "fp32",
                  temperature: float = 1.0, top_p: float = 1.0, chat_template: bool = True,
                  thinking: bool = False, kl_coef: float = 0.0, critic: bool = False, device: str | None = None):
-        from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         super().__init__()
         if dtype not in DTYPES:
             raise utils.ConfigError(f"--dtype {dtype}{utils.closest(dtype, DTYPES)} (choices: {', '.join(DTYPES)})")
         if temperature <= 0 or not 0 < top_p <= 1:
-            raise utils.ConfigError(f"need temperature > 0 and 0 < top_p <= 1 (got {temperature}, {top_p}); greedy eval is generate(greedy=True)")
+            raise utils.ConfigError(f"need temperature > 0 and 0 < top_p <= 1 (got {temperature}, {top_p}); "
+                                    "greedy decoding is generate(greedy=True)")
         if top_p < 1:
             warnings.warn(f"top_p={top_p}: samples come from a truncated distribution the loss does not model, "
                           "so the importance ratio is only approximate; top_p=1 keeps it exact")
@@ -190,15 +214,8 @@ class LLMPolicy(nn.Module):
         except (OSError, ValueError) as e:
             raise utils.ConfigError(f"--model {model}: cannot load its tokenizer ({str(e).splitlines()[0]}); {LOAD_HINT}") from None
         # A frozen LoRA base may live in bf16; anything trained stays fp32 (autocast does the bf16 compute).
-        lm = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype] if lora else torch.float32)
-        self.model = lm.to(self.device)
-        if lora:
-            found = linear_names(lm)
-            targets = found if lora_targets == "all-linear" else [t.strip() for t in lora_targets.split(",") if t.strip()]
-            if not targets or set(targets) - set(found):
-                raise utils.ConfigError(f"--lora-targets {lora_targets}: this model's linear layers are {','.join(found)} (or all-linear)")
-            cfg = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules=targets, lora_dropout=lora_dropout, task_type="CAUSAL_LM")
-            self.model = get_peft_model(lm, cfg)  # freezes the base; adapter weights are fp32
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype] if lora else torch.float32).to(self.device)
+        self.model = add_lora(lm, lora_targets, lora_rank, lora_alpha, lora_dropout) if lora else lm
         # PPO's critic: a linear head on the last hidden state, trained through the same adapter (or
         # weights); zero-initialised so the first values are 0 rather than noise of the reward's scale.
         self.has_critic = critic
@@ -208,14 +225,10 @@ class LLMPolicy(nn.Module):
             nn.init.zeros_(self.v.bias)
         self.ref_model = None
         if not lora and kl_coef > 0:
-            warnings.warn("full fine-tuning with kl_coef > 0 keeps a frozen copy of the whole model as the KL reference "
-                          "(2x weight memory); LoRA gets its reference for free by disabling the adapter")
+            warnings.warn("full fine-tuning with kl_coef > 0 keeps a frozen copy of the whole model as the KL "
+                          "reference (2x weight memory); LoRA gets its reference for free by disabling the adapter")
             self.ref_model = copy.deepcopy(lm).requires_grad_(False)  # same dtype as the policy: KL is exactly 0 at step 0
-        gen = lm.generation_config
-        eos = [self.tokenizer.eos_token_id, *(gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id])]
-        self.eos_ids = {int(i) for i in eos if i is not None}
-        if not self.eos_ids:
-            raise utils.ConfigError(f"{model}: neither the tokenizer nor generation_config names an eos token, so no completion could end")
+        self.eos_ids = end_tokens(self.tokenizer, lm.generation_config)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
         self.use_template = chat_template and self.tokenizer.chat_template is not None
         bos = self.tokenizer.bos_token_id
@@ -239,7 +252,8 @@ class LLMPolicy(nn.Module):
 
     # ------------------------------------------------------------ sampling
     @torch.no_grad()
-    def generate(self, prefixes: list[list[int]], max_new_tokens: int, gen_batch: int = 64, greedy: bool = False) -> list[Sample]:
+    def generate(self, prefixes: list[list[int]], max_new_tokens: int, gen_batch: int = 64,
+                 greedy: bool = False) -> list[Sample]:
         """One completion per prefix. Rows are sorted by length first so a chunk pads little."""
         if max_new_tokens < 1 or not all(prefixes):
             raise ValueError(f"generate needs max_new_tokens >= 1 (got {max_new_tokens}) and non-empty prefixes")
@@ -272,7 +286,7 @@ class LLMPolicy(nn.Module):
                                  use_cache=True, logits_to_keep=1)
             cache = out.past_key_values
             logp_all = F.log_softmax(out.logits[:, -1].float() / self.temperature, -1)  # [B, V], fp32 like score()
-            nxt = logp_all.argmax(-1) if greedy else torch.multinomial(self._sampling_probs(logp_all), 1).squeeze(1)  # [B]
+            nxt = logp_all.argmax(-1) if greedy else torch.multinomial(self._sampling_probs(logp_all), 1)[:, 0]  # [B]
             tokens[:, t], logps[:, t] = nxt, logp_all.gather(1, nxt[:, None]).squeeze(1)
             ended = ~done & torch.isin(nxt, eos)  # [B]
             length[ended], done = t + 1, done | ended
@@ -319,7 +333,7 @@ class LLMPolicy(nn.Module):
     def score(self, batch: dict, rows):
         """(logp [n, L], entropy [n, L], values [n, L] or None) at temperature, with grad, filled where
         mask == 1 (0 elsewhere: the loss weights are 0 there, so the LM head is not run on prompts).
-        values[:, t] is the critic's estimate before token t, read where logits for token t are."""
+        values[:, t] is the critic's estimate before token t, read where the logits for token t are."""
         return self._token_logp(self.model, batch, rows, self.v)
 
     @torch.no_grad()
@@ -334,31 +348,30 @@ class LLMPolicy(nn.Module):
         return self._token_logp(self.ref_model, batch, rows)[0]
 
     def _token_logp(self, lm: nn.Module, batch: dict, rows, head: nn.Module | None = None):
-        mask = batch["mask"][rows]  # [n, L]
+        dev = self.device
+        mask = batch["mask"][rows].to(dev)  # [n, L]
         n, L = mask.shape
-        logp, entropy = torch.zeros(n, L, device=mask.device), torch.zeros(n, L, device=mask.device)
         end = int(batch["attn"][rows].sum(1).max())  # the micro-batch trimmed to its longest row
-        cols = mask[:, :end].any(0).nonzero()
-        first = int(cols[0]) if len(cols) else max(end - 1, 1)  # no masked token: an empty slice keeps backward() legal
-        tokens = batch["tokens"][rows, :end].to(self.device)  # [n, end]
-        attn = batch["attn"][rows, :end].to(self.device).long()  # [n, end]
-        with self.autocast():  # logits for positions first-1 .. end-1 only; they predict tokens first .. end
-            out = lm(input_ids=tokens, attention_mask=attn, logits_to_keep=end - first + 1, output_hidden_states=head is not None)
-        logits = out.logits[:, :-1]  # [n, end-first, V]
-        sel = mask[:, first:end].to(self.device) > 0  # [n, end-first]
+        cols = mask[:, 1:end].any(0).nonzero() + 1
+        first = int(cols[0]) if len(cols) else max(end - 1, 1)  # nothing masked: an empty slice keeps backward() legal
+        tokens = batch["tokens"][rows, :end].to(dev)  # [n, end]
+        attn = batch["attn"][rows, :end].to(dev).long()  # [n, end]
+        with self.autocast():  # logits for positions first-1 .. end-1 only: they predict tokens first .. end
+            fwd = lm(input_ids=tokens, attention_mask=attn, logits_to_keep=end - first + 1, output_hidden_states=head is not None)
+        logits = fwd.logits[:, :-1]  # [n, end - first, V]
+        sel = mask[:, first:end] > 0  # [n, end-first]
         lg = logits[sel].float() / self.temperature  # [k, V], fp32 like the sampler
         lse = lg.logsumexp(-1)  # [k]
-        lp = lg.gather(-1, tokens[:, first:end][sel][:, None]).squeeze(-1) - lse  # [k]
+        logp, entropy = torch.zeros(n, L, device=dev), torch.zeros(n, L, device=dev)  # [n, L]
+        logp[:, first:end][sel] = lg.gather(-1, tokens[:, first:end][sel][:, None]).squeeze(-1) - lse
         with torch.no_grad():
-            ent = lse - (lg.softmax(-1) * lg).sum(-1)  # [k]
-        logp[:, first:end][sel.to(mask.device)] = lp.to(mask.device)
-        entropy[:, first:end][sel.to(mask.device)] = ent.to(mask.device)
+            entropy[:, first:end][sel] = lse - (lg.softmax(-1) * lg).sum(-1)
+        out = batch["mask"].device  # the loop's weights live there
         if head is None:
-            return logp, entropy, None
-        values = torch.zeros(n, L, device=mask.device)
-        h = out.hidden_states[-1][:, first - 1 : end - 1][sel].float()  # [k, H]: the states that predict tokens first .. end-1
-        values[:, first:end][sel.to(mask.device)] = head(h).squeeze(-1).to(mask.device)
-        return logp, entropy, values
+            return logp.to(out), entropy.to(out), None
+        values = torch.zeros(n, L, device=dev)  # [n, L]
+        values[:, first:end][sel] = head(fwd.hidden_states[-1][:, first - 1 : end - 1][sel].float()).squeeze(-1)  # states predicting first .. end-1
+        return logp.to(out), entropy.to(out), values.to(out)
 
     # ------------------------------------------------------------ weights
     def trainable_state(self) -> dict[str, torch.Tensor]:
@@ -370,8 +383,9 @@ class LLMPolicy(nn.Module):
     def load_trainable(self, state: dict[str, torch.Tensor]) -> None:
         params = {n: p for n, p in self.named_parameters() if p.requires_grad}
         if set(state) != set(params):
-            raise ValueError(f"trainable state does not match this policy: missing {sorted(set(params) - set(state))[:3]}, "
-                             f"unexpected {sorted(set(state) - set(params))[:3]} (different model or LoRA settings?)")
+            missing, extra = sorted(set(params) - set(state))[:3], sorted(set(state) - set(params))[:3]
+            raise ValueError(f"trainable state does not match this policy: missing {missing}, unexpected {extra} "
+                             "(different model or LoRA settings?)")
         for n, p in params.items():
             p.copy_(state[n])
 
@@ -379,7 +393,7 @@ class LLMPolicy(nn.Module):
         """Writes adapter_config.json + adapter_model.safetensors (what vLLM's LoRARequest
         loads), atomically, so a reader never sees half an adapter."""
         if not self.lora:
-            raise utils.ConfigError("save_adapter needs lora=True; full fine-tuning has no adapter (use trainable_state())")
+            raise utils.ConfigError("save_adapter needs lora=True; full fine-tuning has no adapter (see trainable_state())")
         final = Path(path)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))

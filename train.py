@@ -2,6 +2,7 @@
 
     python train.py --task cartpole --algo reinforce
     python train.py --config configs/cartpole_ppo.yaml --steps 50
+    torchrun --nproc_per_node=4 train.py --config configs/arith_tiny_cpu.yaml   # data parallel, same --batch
 
 Every step is five stages: (1) rollout: get a batch, (2) advantage: score it under the
 weights that sampled it and call the algorithm's estimator, (3) update: the clipped surrogate
@@ -103,6 +104,8 @@ class Config:
     overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens of the budget; 0 = off
     max_turns: int = 4  # multi-turn envs: model turns per episode; each one is a chance to fix an error
     max_len: int = 2048  # multi-turn envs: an episode longer than this (tokens) ends early, cleanly
+    # ---- torchrun (`torchrun --nproc_per_node=N train.py ...`: --batch stays the global batch)
+    dist_timeout: float = 1800.0  # seconds a rank waits in a collective before failing: > the longest checkpoint write
 
 
 def validate(cfg: Config) -> None:
@@ -120,6 +123,11 @@ def validate(cfg: Config) -> None:
         raise err("--inner-epochs and --minibatches must be >= 1 and --micro-batch >= 0")
     if cfg.batch % cfg.minibatches:
         raise err(f"--minibatches {cfg.minibatches} must divide --batch {cfg.batch}")
+    # torchrun: each rank takes batch / W rows of whole groups (an async trainer splits its queue's batch alike)
+    unit = utils.world() * math.lcm(cfg.group_size, cfg.minibatches)
+    if cfg.batch % unit:
+        raise err(f"--batch {cfg.batch} is the global batch: {utils.world()} ranks need a multiple of {unit} (ranks x "
+                  f"whole groups of --group-size x --minibatches); try --batch {unit * -(-cfg.batch // unit)}")
     if not (0 < cfg.gamma <= 1 and 0 <= cfg.lam <= 1 and cfg.lr > 0):
         raise err("need 0 < gamma <= 1, 0 <= lam <= 1 and lr > 0")
     for name, valid in {"loss": LOSSES, "loss_agg": AGGREGATIONS, "kl_estimator": KL, "tis": IS_LEVELS, "mis": IS_LEVELS}.items():
@@ -151,16 +159,19 @@ class ControlRollouts:
 
     def __init__(self, cfg: Config, policy):
         self.env, self.policy, self.cfg = CartPole(), policy, cfg
-        self.position = 0  # training batches drawn so far
+        self.position = 0  # training seeds used so far, one per rank per step
 
     def next(self, step: int) -> dict:
-        seed = (self.cfg.seed * 100_003 + self.position) % EVAL_SEED  # always below the eval seeds
-        self.position += 1
-        batch = self.env.rollout(self.policy, self.cfg.batch, seed, self.cfg.group_size)
-        batch["version"] = torch.full((self.cfg.batch,), step)
+        """This rank's batch / W episodes, from its own seed (rank r of W uses position + r)."""
+        seed = (self.cfg.seed * 100_003 + self.position + utils.rank()) % EVAL_SEED  # always below the eval seeds
+        self.position += utils.world()
+        n = self.cfg.batch // utils.world()
+        batch = self.env.rollout(self.policy, n, seed, self.cfg.group_size)
+        batch["version"] = torch.full((n,), step)
         return batch
 
     def evaluate(self) -> dict:
+        """Not sharded: every rank plays the same greedy episodes, cheaper than sharding them."""
         batch = self.env.rollout(self.policy, self.cfg.eval_episodes, EVAL_SEED, greedy=True)
         return {"eval_return": batch["rewards"].sum(1).mean().item()}
 
@@ -185,27 +196,31 @@ class TaskRollouts:
         if cfg.overlong_buffer:
             count = lambda text: len(policy.tokenizer.encode(text, add_special_tokens=False))
             self.task.rewards.append((tasks.overlong_penalty(cfg.max_new_tokens, cfg.overlong_buffer, count), 1.0))
-        self.position = 0  # training problems drawn so far; a rank would take every W-th index
+        self.position = 0  # training problems drawn so far, by all ranks together
         self.spread: list = []  # recent problems whose groups had reward spread (prompt_reweight replays them)
 
     def draw(self, n: int) -> list:
-        problems = [self.task.train_problem(self.position + i) for i in range(n)]
+        """This rank's share of the next n problems: indices position + r, + r + W, ... (disjoint)."""
+        problems = [self.task.train_problem(self.position + i) for i in range(utils.rank(), n, utils.world())]
         self.position += n
         return problems
 
     def pick(self, n: int) -> list:
-        """n problems: a prompt_reweight share replayed from recent prompts whose groups had reward
-        spread (oldest first), the rest fresh."""
-        r = min(int(self.cfg.prompt_reweight * n), len(self.spread))
+        """This rank's share of the next n problems, its first prompt_reweight share swapped for
+        recent prompts whose groups had reward spread (oldest first). The fresh ones it replaces
+        are skipped, so every rank advances the stream alike."""
+        fresh = self.draw(n)
+        r = min(int(self.cfg.prompt_reweight * len(fresh)), len(self.spread))
         replay, self.spread = self.spread[:r], self.spread[r:]
-        return replay + self.draw(n - r)
+        return replay + fresh[r:]
 
     def next(self, step: int) -> dict:
         cfg, k, want = self.cfg, self.cfg.group_size, self.cfg.batch // self.cfg.group_size
+        need = want // utils.world()  # this rank's groups
         kept, flat, rounds = [], [], 0  # groups of k rows (problem, prefix, sample, text, (total, parts))
         # Dynamic sampling (DAPO): a group whose rewards all agree has zero advantage under GRPO and
         # RLOO, so it is set aside and fresh prompts are generated, at most max_gen_batches rounds.
-        while len(kept) < want and rounds < (cfg.max_gen_batches if cfg.dynamic_sampling else 1):
+        while len(kept) < need and rounds < (cfg.max_gen_batches if cfg.dynamic_sampling else 1):
             rounds += 1
             problems = self.pick(want)
             prefixes = [self.policy.encode_prompt(p.prompt) for p in problems]
@@ -218,7 +233,7 @@ class TaskRollouts:
                 (kept if spread or not cfg.dynamic_sampling else flat).append(group)
         self.spread = self.spread[-cfg.batch :]  # "recent": the last batch-many prompts with spread
         # Nothing informative within the bound: train on what there is (no GRPO/RLOO gradient).
-        problems, prefixes, samples, texts, scored = zip(*[row for g in kept[:want] or flat[:want] for row in g])
+        problems, prefixes, samples, texts, scored = zip(*[row for g in kept[:need] or flat[:need] for row in g])
         batch = self.policy.make_batch(list(prefixes), list(samples), [total for total, _ in scored])
         batch["group"] = torch.arange(len(problems)) // k  # [N]
         batch["version"] = torch.full((len(problems),), step)  # [N]
@@ -231,16 +246,20 @@ class TaskRollouts:
         return batch
 
     def evaluate(self) -> dict:
-        problems, cfg = self.task.eval_problems(), self.cfg
+        """Rank r of W scores eval problems r, r + W, ...; summed over ranks, as one process would."""
+        problems, cfg = self.task.eval_problems()[utils.rank() :: utils.world()], self.cfg
         prefixes = [self.policy.encode_prompt(p.prompt) for p in problems]
         greedy = [self.policy.decode(s.ids) for s in self.policy.generate(prefixes, cfg.max_new_tokens, cfg.gen_batch, greedy=True)]
-        out = {"eval_accuracy": sum(self.task.correct(p, t) for p, t in zip(problems, greedy)) / len(problems)}
+        sums = {"n": len(problems), "eval_accuracy": sum(self.task.correct(p, t) for p, t in zip(problems, greedy))}
         if cfg.pass_k:
             samples = self.policy.generate([x for x in prefixes for _ in range(cfg.pass_k)], cfg.max_new_tokens, cfg.gen_batch)
             hits = [self.task.correct(p, self.policy.decode(s.ids)) for p, s in zip([p for p in problems for _ in range(cfg.pass_k)], samples)]
             c = [sum(hits[i * cfg.pass_k : (i + 1) * cfg.pass_k]) for i in range(len(problems))]
-            out["eval_pass@1"] = sum(c) / (len(problems) * cfg.pass_k)
-            out[f"eval_pass@{cfg.pass_k}"] = sum(tasks.pass_at_k(cfg.pass_k, ci, cfg.pass_k) for ci in c) / len(problems)
+            sums["eval_pass@1"] = sum(c) / cfg.pass_k
+            sums[f"eval_pass@{cfg.pass_k}"] = sum(tasks.pass_at_k(cfg.pass_k, ci, cfg.pass_k) for ci in c)
+        sums = utils.reduce_dict(sums)
+        n = sums.pop("n")
+        out = {k: v / n for k, v in sums.items()}
         for p, t in list(zip(problems, greedy))[: cfg.debug_samples]:
             _, parts = self.task.score(p.prompt, t, p.answer)
             tqdm.write(f"--- eval prompt: {p.prompt!r}\n    completion: {t!r}\n    answer: {p.answer!r} rewards: {parts}")
@@ -276,8 +295,11 @@ class EnvRollouts(TaskRollouts):
         return batch
 
     def evaluate(self) -> dict:
-        m = multiturn_metrics(self.episodes(self.task.eval_problems(), 1, greedy=True))
-        return {"eval_accuracy": m["solved"], "eval_accuracy_first_turn": m["solved_first_turn"], "eval_turns": m["turns"]}
+        """Rank r plays eval problems r, r + W, ...; per-rank means are weighted and summed over ranks."""
+        problems = self.task.eval_problems()[utils.rank() :: utils.world()]
+        m = multiturn_metrics(self.episodes(problems, 1, greedy=True)) if problems else dict.fromkeys(("solved", "solved_first_turn", "turns"), 0.0)
+        s = utils.reduce_dict({"n": len(problems), **{k: v * len(problems) for k, v in m.items()}})
+        return {"eval_accuracy": s["solved"] / s["n"], "eval_accuracy_first_turn": s["solved_first_turn"] / s["n"], "eval_turns": s["turns"] / s["n"]}
 
 
 CONTROL = {"cartpole": ControlRollouts}
@@ -296,6 +318,7 @@ def build(cfg: Config):
                            lora_targets=cfg.lora_targets, dtype=cfg.dtype, temperature=cfg.temperature,
                            top_p=cfg.top_p, chat_template=cfg.chat_template, thinking=cfg.thinking, kl_coef=cfg.kl_coef,
                            critic=cfg.algo == "ppo")
+    utils.broadcast_weights(policy)  # torchrun: every rank starts from rank 0's weights
     opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)
     return policy, opt, TASKS[cfg.task](cfg, policy)
 
@@ -311,13 +334,14 @@ def warm_start(policy, source: TaskRollouts, cfg: Config, log: utils.Metrics) ->
         demos = [policy.tokenizer.encode(source.task.solve(p), add_special_tokens=False) + [eos] for p in problems]
         batch = policy.make_batch(prefixes, [Sample(d, [0.0] * len(d), False) for d in demos], [0.0] * len(demos))
         opt.zero_grad(set_to_none=True)
-        loss = torch.zeros(())
+        loss, tokens = torch.zeros(()), utils.all_sum(batch["mask"].sum())  # every rank's demo tokens
         for rows in micro_slices(torch.arange(len(demos)), cfg.micro_batch):
-            part = -(policy.score(batch, rows)[0] * batch["mask"][rows]).sum() / batch["mask"].sum()
+            part = -(policy.score(batch, rows)[0] * batch["mask"][rows]).sum() / tokens
             part.backward()
             loss += part.detach()
+        utils.sum_grads(policy)
         opt.step()
-        log.log(-cfg.sft_steps + i + 1, {"sft_loss": loss.item()})
+        log.log(-cfg.sft_steps + i + 1, {"sft_loss": utils.all_sum(loss).item()})
 
 
 # ---------------------------------------------------------------- one step
@@ -377,8 +401,10 @@ def prepare(policy, batch: dict, cfg: Config) -> dict:
                                                             cfg.mis, cfg.mis_low, cfg.mis_high)
         keep, metrics = keep * kept, {**metrics, **s}
     batch["loss_mask"] = keep
-    batch["weights"] = loss_weights(keep, cfg.loss_agg, constant=cfg.loss_agg_constant or cfg.max_new_tokens)
-    batch["metrics"] = {**rollout_metrics(batch, rewards, cfg), **metrics}
+    # Global denominators: under torchrun the totals are every rank's (utils.batch_totals).
+    batch["weights"] = loss_weights(keep, cfg.loss_agg, **utils.batch_totals(keep), constant=cfg.loss_agg_constant or cfg.max_new_tokens)
+    # Means over ranks (equal rows per rank): exact for means and fractions, a per-rank average for std and max.
+    batch["metrics"] = utils.reduce_dict({**rollout_metrics(batch, rewards, cfg), **metrics}, mean=True)
     return batch
 
 
@@ -388,15 +414,15 @@ def update(policy, opt, batch: dict, cfg: Config) -> dict:
     n = len(batch["mask"])
     critic = list(policy.v.parameters()) if policy.has_critic and cfg.critic_max_grad_norm else []
     actor = [p for p in policy.parameters() if p.requires_grad and all(p is not c for c in critic)]
-    stats, updates = {"loss": 0.0, "grad_norm": 0.0, "skipped": 0}, 0
+    stats, means, updates = {"loss": 0.0, "grad_norm": 0.0, "skipped": 0}, {}, 0
     unit = batch["loss_mask"] if cfg.loss_agg == "token_mean" else (batch["loss_mask"].sum(1) > 0).float()  # what a denominator counts
     for _ in range(cfg.inner_epochs):
         order = torch.randperm(n) if cfg.minibatches > 1 else torch.arange(n)
         for mb in order.chunk(cfg.minibatches):
             # A minibatch is weighted as if it were the batch: by its share of the tokens (token_mean)
-            # or of the rows (seq_mean, constant). One minibatch keeps the weights exactly as they are.
-            share = 1.0 if cfg.minibatches == 1 else unit[mb].sum() / unit.sum()
-            tokens = batch["loss_mask"][mb].sum().clamp(min=1)  # logged stats are token means in every mode
+            # or of the rows (seq_mean, constant), over all ranks. One minibatch keeps the weights as they are.
+            share = 1.0 if cfg.minibatches == 1 else utils.all_sum(unit[mb].sum()) / utils.all_sum(unit.sum())
+            tokens = utils.all_sum(batch["loss_mask"][mb].sum()).clamp(min=1)  # logged stats are token means in every mode
             opt.zero_grad(set_to_none=True)
             total = torch.zeros(())
             for rows in micro_slices(mb, cfg.micro_batch):
@@ -415,8 +441,10 @@ def update(policy, opt, batch: dict, cfg: Config) -> dict:
                     loss, s["kl"] = loss + cfg.kl_coef * (kl * w).sum(), kl.detach()
                 loss.backward()
                 total += loss.detach()
-                for k, v in s.items():
-                    stats[k] = stats.get(k, 0.0) + ((v * batch["loss_mask"][rows]).sum() / tokens).item()
+                for k, v in s.items():  # this rank's share of the minibatch's token means
+                    means[k] = means.get(k, 0.0) + ((v * batch["loss_mask"][rows]).sum() / tokens).item()
+            utils.sum_grads(policy)  # torchrun: every rank now holds the whole batch's gradient
+            total = utils.all_sum(total)  # so that all ranks agree on skipping a non-finite step
             norm = torch.nn.utils.clip_grad_norm_(actor, cfg.max_grad_norm)
             # The critic may get its own clip, so that neither gradient's scale crowds out the other.
             critic_norm = torch.nn.utils.clip_grad_norm_(critic, cfg.critic_max_grad_norm) if critic else torch.zeros(())
@@ -430,6 +458,7 @@ def update(policy, opt, batch: dict, cfg: Config) -> dict:
             if critic:
                 stats["critic_grad_norm"] = stats.get("critic_grad_norm", 0.0) + critic_norm.item()
             updates += 1
+    stats.update(utils.reduce_dict(means))  # summed over ranks
     return {**{k: v / updates if k != "skipped" else v for k, v in stats.items()}, **batch["metrics"]}
 
 
@@ -443,15 +472,18 @@ def run_dir(cfg: Config) -> Path:
 def train(cfg: Config) -> Path:
     validate(cfg)
     policy, opt, source = build(cfg)
+    lead = utils.rank() == 0  # under torchrun only rank 0 writes: logs, checkpoints, the plot
     out = run_dir(cfg)
-    out.mkdir(parents=True, exist_ok=True)
     start, wall = 0, 0.0
-    if cfg.resume:
+    if cfg.resume:  # every rank reads the checkpoint: multi-node runs need --out on shared storage
         meta = utils.load_checkpoint(utils.latest_checkpoint(out), policy, opt)
         start, wall = meta["step"], meta["wall_s"]
         source.load_state(meta["source"])
-    utils.save_config(cfg, out / "config.yaml")
-    log = utils.Metrics(out, wall_offset=wall)
+    utils.split_rng()  # after any restored RNG state: ranks must not sample identical tokens
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
+        utils.save_config(cfg, out / "config.yaml")
+    log = utils.Metrics(out, wall_offset=wall) if lead else utils.NoMetrics()
     if cfg.sft_steps and not cfg.resume:
         log.log(-cfg.sft_steps, {f"{k}_before_sft": v for k, v in source.evaluate().items()})
         warm_start(policy, source, cfg, log)
@@ -459,9 +491,10 @@ def train(cfg: Config) -> Path:
         log.log(0, source.evaluate())  # the starting point of the RL curve
 
     def checkpoint(step: int) -> None:
-        utils.save_checkpoint(out, step, policy, opt, {"wall_s": log.wall(), "source": source.state()}, cfg.keep_ckpts)
+        if lead:
+            utils.save_checkpoint(out, step, policy, opt, {"wall_s": log.wall(), "source": source.state()}, cfg.keep_ckpts)
 
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not cfg.progress, dynamic_ncols=True)
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not (cfg.progress and lead), dynamic_ncols=True)
     step, last_eval, interrupted = start, {}, []
     # Ctrl-C finishes the current step, then checkpoints: a half-applied update is never saved.
     previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
@@ -471,15 +504,17 @@ def train(cfg: Config) -> Path:
             batch = prepare(policy, batch, cfg)  # 2. advantage
             stats = update(policy, opt, batch, cfg)  # 3. update
             source.publish(step + 1)  # 4. publish
-            stats["reward"] = (batch["rewards"] * batch["mask"]).sum(1).mean().item()  # 5. log
-            stats["steps_env"] = batch["mask"].sum().item()
-            stats.update(getattr(source, "breakdown", {}))
+            rollout = {"reward": (batch["rewards"] * batch["mask"]).sum(1).mean().item(),  # 5. log
+                       "steps_env": batch["mask"].sum().item() * utils.world(), **getattr(source, "breakdown", {})}
+            stats.update(utils.reduce_dict(rollout, mean=True))  # equal rows per rank: mean of means = batch mean
             log.log(step + 1, stats)
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 last_eval = source.evaluate()
                 log.log(step + 1, last_eval)
             bar.set_postfix(reward=f"{stats['reward']:.1f}", **{k: f"{v:.3g}" for k, v in last_eval.items()})
             solved = cfg.target and max(last_eval.get(k, -math.inf) for k in ("eval_return", "eval_accuracy")) >= cfg.target
+            if utils.reduce_dict({"stop": bool(interrupted)})["stop"]:  # a Ctrl-C seen by one rank stops all at this step
+                interrupted.append(True)
             if (step + 1) % cfg.ckpt_every == 0 or solved or interrupted or step + 1 == cfg.steps:
                 checkpoint(step + 1)
             if solved or interrupted:
@@ -490,20 +525,29 @@ def train(cfg: Config) -> Path:
         signal.signal(signal.SIGINT, previous)
         bar.close()
         log.close()
-    utils.plot(out, keys=("reward", "eval_return", "eval_accuracy"))
+    if lead:
+        utils.plot(out, keys=("reward", "eval_return", "eval_accuracy"))
     return out
 
 
 def main(argv: list[str]) -> int:
     try:
         cfg = utils.load_config(Config, argv)
+        utils.init_distributed(cfg.dist_timeout)
         out = train(cfg)
+        if utils.rank() == 0:
+            print(f"run saved to {out}")
     except utils.ConfigError as e:
         utils.stderr(f"error: {e}")
         return 2
-    print(f"run saved to {out}")
+    except Exception as e:
+        if utils.world() > 1:  # say which rank broke before torchrun's teardown buries it
+            utils.stderr(f"error: rank {utils.rank()} of {utils.world()} failed ({type(e).__name__}: {e}); torchrun stops the other ranks")
+        raise
+    finally:
+        utils.close_distributed()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(utils.record(main)(sys.argv[1:]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import datetime
 import difflib
 import json
 import os
@@ -13,7 +14,9 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import yaml
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: F401 (train.py: torchrun then reports a failed rank's traceback)
 from safetensors.torch import load_file, save_file
 
 
@@ -202,3 +205,90 @@ def load_checkpoint(ckpt: Path, policy: torch.nn.Module, opt: torch.optim.Optimi
 
 def stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- distributed
+# Data parallelism the plain way: torchrun starts one process per GPU (or CPU slot), each rank
+# rolls out its own share of the batch, and the only traffic is all-reduced sums (gradients, loss
+# denominators, statistics). In a plain `python train.py` every helper below is a no-op; under
+# torchrun every one is a collective, so all ranks must call it, in the same order.
+def init_distributed(timeout_s: float) -> None:
+    """Joins the group torchrun describes in RANK / WORLD_SIZE / LOCAL_RANK: CUDA tensors over NCCL,
+    CPU ones over gloo. A rank stuck in a collective for timeout_s raises rather than hangs."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # LLMPolicy's "cuda" is then this rank's GPU
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def close_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def all_sum(x: torch.Tensor) -> torch.Tensor:
+    """The sum of x over ranks, as a new tensor without grad (x itself in a single process)."""
+    if world() == 1:
+        return x
+    x = x.detach().clone()
+    dist.all_reduce(x)
+    return x
+
+
+def reduce_dict(values: dict[str, float], mean: bool = False) -> dict[str, float]:
+    """Sums (or averages) numbers over ranks; every rank must pass the same keys."""
+    total = all_sum(torch.tensor(list(values.values()), dtype=torch.float64))
+    return dict(zip(values, (total / world() if mean else total).tolist()))
+
+
+def batch_totals(mask: torch.Tensor) -> dict[str, float]:
+    """The whole batch's token and row counts for loss_weights: with one global denominator on every
+    rank, the sum of the ranks' gradients is the gradient of one backward on the whole batch."""
+    kept = (mask.sum(1) > 0).sum().item()  # a row masked out entirely (truncated, masked IS) is not counted
+    tokens, rows = all_sum(torch.tensor([mask.sum().item(), kept], dtype=torch.float64)).tolist()
+    return {"total_tokens": tokens, "total_rows": rows}
+
+
+def sum_grads(module: torch.nn.Module) -> None:
+    """Every rank's .grad becomes the sum over ranks. All reduces are queued before the first wait,
+    so hundreds of small LoRA tensors cost about one round trip, and no flat copy is needed."""
+    if world() > 1:
+        params = [p for p in module.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # a parameter this rank's micro-batches never reached still joins the sum
+                p.grad = torch.zeros_like(p)
+        for work in [dist.all_reduce(p.grad, async_op=True) for p in params]:
+            work.wait()
+
+
+@torch.no_grad()
+def broadcast_weights(module: torch.nn.Module) -> None:
+    """Rank 0's weights everywhere. Ranks then stay identical with no further syncing: they apply
+    the same summed gradients with the same optimizer."""
+    if world() > 1:
+        for t in module.state_dict().values():
+            dist.broadcast(t, 0)
+
+
+def split_rng() -> None:
+    """Rank r > 0 forks its own torch RNG stream off the shared one, so ranks sample different
+    actions and tokens; rank 0 keeps the stream a single process would have."""
+    if rank():
+        torch.manual_seed(int(torch.randint(2**62, ())) + rank())
+
+
+class NoMetrics:
+    """What ranks other than 0 log to: rank 0 alone writes the (all-reduced) numbers."""
+    def log(self, step: int, values: dict) -> None: pass  # noqa: E301,E704
+    def wall(self) -> float: return 0.0  # noqa: E301,E704
+    def close(self) -> None: pass  # noqa: E301,E704

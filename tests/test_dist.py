@@ -1,0 +1,270 @@
+"""Data parallelism under torchrun, on CPU with gloo: two ranks must train exactly like one process
+on the whole batch, split the work disjointly, and fail together and loudly.
+
+The module is also the torchrun worker for the checks that need live ranks:
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/test_dist.py OUT_DIR
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the torchrun worker runs this file as a script
+
+import train  # noqa: E402
+import utils  # noqa: E402
+from envs import CartPole  # noqa: E402
+from model import MLPPolicy, Sample  # noqa: E402
+
+BATCH = 8
+# Every loss/advantage path whose numbers depend on more than one row: the token-mean denominator
+# (all), batch-global means (reinforce_baseline), whitening (reinforce_pp, ppo), groups (grpo,
+# rloo), and a critic with a second epoch over micro-batches (ppo).
+CASES = {
+    "reinforce": [],
+    "reinforce_baseline": [],
+    "reinforce_pp": [],
+    "ppo": ["--inner-epochs", "2", "--micro-batch", "3"],
+    "grpo": ["--group-size", "4"],
+    "rloo": ["--group-size", "4", "--micro-batch", "1"],
+}
+
+
+def cfg_from(*argv):
+    return utils.load_config(train.Config, ["--no-progress", "--max-grad-norm", "1e9", *argv])
+
+
+def step_delta(algo: str, rows: slice) -> dict:
+    """One update with SGD(lr=1) on `rows` of a fixed 8-episode batch; returns the weight change,
+    which is minus the gradient (summed over ranks under torchrun)."""
+    cfg = cfg_from("--algo", algo, "--batch", str(BATCH), *CASES[algo])
+    torch.manual_seed(0)  # the same policy and the same whole batch on every rank
+    policy = MLPPolicy(4, 2, critic=algo == "ppo")
+    whole = CartPole().rollout(policy, BATCH, seed=3, group_size=cfg.group_size)
+    batch = {k: v[rows] for k, v in whole.items()}
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    batch = train.prepare(policy, batch, cfg)
+    train.update(policy, torch.optim.SGD(policy.parameters(), lr=1.0), batch, cfg)
+    return {k: before[k] - v for k, v in policy.state_dict().items()}
+
+
+def llm_step_delta(rows: slice) -> dict:
+    """The same for GRPO on a LoRA LLM (a one-layer tiny Llama), rows of different lengths."""
+    from model import LLMPolicy, build_tiny_model
+
+    cfg = cfg_from("--task", "arith", "--algo", "grpo", "--group-size", "4", "--batch", str(BATCH), "--micro-batch", "3")
+    torch.manual_seed(0)
+    policy = LLMPolicy(build_tiny_model(layers=1, hidden=64, heads=1, intermediate=128, max_len=64), lora_rank=4)
+    for name, p in policy.named_parameters():
+        if "lora_B" in name:  # PEFT starts B at 0, which would leave A without a gradient to compare
+            torch.nn.init.normal_(p, std=0.1)
+    g = torch.Generator().manual_seed(1)
+    prefixes = [torch.randint(4, 40, (3 + i % 3,), generator=g).tolist() for i in range(BATCH)]
+    samples = [Sample(torch.randint(4, 40, (1 + 2 * i,), generator=g).tolist(), [0.0] * (1 + 2 * i), True) for i in range(BATCH)]
+    whole = policy.make_batch(prefixes, samples, torch.randn(BATCH, generator=g).tolist())
+    whole["group"] = torch.arange(BATCH) // 4
+    batch = {k: v[rows] for k, v in whole.items()}
+    before = policy.trainable_state()
+    train.update(policy, torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0),
+                 train.prepare(policy, batch, cfg), cfg)
+    return {k: before[k] - v for k, v in policy.trainable_state().items()}
+
+
+class Oracle:
+    """A stand-in LLM policy with a known score: greedy answers eval problem i correctly iff
+    i % 3 == 0, sampled answers iff i % 2 == 0. With 10 problems: accuracy 4/10, pass@1 = pass@2 = 5/10."""
+
+    def __init__(self, task):
+        self.task, self.problems = task, task.eval_problems()
+        self.index = {p.prompt: i for i, p in enumerate(self.problems)}
+
+    def encode_prompt(self, prompt):
+        return [self.index[prompt]]
+
+    def generate(self, prefixes, max_new_tokens, gen_batch, greedy=False):
+        return [Sample([p[0], int(greedy)], [0.0, 0.0], False) for p in prefixes]
+
+    def decode(self, ids):
+        i, greedy = ids
+        right = i % 3 == 0 if greedy else i % 2 == 0
+        return self.task.solve(self.problems[i]) if right else "-12345"
+
+
+def eval_with_oracle() -> dict:
+    source = train.TaskRollouts(cfg_from("--task", "arith", "--eval-size", "10", "--pass-k", "2"), policy=None)
+    source.policy = Oracle(source.task)
+    return source.evaluate()
+
+
+# ---------------------------------------------------------------- the torchrun worker
+def worker(out: Path) -> None:
+    utils.init_distributed(timeout_s=60)
+    r, w = utils.rank(), utils.world()
+    report = {"rank": r, "world": w}
+    share = BATCH // w
+    for algo in CASES:  # each rank takes a contiguous block of whole groups
+        delta = step_delta(algo, slice(r * share, (r + 1) * share))
+        if r == 0:
+            save_file(delta, str(out / f"delta-{algo}.safetensors"))
+    delta = llm_step_delta(slice(r * share, (r + 1) * share))
+    if r == 0:
+        save_file(delta, str(out / "delta-llm.safetensors"))
+    source = train.TaskRollouts(cfg_from("--task", "arith"), policy=None)
+    report["drawn"] = [p.key for p in source.draw(4) + source.draw(4)]
+    report["position"] = source.position
+    cartpole = train.ControlRollouts(cfg_from("--batch", "4"), MLPPolicy(4, 2))
+    report["first_obs"] = cartpole.next(0)["obs"][:, 0].tolist()
+    report["eval"] = eval_with_oracle()
+    torch.manual_seed(100 + r)  # deliberately different weights per rank before the broadcast
+    policy = MLPPolicy(4, 2)
+    utils.broadcast_weights(policy)
+    save_file(policy.state_dict(), str(out / f"broadcast-{r}.safetensors"))
+    (out / f"rank-{r}.json").write_text(json.dumps(report))
+    utils.close_distributed()
+
+
+# ---------------------------------------------------------------- helpers for the tests
+def torchrun(*args, timeout=300, env=None):
+    """`torchrun --standalone --nproc_per_node=2 ARGS` from the repo root; returns the CompletedProcess."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ranks")
+    proc = torchrun(str(Path(__file__).resolve()), str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+
+
+def read_metrics(run: Path) -> dict:
+    return {k: [(s, v) for s, _, v in rows] for k, rows in utils.read_metrics(run / "metrics.csv").items()}
+
+
+# ---------------------------------------------------------------- tests
+@pytest.mark.parametrize("algo", CASES)
+def test_two_ranks_sum_to_the_one_process_gradient(ranks, algo):
+    out, _ = ranks
+    one = step_delta(algo, slice(None))
+    two = load_file(str(out / f"delta-{algo}.safetensors"))
+    assert one.keys() == two.keys()
+    assert any(v.abs().max() > 1e-3 for v in one.values())  # the update is not trivially zero
+    for k in one:
+        assert torch.allclose(one[k], two[k], atol=1e-6, rtol=0), (k, (one[k] - two[k]).abs().max())
+
+
+def test_two_ranks_sum_to_the_one_process_lora_gradient(ranks):
+    out, _ = ranks
+    one, two = llm_step_delta(slice(None)), load_file(str(out / "delta-llm.safetensors"))
+    assert one.keys() == two.keys() and len(one) == 14  # 7 projections x (A, B) in one layer
+    assert min(v.abs().max() for v in one.values()) > 1e-5  # every adapter tensor moves
+    for k in one:
+        assert torch.allclose(one[k], two[k], atol=1e-6, rtol=0), (k, (one[k] - two[k]).abs().max())
+
+
+def test_ranks_draw_disjoint_interleaved_problems_covering_one_process_stream(ranks):
+    _, (r0, r1) = ranks
+    single = train.TaskRollouts(cfg_from("--task", "arith"), policy=None)
+    keys = [p.key for p in single.draw(8)]
+    assert r0["drawn"] == keys[0:4:2] + keys[4:8:2] and r1["drawn"] == keys[1:4:2] + keys[5:8:2]
+    assert r0["position"] == r1["position"] == 8  # the global count: resumable with any world size
+
+
+def test_control_ranks_roll_out_from_different_seeds(ranks):
+    _, (r0, r1) = ranks
+    assert len(r0["first_obs"]) == 2 and r0["first_obs"] != r1["first_obs"]  # batch 4 = 2 episodes per rank
+
+
+def test_sharded_eval_reduces_to_the_one_process_numbers(ranks):
+    _, (r0, r1) = ranks
+    expected = {"eval_accuracy": 0.4, "eval_pass@1": 0.5, "eval_pass@2": 0.5}
+    assert eval_with_oracle() == pytest.approx(expected)
+    assert r0["eval"] == pytest.approx(expected) and r1["eval"] == pytest.approx(expected)
+
+
+def test_ranks_start_from_rank_zero_weights(ranks):
+    out, _ = ranks
+    torch.manual_seed(100)
+    rank0 = MLPPolicy(4, 2).state_dict()
+    for r in range(2):
+        got = load_file(str(out / f"broadcast-{r}.safetensors"))
+        assert all(torch.equal(got[k], rank0[k]) for k in rank0)
+
+
+def test_world_size_must_split_the_global_batch_into_whole_groups(monkeypatch):
+    cfg = cfg_from("--algo", "grpo", "--group-size", "4", "--batch", "12")
+    train.validate(cfg)  # one process: 3 groups are fine
+    monkeypatch.setattr(utils, "world", lambda: 2)
+    with pytest.raises(utils.ConfigError, match="2 ranks need a multiple of 8.*try --batch 16"):
+        train.validate(cfg)
+
+
+def test_two_rank_cartpole_run_checkpoints_once_and_resumes_on_one_rank(tmp_path):
+    run = tmp_path / "run"
+    proc = torchrun("train.py", "--task", "cartpole", "--algo", "reinforce_pp", "--batch", "8", "--steps", "3",
+                    "--eval-every", "3", "--eval-episodes", "2", "--no-progress", "--out", str(run))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("run saved to") == 1  # rank 0 alone reports, logs and checkpoints
+    assert [s for s, _ in read_metrics(run)["loss"]] == [1, 2, 3]
+    meta = json.loads((utils.latest_checkpoint(run) / "meta.json").read_text())
+    assert meta["step"] == 3 and meta["source"] == {"position": 6}  # 3 steps x 2 ranks' seeds
+    train.train(cfg_from("--resume", str(run), "--task", "cartpole", "--algo", "reinforce_pp", "--batch", "8",
+                         "--steps", "4", "--eval-every", "3", "--eval-episodes", "2"))
+    assert [s for s, _ in read_metrics(run)["loss"]] == [1, 2, 3, 4]
+    assert json.loads((utils.latest_checkpoint(run) / "meta.json").read_text())["source"] == {"position": 7}
+
+
+def test_two_rank_llm_grpo_run_resumes_on_one_rank(tmp_path):
+    run = tmp_path / "run"
+    argv = ["--task", "arith", "--model", "tiny", "--algo", "grpo", "--group-size", "4", "--batch", "8",
+            "--max-new-tokens", "4", "--eval-size", "6", "--no-progress", "--out", str(run)]
+    proc = torchrun("train.py", *argv, "--steps", "2", "--sft-steps", "1")  # the warm-start sums gradients too
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = read_metrics(run)
+    assert [s for s, _ in metrics["sft_loss"]] == [0] and metrics["sft_loss"][0][1] > 0
+    assert [s for s, _ in metrics["loss"]] == [1, 2] and [s for s, _ in metrics["eval_accuracy"]] == [0, 2]
+    assert all(v * 6 == round(v * 6) for _, v in metrics["eval_accuracy"])  # whole problems out of 6, summed over ranks
+    meta = json.loads((utils.latest_checkpoint(run) / "meta.json").read_text())
+    assert meta["source"] == {"position": 12}  # 8 warm-start demos + 2 steps x 2 prompts (one whole group per rank)
+    train.train(cfg_from(*argv[:-2], "--resume", str(run), "--steps", "3"))
+    assert [s for s, _ in read_metrics(run)["loss"]] == [1, 2, 3]
+    assert json.loads((utils.latest_checkpoint(run) / "meta.json").read_text())["source"] == {"position": 14}
+
+
+FAILING = """
+import sys, time
+import train, utils
+real = train.ControlRollouts.next
+def next_or_fail(self, step):
+    if utils.rank() == 1 and step == 1:
+        {action}
+    return real(self, step)
+train.ControlRollouts.next = next_or_fail
+sys.exit(utils.record(train.main)(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("action, timeout, message", [
+    ("raise RuntimeError('simulated crash')", "60", "rank 1 of 2 failed (RuntimeError: simulated crash)"),
+    ("time.sleep(600)", "5", "rank 0 of 2 failed"),  # a hung rank: rank 0's collective times out instead
+])
+def test_a_failing_rank_stops_the_whole_run_with_a_message(tmp_path, action, timeout, message):
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING.format(action=action))
+    proc = torchrun(str(script), "--batch", "4", "--steps", "5", "--eval-episodes", "2", "--no-progress",
+                    "--dist-timeout", timeout, "--out", str(tmp_path / "run"), timeout=180)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert not list((tmp_path / "run").glob("ckpt-*"))  # no checkpoint of a half-finished run
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]))
