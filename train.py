@@ -269,10 +269,12 @@ class TaskRollouts:
         """Sync mode generates with the live weights, so there is nothing to send."""
 
     def state(self) -> dict:
-        return {"position": self.position, "spread": [dataclasses.astuple(p) for p in self.spread]}
+        replay = {"spread": [dataclasses.astuple(p) for p in self.spread]} if self.cfg.prompt_reweight else {}
+        return {"position": self.position, **replay}
 
     def load_state(self, state: dict) -> None:
-        self.position, self.spread = state["position"], [tasks.Problem(*p) for p in state["spread"]]
+        self.position = state["position"]
+        self.spread = [tasks.Problem(*p) for p in state.get("spread", [])]  # absent: prompt_reweight was off
 
 
 class EnvRollouts(TaskRollouts):

@@ -52,7 +52,9 @@ def run(name: str, seed: int, args) -> float:
         if done.returncode:
             raise SystemExit(f"{name} seed {seed} failed:\n{done.stderr[-2000:]}")
         with open(Path(tmp) / "metrics.csv") as f:
-            return [float(r["value"]) for r in csv.DictReader(f) if r["key"] == "eval_accuracy"][-1]
+            accuracy = [float(r["value"]) for r in csv.DictReader(f) if r["key"] == "eval_accuracy"][-1]
+        print(f"{name} seed {seed}: {accuracy:.3f}", file=sys.stderr, flush=True)  # partial results survive a cut-off
+        return accuracy
 
 
 def table(scores: dict[str, list[float]], title: str) -> str:
