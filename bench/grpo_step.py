@@ -1,0 +1,313 @@
+"""Seconds per GRPO step on the tiny model: nanorl's loop against TRL's GRPOTrainer and a bare
+Hugging Face loop, all with 8 prompts x 8 completions of exactly 16 tokens and one backward.
+
+    nice -n -10 python bench/grpo_step.py [--steps 10] [--warmup 2] [--mode lora|full|both]
+        [--threads 1] [--trl-python /work/venv-trl/bin/python] [--trl-checkpointing] [--profile 5]
+
+Contenders (same tiny model, same LoRA r=16 all-linear or full fine-tuning, same lr, Adam):
+  nanorl: one loop iteration = TaskRollouts.next + prepare + update, pieces from train.build.
+  trl:    GRPOTrainer (transformers generate), run in its own process (--trl-python may name a
+          separate venv) and timed between consecutive on_step_end callbacks. Configured to do no
+          more model work than the others: beta=0 (no reference model), num_iterations=1 (no
+          old-logp pass) and gradient_checkpointing off unless --trl-checkpointing (TRL's default).
+  bare:   HF model.generate(do_sample=True) + one forward/backward of a plain policy gradient.
+Every completion is exactly 16 tokens: HF and TRL get min_new_tokens=16 (eos suppressed);
+nanorl's end-token set is emptied (eos_ids = {-1}) so no row stops early. The three take turns
+step by step (rotating order), so a noisy neighbour slows all of them alike; TRL's process
+blocks in a callback while the others run. Writes results/grpo_step.json.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import tasks  # noqa: E402
+from model import build_tiny_model, linear_names  # noqa: E402
+
+PROMPTS, GROUP, TOKENS, LR = 8, 8, 16, 3e-4
+TAG = "@@grpo_step "  # marks the worker's protocol lines among whatever TRL prints
+
+
+def arith_problems(start: int, n: int) -> list:
+    task = tasks.make_task("arith", seed=0, eval_size=50)
+    return [task.train_problem(start + i) for i in range(n)]
+
+
+def lora_config():
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    targets = linear_names(AutoModelForCausalLM.from_pretrained(build_tiny_model()))
+    return LoraConfig(r=16, lora_alpha=32, target_modules=targets, lora_dropout=0.0, task_type="CAUSAL_LM")
+
+
+# ---------------------------------------------------------------- contender 1: nanorl
+class Nanorl:
+    def __init__(self, lora: bool):
+        import train
+        import utils
+
+        flags = ["--task", "arith", "--algo", "grpo", "--batch", str(PROMPTS * GROUP), "--group-size", str(GROUP),
+                 "--max-new-tokens", str(TOKENS), "--gen-batch", str(PROMPTS * GROUP), "--lr", str(LR),
+                 "--eval-every", "1000000", "--lora" if lora else "--no-lora", "--no-progress"]
+        self.cfg = utils.load_config(train.Config, flags)
+        train.validate(self.cfg)
+        self.policy, self.opt, self.source = train.build(self.cfg)
+        # No end token: every row samples exactly TOKENS tokens, like min_new_tokens in the others.
+        self.policy.eos_ids = {-1}
+        self.train, self.n = train, 0
+
+    def step(self) -> dict:
+        c0, t0 = time.process_time(), time.perf_counter()
+        batch = self.source.next(self.n)
+        t1 = time.perf_counter()
+        batch = self.train.prepare(self.policy, batch, self.cfg)
+        self.train.update(self.policy, self.opt, batch, self.cfg)
+        t2 = time.perf_counter()
+        self.n += 1
+        assert int(batch["mask"].sum()) == PROMPTS * GROUP * TOKENS, "every completion must be TOKENS long"
+        return {"step": t2 - t0, "gen": t1 - t0, "update": t2 - t1, "cpu": time.process_time() - c0}
+
+
+# ---------------------------------------------------------------- contender 3: the bare loop
+class Bare:
+    def __init__(self, lora: bool):
+        from peft import get_peft_model
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = build_tiny_model()
+        torch.manual_seed(0)
+        self.tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        self.model = (get_peft_model(model, lora_config()) if lora else model).eval()
+        self.opt = torch.optim.Adam([p for p in self.model.parameters() if p.requires_grad], lr=LR)
+        self.n = 0
+
+    def step(self) -> dict:
+        c0, t0 = time.process_time(), time.perf_counter()
+        problems = [p for p in arith_problems(self.n * PROMPTS, PROMPTS) for _ in range(GROUP)]
+        self.n += 1
+        enc = self.tok([p.prompt for p in problems], return_tensors="pt", padding=True, padding_side="left")
+        P = enc["input_ids"].shape[1]
+        with torch.no_grad():
+            out = self.model.generate(**enc, do_sample=True, max_new_tokens=TOKENS, min_new_tokens=TOKENS, top_k=0,
+                                      top_p=1.0, temperature=1.0, pad_token_id=self.tok.pad_token_id)  # [N, P + T]
+        texts = self.tok.batch_decode(out[:, P:], skip_special_tokens=True)
+        r = torch.tensor([tasks.int_correct(p.prompt, t, p.answer) for p, t in zip(problems, texts)]).view(PROMPTS, GROUP)
+        adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1, 1)  # [N, 1]
+        t1 = time.perf_counter()
+        attn = torch.cat([enc["attention_mask"], torch.ones(len(out), TOKENS, dtype=torch.long)], 1)  # [N, P + T]
+        logits = self.model(input_ids=out, attention_mask=attn).logits[:, P - 1 : -1]  # [N, T, V]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, out[:, P:, None]).squeeze(-1)  # [N, T]
+        loss = -(adv * logp).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        t2 = time.perf_counter()
+        assert out.shape[1] - P == TOKENS
+        return {"step": t2 - t0, "gen": t1 - t0, "update": t2 - t1, "cpu": time.process_time() - c0}
+
+
+# ---------------------------------------------------------------- contender 2: TRL, in its own process
+def trl_worker(lora: bool, total_steps: int, threads: int, checkpointing: bool) -> None:
+    """Runs GRPOTrainer; after each optimizer step it prints one TAG line and waits for 'go'."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(threads)
+    path = build_tiny_model()
+    problems = arith_problems(0, PROMPTS * (total_steps + 2))
+    data = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
+
+    def int_reward(prompts, completions, answer, **_):
+        return [tasks.int_correct(p, c, a) for p, c, a in zip(prompts, completions, answer)]
+
+    clock = {"go": 0.0, "gen": 0.0, "cpu": 0.0}
+
+    def wait_for_go() -> None:
+        if sys.stdin.readline().strip() != "go":
+            sys.exit(0)
+        clock["go"], clock["gen"], clock["cpu"] = time.perf_counter(), 0.0, time.process_time()
+
+    class Timer(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            print(TAG + json.dumps({"ready": True}), flush=True)
+            wait_for_go()
+
+        def on_step_end(self, args, state, control, **kw):
+            step = time.perf_counter() - clock["go"]
+            print(TAG + json.dumps({"step": step, "gen": clock["gen"], "update": step - clock["gen"],
+                                    "cpu": time.process_time() - clock["cpu"]}), flush=True)
+            wait_for_go()
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="grpo_step_trl-"), use_cpu=True, bf16=False,
+                      per_device_train_batch_size=PROMPTS * GROUP, gradient_accumulation_steps=1,
+                      num_generations=GROUP, max_completion_length=TOKENS, generation_kwargs={"min_new_tokens": TOKENS},
+                      temperature=1.0, top_p=1.0, top_k=0, beta=0.0, num_iterations=1, learning_rate=LR,
+                      lr_scheduler_type="constant", max_grad_norm=1.0, gradient_checkpointing=checkpointing,
+                      max_steps=total_steps, logging_steps=10**6, save_strategy="no", report_to="none",
+                      disable_tqdm=True, shuffle_dataset=False, dataloader_num_workers=0, seed=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=int_reward, args=args, train_dataset=data,
+                          processing_class=AutoTokenizer.from_pretrained(path), peft_config=lora_config() if lora else None,
+                          callbacks=[Timer()])
+    score = trainer._generate_and_score_completions  # generation + rewards + advantages: the 'gen' share
+
+    def timed(*a, **k):
+        t = time.perf_counter()
+        out = score(*a, **k)
+        clock["gen"] += time.perf_counter() - t
+        return out
+
+    trainer._generate_and_score_completions = timed
+    trainer.train()
+
+
+class Trl:
+    def __init__(self, lora: bool, total_steps: int, python: str, threads: int, checkpointing: bool):
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+               "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+        cmd = [python, __file__, "--trl-worker", "--mode", "lora" if lora else "full",
+               "--total-steps", str(total_steps), "--threads", str(threads)] + ["--trl-checkpointing"] * checkpointing
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        self.read()  # ready
+
+    def read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(TAG):
+                return json.loads(line[len(TAG) :])
+        raise RuntimeError(f"TRL worker exited (rc {self.proc.wait()}); run it alone to see why: "
+                           f"{self.proc.args[0]} bench/grpo_step.py --trl-worker")
+
+    def step(self) -> dict:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        self.proc.stdin.write("go\n")  # releases the last on_step_end, so the trainer ends cleanly
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
+# ---------------------------------------------------------------- driver
+def summary(rows: list[dict]) -> dict:
+    out = {}
+    for key in ("step", "gen", "update", "cpu"):
+        xs = [r[key] for r in rows]
+        out[key] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+    out["samples"] = [round(r["step"], 4) for r in rows]
+    return out
+
+
+def measure(mode: str, args) -> dict:
+    lora, total = mode == "lora", args.warmup + args.steps
+    contenders = {"nanorl": Nanorl(lora), "bare": Bare(lora)}
+    if args.trl_python:
+        contenders["trl"] = Trl(lora, total, args.trl_python, args.threads, args.trl_checkpointing)
+    torch.set_num_threads(args.threads)  # after build(): nothing in this process may change it
+    times = {name: [] for name in contenders}
+    loads = []
+    names = list(contenders)
+    for i in range(total):
+        for name in names[i % len(names) :] + names[: i % len(names)]:  # rotate who goes first
+            t = contenders[name].step()
+            if i >= args.warmup:
+                times[name].append(t)
+        loads.append(os.getloadavg()[0])
+        print(f"  {mode} step {i}: " + "  ".join(f"{n} {times[n][-1]['step']:.3f}s" if i >= args.warmup else f"{n} warm-up"
+                                                 for n in names), flush=True)
+    if "trl" in contenders:
+        contenders["trl"].close()
+    result = {name: summary(rows) for name, rows in times.items()}
+    result["load_1min"] = {"median": statistics.median(loads), "min": min(loads), "max": max(loads)}
+    if args.profile:
+        result["nanorl_profile"] = profile(contenders["nanorl"], args.profile)
+    return result
+
+
+def profile(nano: Nanorl, steps: int) -> str:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        nano.step()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(35)
+    return text.getvalue()
+
+
+def table(results: dict) -> str:
+    lines = ["| mode | contender | s/step median | min | max | generation (median) | update (median) | CPU s/step (median) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for mode, res in results.items():
+        for name in ("nanorl", "trl", "bare"):
+            if name in res:
+                s = res[name]
+                lines.append(f"| {mode} | {name} | {s['step']['median']:.3f} | {s['step']['min']:.3f} | {s['step']['max']:.3f} "
+                             f"| {s['gen']['median']:.3f} | {s['update']['median']:.3f} | {s['cpu']['median']:.3f} |")
+    for mode, res in results.items():
+        nano = res["nanorl"]["step"]["median"]
+        cpu = res["nanorl"]["cpu"]["median"]
+        ratios = [f"nanorl/{n} = {nano / res[n]['step']['median']:.2f}x (CPU time {cpu / res[n]['cpu']['median']:.2f}x)"
+                  for n in ("trl", "bare") if n in res]
+        lines.append(f"\n{mode}: " + ", ".join(ratios) + f"; 1-min load during the run: median {res['load_1min']['median']:.1f} "
+                     f"(min {res['load_1min']['min']:.1f}, max {res['load_1min']['max']:.1f})")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=10, help="measured steps per contender (after the warm-up)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--mode", choices=["lora", "full", "both"], default="lora")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for every contender (1 on a busy 2-core box)")
+    ap.add_argument("--trl-python", default=sys.executable, help="python with trl installed; '' skips TRL")
+    ap.add_argument("--trl-checkpointing", action="store_true",
+                    help="TRL's own default (recomputes the forward in backward); off by default: nobody else does it")
+    ap.add_argument("--profile", type=int, default=0, help="then cProfile this many nanorl steps")
+    ap.add_argument("--out", default=str(ROOT / "results" / "grpo_step.json"))
+    ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--total-steps", type=int, default=12, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.trl_worker:
+        return trl_worker(args.mode == "lora", args.total_steps, args.threads, args.trl_checkpointing)
+    build_tiny_model()  # built once here, so the TRL worker never races to build it
+    modes = ["lora", "full"] if args.mode == "both" else [args.mode]
+    load_before = os.getloadavg()
+    results = {mode: measure(mode, args) for mode in modes}
+    report = table(results)
+    print(report)
+    for mode, res in results.items():
+        if "nanorl_profile" in res:
+            print(f"\n--- cProfile of {args.profile} nanorl steps ({mode}) ---\n{res['nanorl_profile']}")
+    meta = {"threads": args.threads, "prompts": PROMPTS, "group": GROUP, "tokens": TOKENS, "lr": LR,
+            "warmup": args.warmup, "steps": args.steps, "trl_gradient_checkpointing": args.trl_checkpointing, "nice": os.nice(0), "load_before": load_before,
+            "load_after": os.getloadavg(), "torch": torch.__version__, "cpus": os.cpu_count(),
+            "command": " ".join(sys.argv)}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "results": results, "table": report}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

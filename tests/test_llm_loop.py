@@ -1,0 +1,99 @@
+"""The one loop on language-model tasks: GRPO on the tiny model, warm-start, multi-turn, debug samples."""
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import tasks
+import train
+import utils
+from model import build_tiny_model
+
+
+def digit_share(prompt, completion, answer):
+    """A dense reward a random model already earns sometimes, so every group has spread."""
+    return sum(c.isdigit() for c in completion) / max(len(completion), 1)
+
+
+class Digits(tasks.Arith):
+    name, rewards = "digits", [(digit_share, 1.0)]
+
+
+@pytest.fixture(autouse=True)
+def digits_task(monkeypatch):
+    monkeypatch.setitem(tasks.TASKS, "digits", Digits)
+    monkeypatch.setitem(train.TASKS, "digits", train.TaskRollouts)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), layers=2, hidden=128, heads=2, intermediate=256)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny matmuls on two contended threads run ~10x slower than on one.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def run(tmp_path, tiny, *argv):
+    cfg = utils.load_config(train.Config, ["--model", tiny, "--out", str(tmp_path / "run"), "--no-progress",
+                                           "--batch", "8", "--group-size", "4", "--eval-size", "4", *argv])
+    return train.train(cfg)
+
+
+def adapter(out):
+    return load_file(str(utils.latest_checkpoint(out) / "weights.safetensors"))
+
+
+def test_tiny_grpo_run_changes_only_the_adapter(tmp_path, tiny):
+    torch.manual_seed(0)
+    policy, _, _ = train.build(utils.load_config(train.Config, ["--task", "digits", "--model", tiny]))
+    init = policy.trainable_state()
+    out = run(tmp_path, tiny, "--task", "digits", "--algo", "grpo", "--steps", "3", "--max-new-tokens", "4", "--lr", "1e-2")
+    trained = adapter(out)
+    assert set(trained) == set(init) and all("lora_" in k for k in trained)
+    assert any(not torch.equal(trained[k], init[k]) for k in trained)
+    metrics = utils.read_metrics(out / "metrics.csv")
+    assert [s for s, _, _ in metrics["loss"]] == [1, 2, 3]
+    assert [s for s, _, _ in metrics["eval_accuracy"]][0] == 0  # the RL curve starts at step 0
+    assert all(v == pytest.approx(1.0, abs=1e-5) for _, _, v in metrics["ratio"])  # on-policy, one epoch
+
+
+def test_warm_start_logs_before_and_after_and_rl_starts_at_step_zero(tmp_path, tiny):
+    out = run(tmp_path, tiny, "--task", "arith", "--algo", "rloo", "--steps", "1", "--max-new-tokens", "4",
+              "--sft-steps", "3", "--no-lora", "--lr", "1e-4")
+    metrics = utils.read_metrics(out / "metrics.csv")
+    assert [s for s, _, _ in metrics["sft_loss"]] == [-2, -1, 0]
+    assert [s for s, _, _ in metrics["eval_accuracy_before_sft"]] == [-3]
+    assert metrics["sft_loss"][-1][2] < metrics["sft_loss"][0][2]  # supervised steps on solver demos reduce the loss
+
+
+def test_kl_to_the_adapter_free_reference_is_logged_and_starts_at_zero(tmp_path, tiny):
+    out = run(tmp_path, tiny, "--task", "digits", "--algo", "grpo", "--steps", "2", "--max-new-tokens", "4", "--kl-coef", "0.1",
+              "--lr", "1e-2")
+    kl = utils.read_metrics(out / "metrics.csv")["kl"]
+    assert kl[0][2] == pytest.approx(0.0, abs=1e-6)  # LoRA B starts at 0: policy == reference
+    assert kl[1][2] > 0
+
+
+def test_debug_samples_print_prompt_completion_and_reward_breakdown(tmp_path, tiny, capsys):
+    run(tmp_path, tiny, "--task", "arith", "--algo", "grpo", "--steps", "1", "--max-new-tokens", "3",
+        "--debug-samples", "2", "--eval-every", "1")
+    err = capsys.readouterr().out
+    assert err.count("--- step 0 prompt:") == 2 and "'int_correct':" in err and "answer:" in err
+
+
+def test_multiturn_grpo_run_completes_with_the_tiny_model(tmp_path, tiny):
+    out = run(tmp_path, tiny, "--task", "countdown_multiturn", "--algo", "grpo", "--steps", "1", "--max-new-tokens", "6",
+              "--max-turns", "2", "--max-len", "400", "--eval-size", "2")
+    metrics = utils.read_metrics(out / "metrics.csv")
+    assert 1 <= metrics["turns"][0][2] <= 2
+    assert {"eval_accuracy", "eval_accuracy_first_turn"} <= set(metrics)
+
+
+def test_ppo_on_an_llm_task_is_refused_with_the_fix():
+    with pytest.raises(utils.ConfigError, match="use grpo, rloo or reinforce_pp"):
+        train.validate(utils.load_config(train.Config, ["--task", "arith", "--algo", "ppo"]))
