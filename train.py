@@ -86,8 +86,8 @@ class Config:
     tis: str = "off"  # truncated IS against sampler/trainer mismatch: token or sequence ratio, capped at tis_cap
     tis_cap: float = 2.0  # the cap; 2 keeps the variance bounded while correcting typical vLLM-vs-trainer gaps
     mis: str = "off"  # masked IS: token or sequence whose sampler/trainer ratio leaves [mis_low, mis_high] is dropped
-    mis_low: float = 0.5  # masked-IS lower bound on the ratio
-    mis_high: float = 2.0  # masked-IS upper bound on the ratio
+    mis_low: float = 0.5  # masked IS keeps ratios in [0.5, 2]: only tokens the two engines disagree on 2x or more go
+    mis_high: float = 2.0  # the upper end, symmetric to mis_low in log space
     dynamic_sampling: bool = False  # drop groups whose rewards all agree (no GRPO/RLOO gradient) and draw more prompts (DAPO)
     max_gen_batches: int = 3  # dynamic sampling: generation rounds per step at most; a short batch trains when they run out
     prompt_reweight: float = 0.0  # share of each step's prompts replayed from recent prompts whose groups had reward spread
