@@ -5,6 +5,10 @@ Contract: every estimator is `fn(batch, cfg) -> adv [N, T]`, reading per-step `r
 `last_value` [N] and `terminated` [N]. Positions with mask == 0 get advantage 0. An estimator
 that trains a critic also stores its regression targets in `batch["returns"]`. Adding an
 algorithm is one function and one entry in ALGOS; the loss below never changes.
+
+Below the estimators: `loss_weights` (how tokens are aggregated: AGGREGATIONS), the one
+`policy_loss` (PPO clip / GSPO / CISPO: LOSSES), `value_loss`, the KL estimators (KL) and the
+sampler/trainer mismatch corrections (`importance_correction`: IS_LEVELS).
 """
 from __future__ import annotations
 
@@ -126,29 +130,99 @@ ALGOS = {
 GROUPED = {"grpo", "rloo"}  # estimators that need group_size >= 2
 
 
-def loss_weights(mask: torch.Tensor, total_tokens: float | None = None, total_rows: float | None = None) -> torch.Tensor:
-    """Token-mean weights over the whole batch. Computing them once, before any micro-batching,
-    is what makes the sum of micro-batch gradients equal one big backward. Under torchrun the
-    totals are the whole batch's over all ranks (utils.batch_totals); total_rows is for
-    row-normalised modes."""
-    tokens = mask.sum() if total_tokens is None else torch.tensor(float(total_tokens))
-    return mask / tokens.clamp(min=1)  # [N, T], sums to 1 over the whole batch
+AGGREGATIONS = ("token_mean", "seq_mean", "constant")
 
 
-def policy_loss(logp, old_logp, adv, weights, clip_eps: float):
-    """Clipped importance-ratio surrogate (PPO). With old_logp == logp.detach() the ratio is
-    exactly 1 and this is the plain policy gradient."""
+def loss_weights(mask: torch.Tensor, mode: str = "token_mean", total_tokens=None, total_rows=None, constant=None) -> torch.Tensor:
+    """Per-token loss weights [N, T] whose denominators span the whole batch, computed once before
+    any micro-batching, so the sum of micro-batch gradients equals one big backward. A rank of a
+    data-parallel run passes the all-reduced totals; by default they are this batch's.
+      token_mean: every token counts the same (DAPO): mask / tokens.
+      seq_mean:   token-mean inside each row, then mean over rows (the GRPO paper): mask / (len_i * rows).
+      constant:   mask / (rows * constant) (Dr. GRPO): no length bias; constant = the token budget."""
+    tokens = mask.sum() if total_tokens is None else torch.as_tensor(float(total_tokens))
+    rows = float((mask.sum(1) > 0).sum()) if total_rows is None else float(total_rows)  # a fully masked row is not counted
+    if mode == "token_mean":
+        return mask / tokens.clamp(min=1)
+    if mode == "seq_mean":  # a row's length is its own: no collective needed
+        return mask / (mask.sum(1, keepdim=True).clamp(min=1) * max(rows, 1))
+    if mode == "constant":
+        if not constant:
+            raise ValueError("loss aggregation 'constant' needs constant= (tokens per row, e.g. max_new_tokens)")
+        return mask / (max(rows, 1) * constant)
+    raise ValueError(f"unknown loss aggregation '{mode}' (choices: {', '.join(AGGREGATIONS)})")
+
+
+LOSSES = ("ppo", "gspo", "cispo")
+IS_LEVELS = ("off", "token", "sequence")  # sampler/trainer mismatch corrections
+
+
+def policy_loss(logp, old_logp, adv, weights, mask, loss: str = "ppo", eps_low: float = 0.2, eps_high: float = 0.2,
+                dual_clip: float = 0.0):
+    """The one policy loss, summed with `weights`; all inputs [n, T], only logp carries grad.
+      ppo:   max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), r = exp(logp - old_logp); eps_high >
+             eps_low is DAPO's clip-higher. dual_clip = c > 1 caps a negative-advantage token's loss
+             at -c A, so one huge ratio cannot dominate the batch.
+      gspo:  the same clip on the row's length-normalised ratio s = exp(mean_t(logp - old_logp)); its
+             value is s on every token and its gradient flows token by token (GSPO-token), which
+             equals GSPO's gradient under seq_mean aggregation. GSPO wants eps ~ 3e-4 / 4e-4.
+      cispo: -sg(clip(r)) A logp: clipping bounds the weight, yet every token keeps its gradient.
+    With old_logp == logp.detach() the ratio is 1 and every variant is the plain policy gradient.
+    Returns (loss, per-token stats [n, T] to be averaged by the caller)."""
     ratio = torch.exp(logp - old_logp)  # [n, T]
-    surr = torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip_eps, 1 + clip_eps))
-    clipped = ((ratio - 1).abs() > clip_eps).float()
-    return (surr * weights).sum(), {"ratio": (ratio * weights).sum().detach(), "clip_frac": (clipped * weights).sum()}
+    if loss == "gspo":
+        seq = ((logp - old_logp) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # [n, 1]
+        ratio = torch.exp(seq).detach() * torch.exp(logp - logp.detach())  # [n, T]: value s_i, grad d logp_t
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+    if loss == "cispo":
+        surr = -clipped.detach() * adv * logp
+    else:
+        surr = torch.max(-adv * ratio, -adv * clipped)
+        if dual_clip:
+            surr = torch.where(adv < 0, torch.min(surr, -dual_clip * adv), surr)
+    r = ratio.detach()
+    stats = {"ratio": r, "clip_frac_low": (r < 1 - eps_low).float(), "clip_frac_high": (r > 1 + eps_high).float(),
+             "approx_kl": kl_k3(old_logp, logp.detach())}  # k3 of KL(old || new) per token, on the old policy's samples
+    return (surr * weights).sum(), stats
 
 
-def value_loss(values, returns, weights):
-    return 0.5 * (((values - returns) ** 2) * weights).sum()
+def value_loss(values, returns, weights, old_values=None, clip: float = 0.0):
+    """Half squared error; with clip > 0 the pessimistic max with the error of a value kept within
+    `clip` of the pre-update one (PPO's value clipping)."""
+    err = (values - returns) ** 2
+    if clip:
+        err = torch.max(err, (old_values + (values - old_values).clamp(-clip, clip) - returns) ** 2)
+    return 0.5 * (err * weights).sum()
+
+
+# KL(policy || ref) per token from samples of the policy, d = ref_logp - logp (Schulman's k1, k2, k3):
+# k1 is unbiased but goes negative, k2 is low variance but biased, k3 is unbiased and always >= 0.
+KL = {
+    "k1": lambda logp, ref_logp: logp - ref_logp,
+    "k2": lambda logp, ref_logp: 0.5 * (logp - ref_logp) ** 2,
+    "k3": lambda logp, ref_logp: torch.exp(ref_logp - logp) - (ref_logp - logp) - 1,
+}
 
 
 def kl_k3(logp, ref_logp):
-    """Schulman's k3 estimator of KL(policy || ref) per token: unbiased, always >= 0, low variance."""
-    d = ref_logp - logp
-    return torch.exp(d) - d - 1
+    return KL["k3"](logp, ref_logp)
+
+
+def importance_correction(old_logp, sampler_logp, mask, tis: str, tis_cap: float, mis: str, mis_low: float, mis_high: float):
+    """Sampler/trainer mismatch (e.g. vLLM vs the trainer's kernels): r = p_trainer / p_sampler per
+    token ("token") or the product over the row ("sequence"). Truncated IS multiplies the policy
+    loss by min(r, tis_cap); masked IS drops tokens (rows) whose r leaves [mis_low, mis_high]
+    (both ends kept). Returns (weight [N, T], keep [N, T], stats of the raw ratios)."""
+    log_r = (old_logp - sampler_logp) * mask  # [N, T]
+    level = {"token": log_r, "sequence": log_r.sum(1, keepdim=True).expand_as(log_r)}
+    weight, keep = torch.ones_like(mask), mask
+    if tis != "off":
+        weight = level[tis].exp().clamp(max=tis_cap)
+    if mis != "off":
+        r = level[mis].exp()
+        keep = mask * ((r >= mis_low) & (r <= mis_high)).float()
+    tokens = mask.sum().clamp(min=1)
+    stats = {"is_ratio_mean": (log_r.exp() * mask).sum() / tokens, "is_ratio_max": (log_r.exp() * mask).max(),
+             "is_capped_frac": ((weight < level[tis].exp()).float() * mask).sum() / tokens if tis != "off" else 0.0,
+             "is_masked_frac": (mask - keep).sum() / tokens}
+    return weight, keep, {k: float(v) for k, v in stats.items()}

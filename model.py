@@ -193,7 +193,7 @@ class LLMPolicy(nn.Module):
     def __init__(self, model: str, *, lora: bool = True, lora_rank: int = 16, lora_alpha: int = 32,
                  lora_targets: str = "all-linear", lora_dropout: float = 0.0, dtype: str = "fp32",
                  temperature: float = 1.0, top_p: float = 1.0, chat_template: bool = True,
-                 thinking: bool = False, kl_coef: float = 0.0, device: str | None = None):
+                 thinking: bool = False, kl_coef: float = 0.0, critic: bool = False, device: str | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         super().__init__()
@@ -216,6 +216,13 @@ class LLMPolicy(nn.Module):
         # A frozen LoRA base may live in bf16; anything trained stays fp32 (autocast does the bf16 compute).
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype] if lora else torch.float32).to(self.device)
         self.model = add_lora(lm, lora_targets, lora_rank, lora_alpha, lora_dropout) if lora else lm
+        # PPO's critic: a linear head on the last hidden state, trained through the same adapter (or
+        # weights); zero-initialised so the first values are 0 rather than noise of the reward's scale.
+        self.has_critic = critic
+        self.v = nn.Linear(lm.get_output_embeddings().in_features, 1).to(self.device) if critic else None
+        if critic:
+            nn.init.zeros_(self.v.weight)
+            nn.init.zeros_(self.v.bias)
         self.ref_model = None
         if not lora and kl_coef > 0:
             warnings.warn("full fine-tuning with kl_coef > 0 keeps a frozen copy of the whole model as the KL "
@@ -324,10 +331,10 @@ class LLMPolicy(nn.Module):
 
     # ------------------------------------------------------------ scoring
     def score(self, batch: dict, rows):
-        """(logp [n, L], entropy [n, L], None) at temperature, with grad, filled where mask == 1
-        (0 elsewhere: the loss weights are 0 there, so the LM head is not run on prompts)."""
-        logp, entropy = self._token_logp(self.model, batch, rows)
-        return logp, entropy, None
+        """(logp [n, L], entropy [n, L], values [n, L] or None) at temperature, with grad, filled where
+        mask == 1 (0 elsewhere: the loss weights are 0 there, so the LM head is not run on prompts).
+        values[:, t] is the critic's estimate before token t, read where the logits for token t are."""
+        return self._token_logp(self.model, batch, rows, self.v)
 
     @torch.no_grad()
     def ref_logp(self, batch: dict, rows) -> torch.Tensor:
@@ -340,7 +347,7 @@ class LLMPolicy(nn.Module):
             raise utils.ConfigError("ref_logp under full fine-tuning needs the frozen copy made only when kl_coef > 0")
         return self._token_logp(self.ref_model, batch, rows)[0]
 
-    def _token_logp(self, lm: nn.Module, batch: dict, rows):
+    def _token_logp(self, lm: nn.Module, batch: dict, rows, head: nn.Module | None = None):
         dev = self.device
         mask = batch["mask"][rows].to(dev)  # [n, L]
         n, L = mask.shape
@@ -350,8 +357,8 @@ class LLMPolicy(nn.Module):
         tokens = batch["tokens"][rows, :end].to(dev)  # [n, end]
         attn = batch["attn"][rows, :end].to(dev).long()  # [n, end]
         with self.autocast():  # logits for positions first-1 .. end-1 only: they predict tokens first .. end
-            logits = lm(input_ids=tokens, attention_mask=attn, logits_to_keep=end - first + 1).logits[:, :-1]
-        # logits: [n, end - first, V]
+            fwd = lm(input_ids=tokens, attention_mask=attn, logits_to_keep=end - first + 1, output_hidden_states=head is not None)
+        logits = fwd.logits[:, :-1]  # [n, end - first, V]
         sel = mask[:, first:end] > 0  # [n, end-first]
         lg = logits[sel].float() / self.temperature  # [k, V], fp32 like the sampler
         lse = lg.logsumexp(-1)  # [k]
@@ -360,7 +367,11 @@ class LLMPolicy(nn.Module):
         with torch.no_grad():
             entropy[:, first:end][sel] = lse - (lg.softmax(-1) * lg).sum(-1)
         out = batch["mask"].device  # the loop's weights live there
-        return logp.to(out), entropy.to(out)
+        if head is None:
+            return logp.to(out), entropy.to(out), None
+        values = torch.zeros(n, L, device=dev)  # [n, L]
+        values[:, first:end][sel] = head(fwd.hidden_states[-1][:, first - 1 : end - 1][sel].float()).squeeze(-1)  # states predicting first .. end-1
+        return logp.to(out), entropy.to(out), values.to(out)
 
     # ------------------------------------------------------------ weights
     def trainable_state(self) -> dict[str, torch.Tensor]:

@@ -12,6 +12,8 @@ batches in stage 1.
 """
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 import signal
 import sys
@@ -23,7 +25,8 @@ import torch
 from tqdm import tqdm
 
 import utils
-from algos import ALGOS, GROUPED, kl_k3, loss_weights, policy_loss, value_loss
+from algos import (AGGREGATIONS, ALGOS, GROUPED, IS_LEVELS, KL, LOSSES, EPS, group_baseline, importance_correction,
+                   loss_weights, masked_mean, policy_loss, value_loss)
 import serve
 import tasks
 from envs import EVAL_SEED, TEXT_ENVS, CartPole, multiturn_metrics, rollout_multiturn
@@ -43,13 +46,20 @@ class Config:
     lr: float = 0.005  # CartPole REINFORCE, 8 seeds: 5e-3 solved all (median 33k env steps); 1e-2 left one at 600k
     gamma: float = 0.99  # CartPole's 500-step horizon wants a long (~100-step) credit window
     lam: float = 0.95  # GAE bias/variance trade-off; 0.95 is the PPO paper's value and rarely worth tuning
-    clip_eps: float = 0.2  # PPO ratio clip; irrelevant when inner_epochs == 1 (ratio == 1)
+    loss: str = "ppo"  # ppo (token ratio), gspo (sequence ratio: use eps ~3e-4/4e-4) or cispo (clipped IS weight, no token loses its gradient)
+    eps_low: float = 0.2  # ratio clip below 1; irrelevant while the ratio is exactly 1 (one epoch, one minibatch)
+    eps_high: float = 0.2  # ratio clip above 1; DAPO's clip-higher (0.28) lets unlikely tokens grow, keeping entropy up
+    dual_clip: float = 0.0  # caps a negative-advantage token's loss at c*|A| (c > 1, e.g. 3) when its ratio explodes; 0 = off
+    loss_agg: str = "token_mean"  # token_mean (DAPO), seq_mean (GRPO paper: long answers weigh less) or constant (Dr. GRPO: no length bias)
+    loss_agg_constant: int = 0  # the constant mode's tokens per row; 0 = max_new_tokens
     inner_epochs: int = 1  # passes over each batch; >1 makes the update off-policy (PPO uses 4)
     minibatches: int = 1  # optimizer steps per epoch; 1 keeps the first-epoch ratio exactly 1
     micro_batch: int = 0  # rows per forward/backward (0 = the whole minibatch); only memory changes
     max_grad_norm: float = 1.0  # clips rare huge-return batches that would otherwise undo learning
     ent_coef: float = 0.0  # entropy bonus; CartPole solves without it
     vf_coef: float = 0.5  # value-loss weight for PPO's critic (separate trunk, so it rarely matters)
+    vf_clip: float = 0.0  # keeps new values within this distance of the pre-update ones (PPO value clipping); 0 = off
+    critic_max_grad_norm: float = 0.0  # > 0 clips the critic's own parameters separately (the actor keeps max_grad_norm); 0 = one clip
     dr_grpo: bool = False  # GRPO without std scaling (Dr. GRPO): no up-weighting of near-uniform groups
     hidden: int = 64  # MLP width: CartPole needs little, and small is fast
     eval_every: int = 5  # steps between greedy evals; one 10-episode eval costs about one step
@@ -71,7 +81,18 @@ class Config:
     top_p: float = 1.0  # < 1 samples from a distribution the loss does not model (warned)
     max_new_tokens: int = 256  # completion budget; a truncated completion gets no end token
     gen_batch: int = 64  # sequences per generation call; bigger is faster until memory runs out
-    kl_coef: float = 0.0  # KL to the reference (k3); RL-from-verifiable-rewards usually needs none
+    kl_coef: float = 0.0  # KL to the reference; RL-from-verifiable-rewards usually needs none
+    kl_estimator: str = "k3"  # k1 (unbiased, can go negative), k2 (low variance, biased) or k3 (unbiased, >= 0)
+    kl_in_reward: bool = False  # subtract kl_coef * KL from each token's reward before the advantage, instead of a loss term
+    tis: str = "off"  # truncated IS against sampler/trainer mismatch: token or sequence ratio, capped at tis_cap
+    tis_cap: float = 2.0  # the cap; 2 keeps the variance bounded while correcting typical vLLM-vs-trainer gaps
+    mis: str = "off"  # masked IS: token or sequence whose sampler/trainer ratio leaves [mis_low, mis_high] is dropped
+    mis_low: float = 0.5  # masked IS keeps ratios in [0.5, 2]: only tokens the two engines disagree on 2x or more go
+    mis_high: float = 2.0  # the upper end, symmetric to mis_low in log space
+    dynamic_sampling: bool = False  # drop groups whose rewards all agree (no GRPO/RLOO gradient) and draw more prompts (DAPO)
+    max_gen_batches: int = 3  # dynamic sampling: generation rounds per step at most; a short batch trains when they run out
+    prompt_reweight: float = 0.0  # share of each step's prompts replayed from recent prompts whose groups had reward spread
+    mask_truncated: bool = False  # completions that hit max_new_tokens leave the loss (DAPO overlong filtering)
     chat_template: bool = True  # use the tokenizer's chat template when it has one
     thinking: bool = False  # enable_thinking for hybrid-thinking templates (Qwen3): long, slow answers
     eval_size: int = 100  # held-out problems; 100 gives a +-5% accuracy estimate
@@ -115,10 +136,24 @@ def validate(cfg: Config) -> None:
     if cfg.batch % unit:
         raise err(f"--batch {cfg.batch} is the global batch: {utils.world()} ranks need a multiple of {unit} (ranks x "
                   f"whole groups of --group-size x --minibatches); try --batch {unit * -(-cfg.batch // unit)}")
-    if not (0 < cfg.gamma <= 1 and 0 <= cfg.lam <= 1 and cfg.lr > 0 and cfg.clip_eps > 0):
-        raise err("need 0 < gamma <= 1, 0 <= lam <= 1, lr > 0 and clip_eps > 0")
-    if cfg.algo == "ppo" and cfg.task not in CONTROL:
-        raise err("--algo ppo needs a critic and the LLM policy has none; use grpo, rloo or reinforce_pp")
+    if not (0 < cfg.gamma <= 1 and 0 <= cfg.lam <= 1 and cfg.lr > 0):
+        raise err("need 0 < gamma <= 1, 0 <= lam <= 1 and lr > 0")
+    for name, valid in {"loss": LOSSES, "loss_agg": AGGREGATIONS, "kl_estimator": KL, "tis": IS_LEVELS, "mis": IS_LEVELS}.items():
+        if getattr(cfg, name) not in valid:
+            value = getattr(cfg, name)
+            raise err(f"unknown --{name.replace('_', '-')} '{value}'{utils.closest(value, valid)} (choices: {', '.join(valid)})")
+    if not (0 < cfg.eps_low <= 1 and cfg.eps_high > 0) or 0 < cfg.dual_clip <= 1:
+        raise err(f"need 0 < eps_low <= 1, eps_high > 0 and dual_clip 0 (off) or > 1 (got {cfg.eps_low}, {cfg.eps_high}, {cfg.dual_clip})")
+    if cfg.tis_cap < 1 or not 0 < cfg.mis_low <= 1 <= cfg.mis_high:
+        raise err("need tis_cap >= 1 and mis_low <= 1 <= mis_high, so that agreeing sampler and trainer get weight 1")
+    if cfg.kl_in_reward and not cfg.kl_coef:
+        raise err("--kl-in-reward needs --kl-coef > 0 (e.g. 0.01)")
+    if cfg.dynamic_sampling and (cfg.algo not in GROUPED or TASKS.get(cfg.task) is not TaskRollouts or cfg.max_gen_batches < 1):
+        raise err(f"--dynamic-sampling needs a grouped --algo ({', '.join(sorted(GROUPED))}), a single-turn LLM task and --max-gen-batches >= 1")
+    if not 0 <= cfg.prompt_reweight <= 1 or (cfg.prompt_reweight and TASKS.get(cfg.task) is not TaskRollouts):
+        raise err(f"--prompt-reweight is a share in [0, 1] for single-turn LLM tasks (got {cfg.prompt_reweight})")
+    if cfg.mask_truncated and cfg.task in CONTROL:
+        raise err("--mask-truncated is for LLM tasks; CartPole's time limit is already handled by bootstrapping")
     if cfg.bad_rows not in ("skip", "error"):
         raise err(f"--bad-rows must be skip or error (got {cfg.bad_rows})")
     if cfg.resume and not Path(cfg.resume).is_dir():
@@ -173,6 +208,7 @@ class TaskRollouts:
             count = lambda text: len(policy.tokenizer.encode(text, add_special_tokens=False))
             self.task.rewards.append((tasks.overlong_penalty(cfg.max_new_tokens, cfg.overlong_buffer, count), 1.0))
         self.position = 0  # training problems drawn so far, by all ranks together
+        self.spread: list = []  # recent problems whose groups had reward spread (prompt_reweight replays them)
 
     def draw(self, n: int) -> list:
         """This rank's share of the next n problems: indices position + r, + r + W, ... (disjoint)."""
@@ -180,17 +216,41 @@ class TaskRollouts:
         self.position += n
         return problems
 
+    def pick(self, n: int) -> list:
+        """This rank's share of the next n problems, its first prompt_reweight share swapped for
+        recent prompts whose groups had reward spread (oldest first). The fresh ones it replaces
+        are skipped, so every rank advances the stream alike."""
+        fresh = self.draw(n)
+        r = min(int(self.cfg.prompt_reweight * len(fresh)), len(self.spread))
+        replay, self.spread = self.spread[:r], self.spread[r:]
+        return replay + fresh[r:]
+
     def next(self, step: int) -> dict:
-        cfg, k = self.cfg, self.cfg.group_size
-        problems = [p for p in self.draw(cfg.batch // k) for _ in range(k)]
-        prefixes = [self.policy.encode_prompt(p.prompt) for p in problems]
-        samples = self.policy.generate(prefixes, cfg.max_new_tokens, cfg.gen_batch)
-        texts = [self.policy.decode(s.ids) for s in samples]
-        scored = [self.task.score(p.prompt, t, p.answer) for p, t in zip(problems, texts)]
-        batch = self.policy.make_batch(prefixes, samples, [total for total, _ in scored])
+        cfg, k, want = self.cfg, self.cfg.group_size, self.cfg.batch // self.cfg.group_size
+        need = want // utils.world()  # this rank's groups
+        kept, flat, rounds = [], [], 0  # groups of k rows (problem, prefix, sample, text, (total, parts))
+        # Dynamic sampling (DAPO): a group whose rewards all agree has zero advantage under GRPO and
+        # RLOO, so it is set aside and fresh prompts are generated, at most max_gen_batches rounds.
+        while len(kept) < need and rounds < (cfg.max_gen_batches if cfg.dynamic_sampling else 1):
+            rounds += 1
+            problems = self.pick(want)
+            prefixes = [self.policy.encode_prompt(p.prompt) for p in problems]
+            samples = iter(self.policy.generate([x for x in prefixes for _ in range(k)], cfg.max_new_tokens, cfg.gen_batch))
+            for p, x in zip(problems, prefixes):
+                texts = [(s, self.policy.decode(s.ids)) for s in itertools.islice(samples, k)]
+                group = [(p, x, s, t, self.task.score(p.prompt, t, p.answer)) for s, t in texts]
+                spread = len({total for *_, (total, _) in group}) > 1
+                self.spread += [p] if spread and cfg.prompt_reweight else []
+                (kept if spread or not cfg.dynamic_sampling else flat).append(group)
+        self.spread = self.spread[-cfg.batch :]  # "recent": the last batch-many prompts with spread
+        # Nothing informative within the bound: train on what there is (no GRPO/RLOO gradient).
+        problems, prefixes, samples, texts, scored = zip(*[row for g in kept[:need] or flat[:need] for row in g])
+        batch = self.policy.make_batch(list(prefixes), list(samples), [total for total, _ in scored])
         batch["group"] = torch.arange(len(problems)) // k  # [N]
         batch["version"] = torch.full((len(problems),), step)  # [N]
         self.breakdown = {f"reward_{name}": sum(b[name] for _, b in scored) / len(scored) for name in scored[0][1]}
+        if cfg.dynamic_sampling:
+            self.breakdown.update(gen_rounds=rounds, gen_frac_zero_std=len(flat) / (len(flat) + len(kept)))
         if step % cfg.eval_every == 0:
             for p, t, (total, parts) in list(zip(problems, texts, scored))[: cfg.debug_samples]:
                 tqdm.write(f"--- step {step} prompt: {p.prompt!r}\n    completion: {t!r}\n    answer: {p.answer!r} reward {total:.3g}: {parts}")
@@ -220,10 +280,12 @@ class TaskRollouts:
         """Sync mode generates with the live weights, so there is nothing to send."""
 
     def state(self) -> dict:
-        return {"position": self.position}
+        replay = {"spread": [dataclasses.astuple(p) for p in self.spread]} if self.cfg.prompt_reweight else {}
+        return {"position": self.position, **replay}
 
     def load_state(self, state: dict) -> None:
         self.position = state["position"]
+        self.spread = [tasks.Problem(*p) for p in state.get("spread", [])]  # absent: prompt_reweight was off
 
 
 class EnvRollouts(TaskRollouts):
@@ -233,7 +295,7 @@ class EnvRollouts(TaskRollouts):
     def __init__(self, cfg: Config, policy):
         self.cfg, self.policy, self.env = cfg, policy, TEXT_ENVS[cfg.task]
         self.task = self.env.task(seed=cfg.seed, eval_size=cfg.eval_size)
-        self.position = 0
+        self.position, self.spread = 0, []
 
     def episodes(self, problems: list, k: int, greedy: bool = False) -> dict:
         cfg = self.cfg
@@ -267,7 +329,8 @@ def build(cfg: Config):
     else:
         policy = LLMPolicy(cfg.model, lora=cfg.lora, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
                            lora_targets=cfg.lora_targets, dtype=cfg.dtype, temperature=cfg.temperature,
-                           top_p=cfg.top_p, chat_template=cfg.chat_template, thinking=cfg.thinking, kl_coef=cfg.kl_coef)
+                           top_p=cfg.top_p, chat_template=cfg.chat_template, thinking=cfg.thinking, kl_coef=cfg.kl_coef,
+                           critic=cfg.algo == "ppo")
     utils.broadcast_weights(policy)  # torchrun: every rank starts from rank 0's weights
     opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)
     source = TASKS[cfg.task](cfg, policy)
@@ -306,68 +369,112 @@ def single_pass(cfg: Config) -> bool:
     return cfg.inner_epochs == 1 and cfg.minibatches == 1
 
 
+def rollout_metrics(batch: dict, rewards: torch.Tensor, cfg: Config) -> dict:
+    """What the batch looked like, before any update: logged every step."""
+    mask = batch["mask"]
+    score, length = (rewards * mask).sum(1), mask.sum(1)  # [N] task reward (before any KL penalty), [N] steps
+    out = {"reward_mean": score.mean(), "reward_std": score.std(correction=0), "adv_mean": masked_mean(batch["adv"], mask),
+           "adv_std": masked_mean((batch["adv"] - masked_mean(batch["adv"], mask)) ** 2, mask).sqrt(),
+           "length_mean": length.mean(), "length_max": length.max()}
+    if "truncated" in batch:
+        out["truncated_frac"] = batch["truncated"].float().mean()
+    if cfg.group_size > 1:  # a group whose rewards all agree gives GRPO/RLOO nothing to learn from
+        out["frac_zero_std"] = (group_baseline(score, batch["group"])[1] < EPS).float().mean()
+    return {k: float(v) for k, v in out.items()}
+
+
 @torch.no_grad()
 def prepare(policy, batch: dict, cfg: Config) -> dict:
-    """Stage 2: old log-probs and values under the weights before this update, then advantages.
-    Old log-probs are recomputed here rather than trusted from the sampler, with the same
-    micro-batches the update uses, so the first epoch's ratio is exactly 1."""
-    n = len(batch["mask"])
-    if policy.has_critic or (not single_pass(cfg) and "old_logp" not in batch):
+    """Stage 2: old log-probs and values under the weights before this update, then advantages,
+    loss weights and batch["metrics"] (floats for the log). Old log-probs are recomputed here
+    rather than trusted from the sampler, with the same micro-batches the update uses, so the first
+    epoch's ratio is exactly 1; the sampler's own log-probs (`sampler_logp`, else `logp`) only
+    enter the mismatch corrections (tis / mis)."""
+    n, mask = len(batch["mask"]), batch["mask"]
+    correct = cfg.tis != "off" or cfg.mis != "off"
+    if policy.has_critic or ((not single_pass(cfg) or correct) and "old_logp" not in batch):
         parts = [policy.score(batch, rows) for rows in micro_slices(torch.arange(n), cfg.micro_batch)]
         # An async source already scored each row under the version that sampled it: keep that.
-        batch.setdefault("old_logp", torch.cat([p[0] for p in parts]) * batch["mask"])
+        batch.setdefault("old_logp", torch.cat([p[0] for p in parts]) * mask)
         if policy.has_critic:
-            batch["values"] = torch.cat([p[2] for p in parts]) * batch["mask"]
-            batch["last_value"] = policy.value(batch["last_obs"])
+            batch["values"] = torch.cat([p[2] for p in parts]) * mask
+            if "last_obs" in batch:
+                batch["last_value"] = policy.value(batch["last_obs"])
+            else:  # a completion ends with its end token or its budget: there is no next state to bootstrap
+                batch["last_value"], batch["terminated"] = torch.zeros(n), torch.ones(n, dtype=torch.bool)
     if cfg.kl_coef:
         batch["ref_logp"] = torch.cat([policy.ref_logp(batch, rows) for rows in micro_slices(torch.arange(n), cfg.micro_batch)])
+    rewards, metrics = batch["rewards"], {}
+    if cfg.kl_in_reward:  # the penalty becomes part of the return, so every estimator sees it
+        kl = KL[cfg.kl_estimator](batch.get("old_logp", batch["logp"]), batch["ref_logp"]) * mask  # [N, T]
+        batch["rewards"], metrics["kl"] = rewards - cfg.kl_coef * kl, masked_mean(kl, mask).item()
     batch["adv"] = ALGOS[cfg.algo](batch, cfg)
-    batch["weights"] = loss_weights(batch["mask"], **utils.batch_totals(batch["mask"]))  # global denominators
+    keep = mask * ~batch["truncated"][:, None] if cfg.mask_truncated else mask  # [N, T]
+    if correct:
+        sampler = batch["sampler_logp"] if "sampler_logp" in batch else batch["logp"]  # sync: the sampler is this policy
+        batch["is_weight"], kept, s = importance_correction(batch["old_logp"], sampler, mask, cfg.tis, cfg.tis_cap,
+                                                            cfg.mis, cfg.mis_low, cfg.mis_high)
+        keep, metrics = keep * kept, {**metrics, **s}
+    batch["loss_mask"] = keep
+    # Global denominators: under torchrun the totals are every rank's (utils.batch_totals).
+    batch["weights"] = loss_weights(keep, cfg.loss_agg, **utils.batch_totals(keep), constant=cfg.loss_agg_constant or cfg.max_new_tokens)
+    # Means over ranks (equal rows per rank): exact for means and fractions, a per-rank average for std and max.
+    batch["metrics"] = utils.reduce_dict({**rollout_metrics(batch, rewards, cfg), **metrics}, mean=True)
     return batch
 
 
 def update(policy, opt, batch: dict, cfg: Config) -> dict:
-    """Stage 3: inner epochs x minibatches of the clipped surrogate, each minibatch accumulated
-    over micro-batches whose loss weights share one global denominator."""
+    """Stage 3: inner epochs x minibatches of the policy loss, each minibatch accumulated over
+    micro-batches whose loss weights share one global denominator."""
     n = len(batch["mask"])
-    stats = {"loss": 0.0, "ratio": 0.0, "clip_frac": 0.0, "entropy": 0.0, "grad_norm": 0.0, "kl": 0.0, "skipped": 0}
-    updates = 0
+    critic = list(policy.v.parameters()) if policy.has_critic and cfg.critic_max_grad_norm else []
+    actor = [p for p in policy.parameters() if p.requires_grad and all(p is not c for c in critic)]
+    stats, means, updates = {"loss": 0.0, "grad_norm": 0.0, "skipped": 0}, {}, 0
+    unit = batch["loss_mask"] if cfg.loss_agg == "token_mean" else (batch["loss_mask"].sum(1) > 0).float()  # what a denominator counts
     for _ in range(cfg.inner_epochs):
         order = torch.randperm(n) if cfg.minibatches > 1 else torch.arange(n)
         for mb in order.chunk(cfg.minibatches):
-            scale = 1.0 / utils.all_sum(batch["weights"][mb].sum())  # renormalise this minibatch's weights (all ranks) to sum to 1
+            # A minibatch is weighted as if it were the batch: by its share of the tokens (token_mean)
+            # or of the rows (seq_mean, constant), over all ranks. One minibatch keeps the weights as they are.
+            share = 1.0 if cfg.minibatches == 1 else utils.all_sum(unit[mb].sum()) / utils.all_sum(unit.sum())
+            tokens = utils.all_sum(batch["loss_mask"][mb].sum()).clamp(min=1)  # logged stats are token means in every mode
             opt.zero_grad(set_to_none=True)
             total = torch.zeros(())
             for rows in micro_slices(mb, cfg.micro_batch):
                 logp, entropy, values = policy.score(batch, rows)
-                w = batch["weights"][rows] * scale
+                w = batch["weights"][rows] / share  # [n, T]
                 old = batch["old_logp"][rows] if "old_logp" in batch else logp.detach()
-                loss, s = policy_loss(logp, old, batch["adv"][rows], w, cfg.clip_eps)
+                isw = batch["is_weight"][rows] if "is_weight" in batch else 1.0  # truncated IS, policy term only
+                loss, s = policy_loss(logp, old, batch["adv"][rows], w * isw, batch["mask"][rows], cfg.loss,
+                                      cfg.eps_low, cfg.eps_high, cfg.dual_clip)
                 loss = loss - cfg.ent_coef * (entropy * w).sum()
+                s["entropy"] = entropy.detach()
                 if values is not None:
-                    loss = loss + cfg.vf_coef * value_loss(values, batch["returns"][rows], w)
-                if cfg.kl_coef:
-                    kl = kl_k3(logp, batch["ref_logp"][rows])
-                    loss = loss + cfg.kl_coef * (kl * w).sum()
-                    stats["kl"] += (kl.detach() * w).sum().item()
+                    loss = loss + cfg.vf_coef * value_loss(values, batch["returns"][rows], w, batch["values"][rows], cfg.vf_clip)
+                if cfg.kl_coef and not cfg.kl_in_reward:
+                    kl = KL[cfg.kl_estimator](logp, batch["ref_logp"][rows])  # [n, T]
+                    loss, s["kl"] = loss + cfg.kl_coef * (kl * w).sum(), kl.detach()
                 loss.backward()
                 total += loss.detach()
-                stats["ratio"] += s["ratio"].item()
-                stats["clip_frac"] += s["clip_frac"].item()
-                stats["entropy"] += (entropy.detach() * w).sum().item()
+                for k, v in s.items():  # this rank's share of the minibatch's token means
+                    means[k] = means.get(k, 0.0) + ((v * batch["loss_mask"][rows]).sum() / tokens).item()
             utils.sum_grads(policy)  # torchrun: every rank now holds the whole batch's gradient
             total = utils.all_sum(total)  # so that all ranks agree on skipping a non-finite step
-            norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
-            if not (torch.isfinite(total) and torch.isfinite(norm)):
+            norm = torch.nn.utils.clip_grad_norm_(actor, cfg.max_grad_norm)
+            # The critic may get its own clip, so that neither gradient's scale crowds out the other.
+            critic_norm = torch.nn.utils.clip_grad_norm_(critic, cfg.critic_max_grad_norm) if critic else torch.zeros(())
+            if not (torch.isfinite(total) and torch.isfinite(norm) and torch.isfinite(critic_norm)):
                 opt.zero_grad(set_to_none=True)  # a NaN/inf never reaches the weights
                 stats["skipped"] += 1
             else:
                 opt.step()
             stats["loss"] += total.item()
             stats["grad_norm"] += norm.item()
+            if critic:
+                stats["critic_grad_norm"] = stats.get("critic_grad_norm", 0.0) + critic_norm.item()
             updates += 1
-    stats.update(utils.reduce_dict({k: stats[k] for k in ("ratio", "clip_frac", "entropy", "kl")}))  # weighted sums over ranks
-    return {k: v / updates if k != "skipped" else v for k, v in stats.items()}
+    stats.update(utils.reduce_dict(means))  # summed over ranks
+    return {**{k: v / updates if k != "skipped" else v for k, v in stats.items()}, **batch["metrics"]}
 
 
 # ---------------------------------------------------------------- the loop

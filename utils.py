@@ -254,7 +254,8 @@ def reduce_dict(values: dict[str, float], mean: bool = False) -> dict[str, float
 def batch_totals(mask: torch.Tensor) -> dict[str, float]:
     """The whole batch's token and row counts for loss_weights: with one global denominator on every
     rank, the sum of the ranks' gradients is the gradient of one backward on the whole batch."""
-    tokens, rows = all_sum(torch.tensor([mask.sum().item(), len(mask)], dtype=torch.float64)).tolist()
+    kept = (mask.sum(1) > 0).sum().item()  # a row masked out entirely (truncated, masked IS) is not counted
+    tokens, rows = all_sum(torch.tensor([mask.sum().item(), kept], dtype=torch.float64)).tolist()
     return {"total_tokens": tokens, "total_rows": rows}
 
 

@@ -1,4 +1,5 @@
 """Hand-computed values for every advantage estimator, the masked reductions and the loss."""
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -115,24 +116,176 @@ def test_loss_weights_sum_to_one_over_the_whole_batch():
 def test_policy_loss_at_ratio_one_is_minus_weighted_advantage():
     logp = torch.tensor([[-0.5, -1.0]], requires_grad=True)
     adv, w = t([[2.0, -1.0]]), t([[0.5, 0.5]])
-    loss, stats = algos.policy_loss(logp, logp.detach(), adv, w, 0.2)
+    loss, stats = algos.policy_loss(logp, logp.detach(), adv, w, torch.ones_like(adv))
     assert loss.item() == pytest.approx(-0.5)  # -(0.5*2 + 0.5*-1)
     loss.backward()
     assert torch.allclose(logp.grad, t([[-1.0, 0.5]]))  # d/dlogp of -w*adv*ratio at ratio 1
-    assert stats["ratio"].item() == 1.0 and stats["clip_frac"].item() == 0.0
+    assert torch.equal(stats["ratio"], t([[1.0, 1.0]])) and not stats["clip_frac_low"].any() and not stats["clip_frac_high"].any()
 
 
 def test_policy_loss_clips_the_ratio_on_the_side_that_would_overshoot():
     old = t([[0.0, 0.0]])
     logp = torch.log(t([[1.5, 0.5]])).requires_grad_()
     adv, w = t([[1.0, -1.0]]), t([[1.0, 1.0]])
-    loss, stats = algos.policy_loss(logp, old, adv, w, 0.2)
+    loss, stats = algos.policy_loss(logp, old, adv, w, torch.ones_like(adv))
     # row 0: min(1.5, 1.2)*1 -> -1.2 (clipped, no grad); row 1: max(-0.5*-1,...) -> ratio .5 vs .8: -(-0.8) clipped
     assert loss.item() == pytest.approx(-1.2 + 0.8)
     loss.backward()
     assert torch.equal(logp.grad, t([[0.0, 0.0]]))
-    assert stats["clip_frac"].item() == 2.0
+    assert torch.equal(stats["clip_frac_high"], t([[1, 0]])) and torch.equal(stats["clip_frac_low"], t([[0, 1]]))
 
 
 def test_value_loss_is_half_weighted_squared_error():
     assert algos.value_loss(t([[1.0, 3.0]]), t([[0.0, 1.0]]), t([[0.5, 0.5]])).item() == pytest.approx(1.25)
+
+
+# ---------------------------------------------------------------- loss variants (old_logp = 0, so ratio = exp(logp))
+def ratios(*r):
+    return torch.log(t([list(r)])).requires_grad_()
+
+
+def test_clip_higher_lets_a_positive_advantage_token_grow_past_the_symmetric_clip():
+    logp, adv, w = ratios(1.25, 1.3, 0.75), t([[1.0, 1.0, -1.0]]), t([[1.0, 1.0, 1.0]])
+    loss, s = algos.policy_loss(logp, torch.zeros_like(logp), adv, w, torch.ones_like(w), eps_low=0.2, eps_high=0.28)
+    # 1.25 < 1.28 is inside: -1.25 (grad -A r = -1.25); 1.3 > 1.28 clipped: -1.28; 0.75 < 0.8 with A < 0: +0.8
+    assert loss.item() == pytest.approx(-1.25 - 1.28 + 0.8)
+    loss.backward()
+    assert torch.allclose(logp.grad, t([[-1.25, 0.0, 0.0]]))
+    assert torch.equal(s["clip_frac_high"], t([[0, 1, 0]])) and torch.equal(s["clip_frac_low"], t([[0, 0, 1]]))
+    sym, _ = algos.policy_loss(logp, torch.zeros_like(logp), adv, w, torch.ones_like(w), eps_low=0.2, eps_high=0.2)
+    assert sym.item() == pytest.approx(-1.2 - 1.2 + 0.8)  # the symmetric clip stops the first token at 1.2
+
+
+def test_dual_clip_caps_the_loss_of_a_negative_advantage_token_at_c_times_abs_advantage():
+    logp, adv, w = ratios(4.0, 2.0, 4.0), t([[-1.0, -1.0, 1.0]]), t([[1.0, 1.0, 1.0]])
+    loss, _ = algos.policy_loss(logp, torch.zeros_like(logp), adv, w, torch.ones_like(w), dual_clip=3.0)
+    # A=-1, r=4: max(4, 1.2)=4 capped at 3 (no grad); A=-1, r=2: 2 < 3 (grad -A r = 2); A=+1, r=4: -1.2 (clipped)
+    assert loss.item() == pytest.approx(3 + 2 - 1.2)
+    loss.backward()
+    assert torch.allclose(logp.grad, t([[0.0, 2.0, 0.0]]))
+    plain, _ = algos.policy_loss(logp, torch.zeros_like(logp), adv, w, torch.ones_like(w))
+    assert plain.item() == pytest.approx(4 + 2 - 1.2)
+
+
+def test_gspo_clips_the_length_normalised_sequence_ratio_and_its_gradient_is_gspos():
+    # rows: log-ratios [0.1, -0.3] (mean -0.1), [0.5, pad], [0.5, pad]; A = +1, -1, +1; seq_mean weights 1/6, 1/3, 1/3
+    logp = t([[0.1, -0.3], [0.5, 0.0], [0.5, 0.0]]).requires_grad_()
+    mask = t([[1, 1], [1, 0], [1, 0]])
+    adv = t([[1.0], [-1.0], [1.0]]) * mask
+    w = algos.loss_weights(mask, "seq_mean")
+    loss, s = algos.policy_loss(logp, torch.zeros_like(logp), adv, w, mask, loss="gspo")
+    # s = e^-0.1 = 0.904837 (inside), e^0.5 = 1.648721 (A < 0: unclipped), e^0.5 with A > 0: clipped to 1.2
+    # loss = -2 * 0.904837 / 6 + 1.648721 / 3 - 1.2 / 3 = -0.301612 + 0.549574 - 0.4
+    assert loss.item() == pytest.approx(-0.152039, abs=1e-5)
+    loss.backward()
+    # per token -A s w: the gradient of GSPO's -A s_i / N, since d s_i / d logp_t = s_i / |y_i|
+    assert torch.allclose(logp.grad, t([[-0.150806, -0.150806], [0.549574, 0.0], [0.0, 0.0]]), atol=1e-5)
+    assert torch.allclose(s["ratio"][:, 0], t([0.904837, 1.648721, 1.648721]), atol=1e-5)
+
+
+def test_cispo_clips_a_stop_gradient_weight_so_every_token_keeps_its_gradient():
+    logp, adv, w = ratios(1.5, 0.5, 1.0), t([[1.0, 1.0, -2.0]]), t([[1.0, 1.0, 1.0]])
+    loss, _ = algos.policy_loss(logp, torch.zeros_like(logp), adv, w, torch.ones_like(w), loss="cispo")
+    # -sg(clip r) A logp: -1.2 * ln 1.5 = -0.486558, -0.8 * ln 0.5 * -1 = +0.554518, -1 * -2 * ln 1 = 0
+    assert loss.item() == pytest.approx(0.067960, abs=1e-6)
+    loss.backward()
+    assert torch.allclose(logp.grad, t([[-1.2, -0.8, 2.0]]))  # PPO would give 0 for the first two
+
+
+@pytest.mark.parametrize("loss", algos.LOSSES)
+def test_every_loss_at_ratio_one_is_the_plain_policy_gradient(loss):
+    logp, adv, w = torch.tensor([[-0.5, -1.0]], requires_grad=True), t([[2.0, -1.0]]), t([[0.5, 0.5]])
+    algos.policy_loss(logp, logp.detach(), adv, w, torch.ones_like(w), loss=loss, eps_low=0.1, eps_high=0.3, dual_clip=3.0)[0].backward()
+    assert torch.allclose(logp.grad, t([[-1.0, 0.5]]))
+
+
+def test_approx_kl_to_the_old_policy_is_k3_on_old_samples():
+    logp = ratios(2.0, 1.0)
+    _, s = algos.policy_loss(logp, torch.zeros_like(logp), t([[1.0, 1.0]]), t([[1.0, 1.0]]), t([[1.0, 1.0]]))
+    assert torch.allclose(s["approx_kl"], t([[2 - math.log(2) - 1, 0.0]]))  # r - ln r - 1
+
+
+# ---------------------------------------------------------------- aggregation, value clip, KL, IS
+MASK = t([[1, 1, 1, 0], [1, 0, 0, 0]])
+
+
+@pytest.mark.parametrize("mode, totals, expected", [
+    ("token_mean", {}, [[1 / 4, 1 / 4, 1 / 4, 0], [1 / 4, 0, 0, 0]]),  # 4 tokens
+    ("seq_mean", {}, [[1 / 6, 1 / 6, 1 / 6, 0], [1 / 2, 0, 0, 0]]),  # 1 / (len * rows)
+    ("constant", {"constant": 4}, [[1 / 8, 1 / 8, 1 / 8, 0], [1 / 8, 0, 0, 0]]),  # 1 / (rows * 4)
+    ("token_mean", {"total_tokens": 8}, [[1 / 8, 1 / 8, 1 / 8, 0], [1 / 8, 0, 0, 0]]),  # a rank of two
+    ("seq_mean", {"total_rows": 4}, [[1 / 12, 1 / 12, 1 / 12, 0], [1 / 4, 0, 0, 0]]),
+    ("constant", {"total_rows": 4, "constant": 4}, [[1 / 16, 1 / 16, 1 / 16, 0], [1 / 16, 0, 0, 0]]),
+])
+def test_loss_weights_use_the_given_global_denominators(mode, totals, expected):
+    assert torch.allclose(algos.loss_weights(MASK, mode, **totals), t(expected))
+
+
+def test_value_clip_takes_the_pessimistic_error_of_a_value_kept_near_the_old_one():
+    values = t([[1.0, 0.0, 0.6]]).requires_grad_()
+    loss = algos.value_loss(values, t([[2.0, 0.0, 2.0]]), t([[1.0, 1.0, 1.0]]), t([[0.5, 0.5, 0.5]]), clip=0.2)
+    # clipped values 0.7, 0.3, 0.6: max(1, 1.69), max(0, 0.09), max(1.96, 1.96) -> 0.5 * 3.74
+    assert loss.item() == pytest.approx(1.87)
+    loss.backward()
+    assert torch.allclose(values.grad, t([[0.0, 0.0, -1.4]]))  # only the unclipped third moves
+
+
+def test_kl_estimators_and_their_gradients():
+    logp, ref = t([-1.0, -2.0]).requires_grad_(), t([-1.5, -1.0])  # d = ref - logp = -0.5, 1
+    expected = {"k1": ([0.5, -1.0], [1.0, 1.0]), "k2": ([0.125, 0.5], [0.5, -1.0]),
+                "k3": ([0.106531, 0.718282], [0.393469, -1.718282])}  # k3 = e^d - d - 1, grad 1 - e^d
+    for name, (value, grad) in expected.items():
+        logp.grad = None
+        k = algos.KL[name](logp, ref)
+        k.sum().backward()
+        assert torch.allclose(k, t(value), atol=1e-6) and torch.allclose(logp.grad, t(grad), atol=1e-6), name
+
+
+def correction(old, sampler, mask, **kw):
+    args = {"tis": "off", "tis_cap": 2.0, "mis": "off", "mis_low": 0.5, "mis_high": 2.0, **kw}
+    return algos.importance_correction(old, sampler, mask, **args)
+
+
+IS_MASK = t([[1, 1], [1, 0]])
+IS_OLD = torch.log(t([[1.5, 2.5], [0.5, 1.0]]))  # sampler logp 0: token ratios 1.5, 2.5 | 0.5, (pad)
+
+
+@pytest.mark.parametrize("kw, weight, keep", [
+    ({"tis": "token"}, [[1.5, 2.0], [0.5, 1.0]], [[1, 1], [1, 0]]),
+    ({"tis": "sequence"}, [[2.0, 2.0], [0.5, 0.5]], [[1, 1], [1, 0]]),  # 1.5 * 2.5 = 3.75 -> 2
+    ({"mis": "token"}, [[1, 1], [1, 1]], [[1, 0], [1, 0]]),  # 0.5 sits on the lower bound: kept
+    ({"mis": "sequence"}, [[1, 1], [1, 1]], [[0, 0], [1, 0]]),  # 3.75 leaves [0.5, 2]: the whole row goes
+])
+def test_importance_corrections_cap_or_mask(kw, weight, keep):
+    w, k, stats = correction(IS_OLD, torch.zeros(2, 2), IS_MASK, **kw)
+    assert torch.allclose(w, t(weight)) and torch.equal(k, t(keep))
+    assert stats["is_ratio_mean"] == pytest.approx(1.5) and stats["is_ratio_max"] == pytest.approx(2.5)  # raw, before any cap
+
+
+def test_importance_stats_count_capped_and_masked_tokens():
+    _, _, s = correction(IS_OLD, torch.zeros(2, 2), IS_MASK, tis="token", mis="token")
+    assert s["is_capped_frac"] == pytest.approx(1 / 3) and s["is_masked_frac"] == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_agreeing_sampler_and_trainer_get_weight_one_even_at_tight_bounds(level):
+    old = t([[-0.3, -2.0], [-1.0, 0.0]])
+    w, k, s = correction(old, old.clone(), IS_MASK, tis=level, tis_cap=1.0, mis=level, mis_low=1.0, mis_high=1.0)
+    assert torch.equal(w, torch.ones(2, 2)) and torch.equal(k, IS_MASK)
+    assert s["is_capped_frac"] == 0 and s["is_masked_frac"] == 0
+
+
+def test_a_ratio_exactly_on_the_bound_is_kept_and_uncapped_and_one_just_past_it_is_not():
+    at = t([[0.7]]).exp().item()  # the float32 ratio of a 0.7 log-gap, used as both bounds
+    for gap, inside in ((0.7, True), (0.7 + 1e-6, False)):  # 1e-6 in the log is ~8 float32 steps of the ratio
+        w, k, s = correction(t([[gap]]), t([[0.0]]), t([[1.0]]), mis="token", mis_high=at, tis="token", tis_cap=at)
+        assert w.item() == at and k.item() == float(inside) and s["is_capped_frac"] == float(not inside)
+
+
+@pytest.mark.parametrize("mode", algos.AGGREGATIONS)
+def test_two_ranks_with_all_reduced_totals_weigh_like_one_process(mode):
+    mask = t([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0]])  # row 2 masked out entirely (not counted)
+    whole = algos.loss_weights(mask, mode, constant=4)
+    totals = {"total_tokens": mask.sum().item(), "total_rows": 3}  # what utils.batch_totals all-reduces
+    halves = [algos.loss_weights(mask[r], mode, **totals, constant=4) for r in (slice(0, 2), slice(2, 4))]
+    assert torch.allclose(torch.cat(halves), whole)

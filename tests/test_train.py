@@ -129,14 +129,14 @@ def test_first_inner_epoch_ratio_is_exactly_one():
         assert torch.equal(logp, batch["old_logp"][rows])
     opt = torch.optim.Adam(policy.parameters(), lr=1e-2)
     stats = train.update(policy, opt, batch, dataclasses.replace(cfg, inner_epochs=1))
-    assert stats["ratio"] == pytest.approx(1.0, abs=1e-6) and stats["clip_frac"] == 0.0
+    assert stats["ratio"] == pytest.approx(1.0, abs=1e-6) and stats["clip_frac_low"] == stats["clip_frac_high"] == 0.0
 
 
 def test_later_epochs_move_the_ratio_away_from_one():
     cfg = cfg_from(["--algo", "ppo", "--inner-epochs", "4", "--lr", "0.05"])
     policy, batch = prepared(cfg)
     stats = train.update(policy, torch.optim.Adam(policy.parameters(), lr=cfg.lr), batch, cfg)
-    assert stats["clip_frac"] > 0  # off-policy epochs really are off-policy
+    assert stats["clip_frac_low"] + stats["clip_frac_high"] > 0  # off-policy epochs really are off-policy
 
 
 @pytest.mark.parametrize("algo", ["reinforce", "ppo", "grpo"])
@@ -178,7 +178,7 @@ def test_every_algorithm_trains_two_steps_end_to_end(tmp_path, preset):
     out = train.train(cfg)
     metrics = utils.read_metrics(out / "metrics.csv")
     assert [s for s, _, _ in metrics["loss"]] == [1, 2]
-    assert [s for s, _, _ in metrics["eval_return"]] == [0, 1, 2] and metrics["skipped"][-1][2] == 0
+    assert [s for s, _, _ in metrics["eval_return"]] == [0, 1, 2] and metrics["skipped"][-1][2] == 0  # step 0: the starting point
     trained = weights(out)
     assert any(not torch.equal(trained[k], init[k]) for k in trained)
     assert yaml.safe_load((out / "config.yaml").read_text())["algo"] == cfg.algo
