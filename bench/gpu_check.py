@@ -75,7 +75,7 @@ def grads(policy: LLMPolicy, batch: dict, micro: int, per_micro_denominator: boo
         w = batch["weights"][rows]
         w = w / w.sum() * len(rows) / len(batch["mask"]) if per_micro_denominator else w
         logp = policy.score(batch, rows)[0]
-        policy_loss(logp, logp.detach(), batch["adv"][rows], w, 0.2)[0].backward()
+        policy_loss(logp, logp.detach(), batch["adv"][rows], w, batch["mask"][rows])[0].backward()
     out = torch.cat([p.grad.flatten().float() for p in params])
     policy.zero_grad(set_to_none=True)
     return out

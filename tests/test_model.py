@@ -198,7 +198,7 @@ def test_microbatched_backward_matches_one_shot(tiny):
         for s in range(0, n, size):
             rows = torch.arange(s, min(s + size, n))
             logp, _, _ = pol.score(batch, rows)
-            policy_loss(logp, batch["logp"][rows], adv[rows], w[rows], 0.2)[0].backward()
+            policy_loss(logp, batch["logp"][rows], adv[rows], w[rows], batch["mask"][rows])[0].backward()
         return {k: p.grad.clone() for k, p in pol.named_parameters() if p.requires_grad}
 
     one, micro = grads(n), grads(3)
