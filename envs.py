@@ -2,7 +2,9 @@
 batch of episodes advances with one policy forward per time step; that batching, not the
 algorithm, is what makes CartPole train in seconds.
 
-A rollout returns a batch dict of [N, T] tensors (see train.py for the keys).
+Below CartPole: multi-turn text environments (calculator countdown, a sandboxed Python tool,
+read-only SQL) and the token-exact multi-turn rollout. Every rollout returns a batch dict of
+[N, T] tensors (see train.py for the keys).
 """
 from __future__ import annotations
 
