@@ -154,6 +154,9 @@ def validate(cfg: Config) -> None:
         raise err(f"--prompt-reweight is a share in [0, 1] for single-turn LLM tasks (got {cfg.prompt_reweight})")
     if cfg.mask_truncated and cfg.task in CONTROL:
         raise err("--mask-truncated is for LLM tasks; CartPole's time limit is already handled by bootstrapping")
+    if (cfg.vf_clip or cfg.critic_max_grad_norm) and cfg.algo != "ppo":
+        raise err(f"--vf-clip and --critic-max-grad-norm tune PPO's critic, and the --algo {cfg.algo} policy has none; "
+                  "use --algo ppo or drop them")
     if cfg.bad_rows not in ("skip", "error"):
         raise err(f"--bad-rows must be skip or error (got {cfg.bad_rows})")
     if cfg.resume and not Path(cfg.resume).is_dir():

@@ -69,6 +69,7 @@ def test_badly_typed_value_names_the_key():
     (["--minibatches", "3"], "--minibatches 3 must divide --batch 16"),
     (["--gamma", "1.5"], "0 < gamma <= 1"),
     (["--resume", "/nonexistent/run"], "no such run directory"),
+    (["--vf-clip", "0.2"], "tune PPO's critic, and the --algo reinforce policy has none; use --algo ppo"),
 ])
 def test_validate_rejects_impossible_combinations_with_the_fix(argv, message):
     with pytest.raises(utils.ConfigError, match=message):
