@@ -342,14 +342,6 @@ def test_sql_task_is_deterministic_its_splits_disjoint_and_every_gold_query_runs
 
 
 # ---------------------------------------------------------------- the real tiny model
-@pytest.fixture
-def one_thread():
-    """A model this small runs ~50x faster on one thread than on two contended ones (measured on
-    a busy 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_multiturn_rollout_on_the_tiny_model_rescores_to_the_sampled_logps(one_thread):

@@ -29,13 +29,7 @@ def tiny(tmp_path_factory):
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), layers=2, hidden=128, heads=2, intermediate=256)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny matmuls on two contended threads run ~10x slower than on one.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run(tmp_path, tiny, *argv):

@@ -15,14 +15,7 @@ DIMS = dict(layers=2, hidden=128, heads=2, intermediate=256, max_len=256)  # 2 x
 PROMPTS = ["1+2=", "17*3=", "(12+30)/6=?\n", "x"]  # 5, 6, 13 and 2 tokens with bos: a ragged batch
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """A model this small gains nothing from a second thread, and on a shared 2-core machine a
-    busy neighbour makes torch's spinning OpenMP threads up to 50x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
