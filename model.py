@@ -10,6 +10,7 @@ that also samples completions with their log-probs (`generate`) and collates the
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import shutil
 import tempfile
@@ -193,8 +194,9 @@ class LLMPolicy(nn.Module):
     def __init__(self, model: str, *, lora: bool = True, lora_rank: int = 16, lora_alpha: int = 32,
                  lora_targets: str = "all-linear", lora_dropout: float = 0.0, dtype: str = "fp32",
                  temperature: float = 1.0, top_p: float = 1.0, chat_template: bool = True,
-                 thinking: bool = False, kl_coef: float = 0.0, critic: bool = False, device: str | None = None):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+                 thinking: bool = False, kl_coef: float = 0.0, critic: bool = False, device: str | None = None,
+                 weights: bool = True):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         super().__init__()
         if dtype not in DTYPES:
@@ -206,7 +208,9 @@ class LLMPolicy(nn.Module):
             warnings.warn(f"top_p={top_p}: samples come from a truncated distribution the loss does not model, "
                           "so the importance ratio is only approximate; top_p=1 keeps it exact")
         path = resolve_model(model)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        # weights=False: the network is built on the meta device, without memory: a --vllm worker
+        # samples with vLLM's copy and needs only the tokenizer side (and two copies may not fit a GPU).
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu") if weights else "meta")
         self.lora, self.bf16, self.kl_coef = lora, dtype == "bf16", kl_coef
         self.temperature, self.top_p, self.thinking = temperature, top_p, thinking
         try:
@@ -214,7 +218,15 @@ class LLMPolicy(nn.Module):
         except (OSError, ValueError) as e:
             raise utils.ConfigError(f"--model {model}: cannot load its tokenizer ({str(e).splitlines()[0]}); {LOAD_HINT}") from None
         # A frozen LoRA base may live in bf16; anything trained stays fp32 (autocast does the bf16 compute).
-        lm = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype] if lora else torch.float32).to(self.device)
+        if weights:
+            lm = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype] if lora else torch.float32).to(self.device)
+        else:
+            with self.device:
+                lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+            try:  # from_pretrained reads generation_config.json too: its eos ids stop completions
+                lm.generation_config = GenerationConfig.from_pretrained(path)
+            except OSError:  # the model has none; the defaults from its config stand, as in from_pretrained
+                pass
         self.model = add_lora(lm, lora_targets, lora_rank, lora_alpha, lora_dropout) if lora else lm
         # PPO's critic: a linear head on the last hidden state, trained through the same adapter (or
         # weights); zero-initialised so the first values are 0 rather than noise of the reward's scale.
@@ -374,18 +386,24 @@ class LLMPolicy(nn.Module):
         return logp.to(out), entropy.to(out), values.to(out)
 
     # ------------------------------------------------------------ weights
+    @functools.cached_property
+    def trained(self) -> dict[str, nn.Parameter]:
+        """Name -> parameter the optimizer updates (the adapter, or every weight); fixed once built."""
+        return {n: p for n, p in self.named_parameters() if p.requires_grad}
+
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        """The trained tensors (the adapter, or every weight), cloned: the optimizer's next
-        in-place step must not change a snapshot that is still being sent."""
-        return {n: p.detach().clone() for n, p in self.named_parameters() if p.requires_grad}
+        """The trained tensors, cloned: the optimizer's next in-place step must not change a
+        snapshot that is still being sent."""
+        return {n: p.detach().clone() for n, p in self.trained.items()}
 
     @torch.no_grad()
     def load_trainable(self, state: dict[str, torch.Tensor]) -> None:
-        params = {n: p for n, p in self.named_parameters() if p.requires_grad}
-        if set(state) != set(params):
+        params = self.trained
+        if set(state) != set(params) or any(state[n].shape != p.shape for n, p in params.items()):
             missing, extra = sorted(set(params) - set(state))[:3], sorted(set(state) - set(params))[:3]
-            raise ValueError(f"trainable state does not match this policy: missing {missing}, unexpected {extra} "
-                             "(different model or LoRA settings?)")
+            shapes = [n for n, p in params.items() if n in state and state[n].shape != p.shape][:3]
+            raise ValueError(f"trainable state does not match this policy: missing {missing}, unexpected {extra}, "
+                             f"other shapes {shapes} (different model or LoRA settings?)")
         for n, p in params.items():
             p.copy_(state[n])
 

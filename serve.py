@@ -72,32 +72,44 @@ class ServeError(RuntimeError):
 
 
 # ---------------------------------------------------------------- payloads
-def _digest(tensors: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name]
-        h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode() + b"\n")
-        # reshape(-1) first: a 0-dim tensor cannot be viewed as bytes; bool views as uint8 as-is
-        h.update(t.reshape(-1).view(torch.uint8).numpy())
+NAMES = {t: n for n, t in DTYPES.items()}
+
+
+def _digest(entries: dict, data) -> str:
+    """SHA-256 of the tensor directory (names, dtypes, shapes, offsets) and the data bytes."""
+    h = hashlib.sha256(json.dumps(entries, sort_keys=True).encode())
+    h.update(data)
     return h.hexdigest()
 
 
-def encode(tensors: dict[str, torch.Tensor], meta: dict) -> bytes:
-    """Serialize tensors + a small JSON-able `meta` dict (kind, version, worker id, ...)."""
+def encode(tensors: dict[str, torch.Tensor], meta: dict) -> bytearray:
+    """Serialize tensors + a small JSON-able `meta` dict (kind, version, worker id, ...) into a
+    safetensors blob (PEFT and vLLM read it as adapter_model.safetensors). Written by hand: one
+    copy of the tensor bytes into the buffer, one hash over them."""
     if not isinstance(meta, dict):
         raise PayloadError(f"meta must be a JSON-able dict, got {type(meta).__name__}")
-    allowed = set(DTYPES.values())
-    for k, t in tensors.items():
-        if not (isinstance(k, str) and isinstance(t, torch.Tensor) and t.dtype in allowed):
-            raise PayloadError(f"encode needs dict[str, Tensor] with dtypes {sorted(map(str, allowed))}; "
+    entries, chunks, offset = {}, [], 0
+    for k in sorted(tensors):
+        t = tensors[k]
+        if not (isinstance(k, str) and isinstance(t, torch.Tensor) and t.dtype in NAMES):
+            raise PayloadError(f"encode needs dict[str, Tensor] with dtypes {sorted(map(str, NAMES))}; "
                                f"got {k!r} -> {getattr(t, 'dtype', type(t).__name__)}")
-    tensors = {k: t.detach().cpu().contiguous() for k, t in tensors.items()}
-    header = json.dumps({"format": FORMAT, "sha256": _digest(tensors), "meta": meta})
-    return safetensors.torch.save(tensors, metadata={"nanorl": header})
+        chunks.append(t.detach().cpu().reshape(-1).view(torch.uint8))  # reshape(-1): a 0-dim tensor has no byte view
+        entries[k] = {"dtype": NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(chunks[-1])]}
+        offset += len(chunks[-1])
+    data = (torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)).numpy()
+    head = json.dumps({"format": FORMAT, "sha256": _digest(entries, data), "meta": meta})
+    header = json.dumps({"__metadata__": {"nanorl": head}, **entries}).encode()
+    header += b" " * (-len(header) % 8)  # safetensors pads the header so the data starts 8-byte aligned
+    out = bytearray(8 + len(header) + offset)
+    out[:8 + len(header)] = struct.pack("<Q", len(header)) + header
+    memoryview(out)[8 + len(header):] = data
+    return out
 
 
-def _check_header(data: bytes) -> dict:
-    """Validate the safetensors JSON header ourselves, before the library allocates anything."""
+def _check_header(data: bytearray) -> dict:
+    """Validate the safetensors JSON header ourselves: every tensor's bytes lie inside the body,
+    back to back in order and covering it exactly (the layout safetensors itself writes)."""
     if len(data) < 8:
         raise PayloadError(f"payload is {len(data)} bytes; a safetensors blob has at least 8")
     (n,) = struct.unpack("<Q", data[:8])
@@ -109,7 +121,7 @@ def _check_header(data: bytes) -> dict:
         raise PayloadError(f"safetensors header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
         raise PayloadError("safetensors header is not a JSON object")
-    body = len(data) - 8 - n
+    spans = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -120,19 +132,40 @@ def _check_header(data: bytes) -> dict:
         if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(type(d) is int and d >= 0 for d in shape)):
             raise PayloadError(f"tensor {name!r}: shape {shape!r} is not a list of <= {MAX_NDIM} sizes")
         if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
-                and 0 <= offs[0] <= offs[1] <= body
                 and offs[1] - offs[0] == math.prod(shape) * DTYPES[dtype].itemsize):
-            raise PayloadError(f"tensor {name!r}: shape {shape} {dtype} does not match data_offsets {offs!r} "
-                               f"within {body} data bytes")
+            raise PayloadError(f"tensor {name!r}: shape {shape} {dtype} does not match data_offsets {offs!r}")
+        spans.append((offs[0], offs[1], name))
+    end = 0
+    for a, b, name in sorted(spans):
+        if a != end:
+            raise PayloadError(f"tensor {name!r} starts at byte {a}, not {end}: tensors must be back to back")
+        end = b
+    if end != len(data) - 8 - n:
+        raise PayloadError(f"the tensors cover {end} bytes but the body holds {len(data) - 8 - n}")
     return header
 
 
-def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict]:
+def _tensors(data: bytearray, header: dict) -> dict[str, torch.Tensor]:
+    """Tensors that view `data` (no copy), after _check_header vouched for every offset."""
+    start = 8 + struct.unpack("<Q", data[:8])[0]
+    flat = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+    out = {}
+    for name, info in header.items():
+        if name != "__metadata__":
+            dtype, (a, b) = DTYPES[info["dtype"]], info["data_offsets"]
+            x = flat[start + a:start + b]
+            x = x.clone() if (start + a) % dtype.itemsize else x  # a view must be aligned to its element size
+            out[name] = x.view(dtype).reshape(info["shape"])
+    return out
+
+
+def decode(data: bytes | bytearray) -> tuple[dict[str, torch.Tensor], dict]:
     """Inverse of `encode`. Raises only PayloadError, whatever the bytes are."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise PayloadError(f"decode needs bytes, got {type(data).__name__}")
-    data = bytes(data)
-    meta_s = _check_header(data).get("__metadata__", {})
+    data = data if isinstance(data, bytearray) else bytearray(data)  # writable: tensors view it in place
+    header = _check_header(data)
+    meta_s = header.get("__metadata__", {})
     if not isinstance(meta_s, dict) or not isinstance(meta_s.get("nanorl"), str):
         raise PayloadError("not a nanorl payload: safetensors metadata has no 'nanorl' header")
     try:
@@ -142,12 +175,11 @@ def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict]:
     if not (isinstance(head, dict) and head.get("format") == FORMAT and isinstance(head.get("sha256"), str)
             and isinstance(head.get("meta"), dict)):
         raise PayloadError(f"nanorl header must be an object with format={FORMAT!r}, sha256 and meta")
-    try:
-        tensors = safetensors.torch.load(data)
-    except Exception as e:  # hostile input into a native parser: any failure is the payload's fault
-        raise PayloadError(f"safetensors rejected the payload: {type(e).__name__}: {e}") from None
-    if _digest(tensors) != head["sha256"]:  # integrity, not a secret: no constant-time compare needed
+    entries = {k: {f: v[f] for f in ("dtype", "shape", "data_offsets")} for k, v in header.items() if k != "__metadata__"}
+    start = 8 + struct.unpack("<Q", data[:8])[0]
+    if _digest(entries, memoryview(data)[start:]) != head["sha256"]:  # integrity, not a secret: == is fine
         raise PayloadError("sha256 mismatch: tensor bytes were corrupted or tampered with in transit")
+    tensors = _tensors(data, header)
     for k, t in tensors.items():  # a bool byte other than 0/1 is undefined behaviour in torch
         if t.dtype == torch.bool and t.numel() and t.view(torch.uint8).max() > 1:
             raise PayloadError(f"bool tensor {k!r} holds bytes other than 0 and 1")
@@ -373,8 +405,7 @@ def fingerprint(cfg) -> dict:
 def wire_names(policy) -> dict[str, str]:
     """Trainable name -> name on the wire: PEFT's key in adapter_model.safetensors (LoRA), which
     vLLM and PEFT load as is; full fine-tuning keeps the parameter names."""
-    names = [n for n, p in policy.named_parameters() if p.requires_grad]
-    return {n: n.removeprefix("model.").replace(".default.", ".") if policy.lora else n for n in names}
+    return {n: n.removeprefix("model.").replace(".default.", ".") if policy.lora else n for n in policy.trained}
 
 
 def adapter_config(policy) -> str:
@@ -432,6 +463,7 @@ class AsyncRollouts:
         self.queue, self.snapshots = [], {}  # groups; version -> trainable_state, inside the window only
         self.version, self.payload, self.finished, self.next_worker = -1, b"", False, 0
         self.names, self.config_json = wire_names(policy), adapter_config(policy)
+        self.params = {w: n for n, w in self.names.items()}
         self.vocab = policy.model.get_input_embeddings().num_embeddings
         self.seen, self.told = {}, set()  # worker -> time of its last request; workers told "finished"
         self.counts, self.apply_s, self.publish_s = Counter(), [], 0.0
@@ -553,9 +585,12 @@ class AsyncRollouts:
         return out * batch["mask"]
 
     def publish(self, step: int) -> None:
-        """Version `step`: a snapshot for scoring, and the adapter encoded once for all workers."""
-        t, state = time.perf_counter(), self.policy.trainable_state()
-        payload = encode({self.names[n]: x for n, x in state.items()}, {"version": step, "adapter_config": self.config_json})
+        """Version `step`: the adapter encoded once for all workers; the payload's tensors (views,
+        not copies) are also the snapshot that scores this version's rows."""
+        t = time.perf_counter()
+        payload = encode({self.names[n]: p for n, p in self.policy.trained.items()},
+                         {"version": step, "adapter_config": self.config_json})
+        state = {self.params[w]: x for w, x in _tensors(payload, _check_header(payload)).items()}
         with self.cond:
             self.snapshots = {v: s for v, s in self.snapshots.items() if v >= step - self.cfg.max_staleness} | {step: state}
             self.version, self.payload, self.publish_s = step, payload, time.perf_counter() - t
@@ -597,7 +632,7 @@ class HFGenerator:
     def __init__(self, policy):
         self.policy, self.names = policy, {w: n for n, w in wire_names(policy).items()}
 
-    def load(self, version: int, tensors: dict, meta: dict) -> None:
+    def load(self, version: int, tensors: dict, meta: dict, payload: bytearray) -> None:
         self.policy.load_trainable({self.names.get(w, w): t for w, t in tensors.items()})
 
     def generate(self, prefixes: list[list[int]], max_new_tokens: int, gen_batch: int) -> list[Sample]:
@@ -626,11 +661,11 @@ class VLLMGenerator:
                        generation_config="vllm", **cpu)  # "vllm": the model's generation_config.json (top_k, ...) stays out
         self.cfg, self.eos, self.request, self.dir = cfg, sorted(eos_ids), None, Path(tempfile.mkdtemp(prefix="nanorl-vllm-"))
 
-    def load(self, version: int, tensors: dict, meta: dict) -> None:
+    def load(self, version: int, tensors: dict, meta: dict, payload: bytearray) -> None:
         path = self.dir / f"v{version}"
         path.mkdir()
         (path / "adapter_config.json").write_text(meta["adapter_config"])
-        safetensors.torch.save_file(tensors, str(path / "adapter_model.safetensors"))
+        (path / "adapter_model.safetensors").write_bytes(payload)  # the payload is a safetensors file
         old, self.request = self.request, self.LoRARequest(f"v{version}", version + 1, str(path))
         if old is not None:  # vLLM read it when the previous request started; no later request names it
             shutil.rmtree(old.lora_path)
@@ -676,7 +711,7 @@ class AdapterFetcher(threading.Thread):
                     if type(meta.get("version")) is not int or meta["version"] <= self.have:
                         raise PayloadError(f"version {meta.get('version')!r} is not newer than {self.have}")
                     with self.lock:
-                        self.pending, self.have = (meta["version"], tensors, meta, time.perf_counter() - t), meta["version"]
+                        self.pending, self.have = (meta["version"], tensors, meta, body, time.perf_counter() - t), meta["version"]
                     continue
                 except PayloadError as e:
                     self.rejected += 1
@@ -730,8 +765,8 @@ def run_worker(cfg, build) -> int:
                 if new:
                     try:
                         t = time.perf_counter()
-                        gen.load(*new[:3])
-                        version, apply_s = new[0], new[3] + time.perf_counter() - t
+                        gen.load(*new[:4])
+                        version, apply_s = new[0], new[4] + time.perf_counter() - t
                     except (ValueError, KeyError, OSError) as e:  # e.g. tensors for a different model
                         utils.stderr(f"worker {me}: cannot load adapter v{new[0]}, keeping v{version}: {e}")
                 elif fetcher.done.wait(0.05):

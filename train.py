@@ -333,7 +333,7 @@ def build(cfg: Config):
         policy = LLMPolicy(cfg.model, lora=cfg.lora, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
                            lora_targets=cfg.lora_targets, dtype=cfg.dtype, temperature=cfg.temperature,
                            top_p=cfg.top_p, chat_template=cfg.chat_template, thinking=cfg.thinking, kl_coef=cfg.kl_coef,
-                           critic=cfg.algo == "ppo")
+                           critic=cfg.algo == "ppo", weights=not cfg.vllm)  # a vLLM worker's weights live in vLLM
     utils.broadcast_weights(policy)  # torchrun: every rank starts from rank 0's weights
     opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)
     source = TASKS[cfg.task](cfg, policy)
@@ -514,8 +514,14 @@ def train(cfg: Config) -> Path:
 
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not (cfg.progress and lead), dynamic_ncols=True)
     step, last_eval, interrupted = start, {}, []
-    # Ctrl-C finishes the current step, then checkpoints: a half-applied update is never saved.
-    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
+
+    def on_ctrl_c(*_):  # the first finishes the step, then checkpoints: a half-applied update is never saved
+        if interrupted:  # the second stops at once, e.g. a trainer waiting for workers that never come
+            raise KeyboardInterrupt
+        interrupted.append(True)
+        utils.stderr("Ctrl-C: finishing this step, then saving a checkpoint; press Ctrl-C again to stop at once")
+
+    previous = signal.signal(signal.SIGINT, on_ctrl_c)
     try:
         for step in bar:
             batch = source.next(step)  # 1. rollout
@@ -539,6 +545,10 @@ def train(cfg: Config) -> Path:
                 break
         if interrupted:
             utils.stderr(f"interrupted: checkpoint saved; continue with --resume {out}")
+    except KeyboardInterrupt:
+        utils.stderr(f"stopped during step {step + 1}, which is not saved; the checkpoints in {out} are intact "
+                     f"(--resume {out})")
+        raise
     finally:
         signal.signal(signal.SIGINT, previous)
         bar.close()
@@ -563,6 +573,8 @@ def main(argv: list[str]) -> int:
     except utils.ConfigError as e:
         utils.stderr(f"error: {e}")
         return 2
+    except KeyboardInterrupt:
+        return 130  # the shell's code for a run stopped by Ctrl-C
     except Exception as e:
         if utils.world() > 1:  # say which rank broke before torchrun's teardown buries it
             utils.stderr(f"error: rank {utils.rank()} of {utils.world()} failed ({type(e).__name__}: {e}); torchrun stops the other ranks")

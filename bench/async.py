@@ -78,7 +78,7 @@ def adapter_sync(args) -> dict:
         src.publish(v)  # snapshot + encode, as after every optimizer step
         status, body = client.get(f"/adapter?have={v - 1}&worker=-1")
         tensors, meta = serve.decode(body)
-        worker.load(meta["version"], tensors, meta)  # into the worker's policy, in place
+        worker.load(meta["version"], tensors, meta, body)  # into the worker's policy, in place
         if v:  # v == 0 warms up
             sync.append(time.perf_counter() - t)
             raw.append(raw_copy_seconds(body))
@@ -132,9 +132,9 @@ def generation(args) -> dict:
                "hf_raw": tokens_per_second(lambda: hf_raw(policy, prefixes, args.gen_tokens), args.repeats)}
     if args.vllm:
         gen = serve.VLLMGenerator(resolve_model(cfg.model), cfg, policy.eos_ids, 0)
-        state = policy.trainable_state()
-        names = serve.wire_names(policy)
-        gen.load(0, {names[n]: t for n, t in state.items()}, {"adapter_config": serve.adapter_config(policy)})
+        names, meta = serve.wire_names(policy), {"adapter_config": serve.adapter_config(policy)}
+        tensors = {names[n]: t for n, t in policy.trainable_state().items()}
+        gen.load(0, tensors, meta, serve.encode(tensors, meta))
         prompts = [gen.TokensPrompt(prompt_token_ids=p) for p in prefixes]
         params = gen.SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=args.gen_tokens,
                                     stop_token_ids=sorted(policy.eos_ids))

@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 
+import serve
 import utils
 from algos import loss_weights, policy_loss
 from model import CHARS, SPECIALS, LLMPolicy, Sample, build_tiny_model, resolve_model
@@ -305,3 +306,12 @@ def test_encode_prompt_plain_text_and_chat_template_with_thinking(tiny, tmp_path
     assert policy(str(path)).decode(policy(str(path)).encode_prompt("1+1")) == "<user>1+1:"
     assert policy(str(path), thinking=True).decode(policy(str(path), thinking=True).encode_prompt("1+1")) == "<user>1+1?:"
     assert policy(str(path), chat_template=False).encode_prompt("12") == pol.encode_prompt("12")
+
+
+def test_policy_without_weights_holds_no_memory_yet_agrees_on_tokens_eos_and_adapter_names(tiny, tmp_path):
+    path = variant(tiny, tmp_path, eos_token_id=[2, 7])  # a second end token only generation_config.json names
+    full, light = policy(path), LLMPolicy(path, weights=False)  # what a --vllm worker builds
+    assert {p.device.type for p in light.parameters()} == {"meta"}
+    assert light.eos_ids == full.eos_ids == {2, 7} and light.pad_id == full.pad_id
+    assert [light.encode_prompt(p) for p in PROMPTS] == [full.encode_prompt(p) for p in PROMPTS]
+    assert serve.wire_names(light) == serve.wire_names(full)

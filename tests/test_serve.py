@@ -101,6 +101,26 @@ def test_decode_rejects_unexpected_dtype_and_absurd_shape_before_allocating():
         decode(struct.pack("<Q", 2**63) + b"{}")
 
 
+def test_decode_refuses_overlapping_gapped_or_short_tensor_layouts():
+    meta = {"__metadata__": {"nanorl": json.dumps({"format": serve.FORMAT, "sha256": "0" * 64, "meta": {}})}}
+    f32 = lambda a, b: {"dtype": "F32", "shape": [(b - a) // 4], "data_offsets": [a, b]}
+    with pytest.raises(PayloadError, match="back to back"):  # y re-reads x's bytes
+        decode(raw_safetensors({**meta, "x": f32(0, 8), "y": f32(0, 8)}, bytes(16)))
+    with pytest.raises(PayloadError, match="back to back"):  # bytes 8..16 belong to nobody
+        decode(raw_safetensors({**meta, "x": f32(0, 8), "y": f32(16, 24)}, bytes(24)))
+    with pytest.raises(PayloadError, match="cover 8 bytes but the body holds 12"):
+        decode(raw_safetensors({**meta, "x": f32(0, 8)}, bytes(12)))
+
+
+def test_payload_is_a_safetensors_file_and_misaligned_tensors_round_trip():
+    import safetensors.torch
+    # 3 bool bytes put the int64 that follows at an odd offset: decode must copy it, not view it
+    src = {"a_done": torch.tensor([True, False, True]), "b_ids": torch.arange(5) * 10**12, "c_x": torch.randn(2, 3)}
+    blob = encode(src, {"k": 1})
+    theirs, (ours, _) = safetensors.torch.load(bytes(blob)), decode(blob)
+    assert all(torch.equal(theirs[k], t) and torch.equal(ours[k], t) for k, t in src.items())
+
+
 def test_decode_rejects_bool_bytes_other_than_0_and_1_even_with_valid_sha():
     odd = torch.tensor([0, 1, 2], dtype=torch.uint8).view(torch.bool)
     with pytest.raises(PayloadError, match="other than 0 and 1"):

@@ -3,6 +3,7 @@ import copy
 import dataclasses
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -201,6 +202,26 @@ def test_checkpoints_keep_only_the_newest_k(tmp_path):
     out = train.train(quick(tmp_path, "--steps", "5", "--ckpt-every", "1", "--keep-ckpts", "2"))
     assert sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-0000004", "ckpt-0000005"]
     assert not list(out.glob(".tmp-*"))
+
+
+def test_second_ctrl_c_stops_a_source_that_never_returns_and_keeps_the_checkpoints(tmp_path, monkeypatch):
+    real_next = train.ControlRollouts.next
+
+    def next_then_hang(self, step):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)  # pressed again: the wait below must end now
+            while True:  # like a trainer whose workers never come
+                time.sleep(0.01)
+        return real_next(self, step)
+
+    monkeypatch.setattr(train.ControlRollouts, "next", next_then_hang)
+    cfg = quick(tmp_path, "--steps", "50", "--ckpt-every", "1")
+    with pytest.raises(KeyboardInterrupt):
+        train.train(cfg)
+    out = Path(cfg.out)
+    assert utils.latest_checkpoint(out).name == "ckpt-0000002"  # steps 1 and 2 finished; step 3 never did
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler was put back
 
 
 def test_resume_refuses_a_checkpoint_of_another_policy(tmp_path):
