@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 import utils
+from envs import TEXT_ENVS, multiturn_metrics, rollout_multiturn
 from model import Sample, resolve_model
 
 log = logging.getLogger("nanorl.serve")
@@ -376,6 +377,7 @@ FINGERPRINT = ("task", "seed", "eval_size", "data", "model", "lora", "lora_rank"
                "max_new_tokens", "group_size", "temperature", "top_p", "chat_template", "thinking", "overlong_buffer")
 ROWS = {"tokens": torch.int64, "attn": torch.float32, "mask": torch.float32, "logp": torch.float32,
         "rewards": torch.float32, "truncated": torch.bool, "group": torch.int64, "version": torch.int64}
+EPISODE_ROWS = {"turns": torch.int64, "solved_at_turn": torch.int64}  # [N], multi-turn batches only
 STRIDE = 1_000_000  # worker w samples train problems w*STRIDE, w*STRIDE+1, ...: workers never share a prompt
 LONG_POLL = 2.0  # seconds GET /adapter waits for a newer version; also the workers' heartbeat period
 HEARTBEAT = 10.0  # a worker silent for longer is not counted as live
@@ -422,12 +424,13 @@ def adapter_config(policy) -> str:
 
 def check_batch(t: dict, k: int, newest: int, vocab: int) -> str | None:
     """Why a worker's batch must not be trained on, or None. Runs before the model sees it."""
-    missing, extra = [n for n in ROWS if n not in t], [n for n in t if n not in ROWS and not re.fullmatch(r"reward_\w{1,64}", n)]
+    missing = [n for n in ROWS if n not in t]
+    extra = [n for n in t if n not in ROWS | EPISODE_ROWS and not re.fullmatch(r"reward_\w{1,64}", n)]
     if missing or extra or t["tokens"].ndim != 2:
         return f"batch keys: missing {missing}, unexpected {extra}" if missing or extra else "tokens must be [N, L]"
     N, L = t["tokens"].shape
     for n, x in t.items():
-        want, dtype = ((N, L) if n in ("tokens", "attn", "mask", "logp", "rewards") else (N,)), ROWS.get(n, torch.float32)
+        want, dtype = ((N, L) if n in ("tokens", "attn", "mask", "logp", "rewards") else (N,)), (ROWS | EPISODE_ROWS).get(n, torch.float32)
         if x.dtype != dtype or tuple(x.shape) != want or x.is_floating_point() and not torch.isfinite(x).all():
             return f"{n} is {x.dtype} {list(x.shape)} (NaN or inf?); expected finite {dtype} {list(want)}"
     if N == 0 or N % k or (t["group"].unique(return_counts=True)[1] != k).any():
@@ -558,6 +561,7 @@ class AsyncRollouts:
         mask, lag = batch["mask"], step - batch["version"].float()  # [N, T], [N]
         with self.cond:
             self.breakdown = {n: batch.pop(n).mean().item() for n in list(batch) if n.startswith("reward_")}
+            self.breakdown.update(multiturn_metrics(batch) if "turns" in batch else {})
             self.breakdown.update(
                 staleness_mean=lag.mean().item(), staleness_max=lag.max().item(), queue_depth=len(self.queue),
                 logp_gap=((batch["old_logp"] - batch["sampler_logp"]).abs() * mask).sum().item() / max(mask.sum().item(), 1),
@@ -741,6 +745,20 @@ def hello(client: Client, cfg) -> dict | None:
     return json.loads(reply) if status == 200 else None
 
 
+class _Turns:
+    """The worker's policy as rollout_multiturn sees it: the tokenizer side is the policy's, and
+    every turn samples through the worker's generator (vLLM or HF)."""
+
+    def __init__(self, policy, gen, gen_batch: int):
+        self.policy, self.gen, self.gen_batch = policy, gen, gen_batch
+
+    def __getattr__(self, name):  # tokenizer, decode, make_batch, use_template, ...
+        return getattr(self.policy, name)
+
+    def generate(self, prefixes: list[list[int]], max_new_tokens: int, greedy: bool = False) -> list[Sample]:
+        return self.gen.generate(prefixes, max_new_tokens, self.gen_batch)
+
+
 def run_worker(cfg, build) -> int:
     """A rollout worker: samples groups with the newest adapter it has, scores them with the
     task and POSTs them to the trainer; it never trains. Returns the process exit code."""
@@ -756,28 +774,44 @@ def run_worker(cfg, build) -> int:
     fetcher.start()
     utils.stderr(f"worker {me}: generating for {cfg.trainer_url} with {'vLLM' if cfg.vllm else 'the policy'}")
     version, apply_s, position = -1, 0.0, 0
+
+    def newest() -> bool:
+        """Switches to the newest adapter fetched (waiting for the first); False once the run is over."""
+        nonlocal version, apply_s
+        while (new := fetcher.take()) or version < 0:
+            if new:
+                try:
+                    t = time.perf_counter()
+                    gen.load(*new[:4])
+                    version, apply_s = new[0], new[4] + time.perf_counter() - t
+                except (ValueError, KeyError, OSError) as e:  # e.g. tensors for a different model
+                    utils.stderr(f"worker {me}: cannot load adapter v{new[0]}, keeping v{version}: {e}")
+            elif fetcher.done.wait(0.05):
+                return False
+        return True
+
     while not fetcher.done.is_set():
-        problems = [local.task.train_problem(me * STRIDE + position + i) for i in range(cfg.batch // k) for _ in range(k)]
-        position += cfg.batch // k
-        prefixes, samples, versions = [policy.encode_prompt(p.prompt) for p in problems], [], []
-        for s in range(0, len(prefixes), cfg.gen_batch):  # a new adapter switches in between requests
-            while (new := fetcher.take()) or version < 0:
-                if new:
-                    try:
-                        t = time.perf_counter()
-                        gen.load(*new[:4])
-                        version, apply_s = new[0], new[4] + time.perf_counter() - t
-                    except (ValueError, KeyError, OSError) as e:  # e.g. tensors for a different model
-                        utils.stderr(f"worker {me}: cannot load adapter v{new[0]}, keeping v{version}: {e}")
-                elif fetcher.done.wait(0.05):
+        problems = [local.task.train_problem(me * STRIDE + position + i) for i in range(cfg.batch // k)]
+        position += len(problems)
+        if cfg.task in TEXT_ENVS:  # an episode calls generate once per turn: one version for the whole batch
+            if not newest():
+                return 0
+            batch = rollout_multiturn(_Turns(policy, gen, cfg.gen_batch), local.env, problems, k, cfg.max_turns,
+                                      cfg.max_new_tokens, cfg.max_len)
+            batch["version"] = torch.full((len(batch["mask"]),), version)  # [N]
+        else:
+            problems = [p for p in problems for _ in range(k)]
+            prefixes, samples, versions = [policy.encode_prompt(p.prompt) for p in problems], [], []
+            for s in range(0, len(prefixes), cfg.gen_batch):  # a new adapter switches in between requests
+                if not newest():
                     return 0
-            samples += gen.generate(prefixes[s : s + cfg.gen_batch], cfg.max_new_tokens, cfg.gen_batch)
-            versions += [version] * (len(samples) - len(versions))
-        scored = [local.task.score(p.prompt, policy.decode(x.ids), p.answer) for p, x in zip(problems, samples)]
-        batch = policy.make_batch(prefixes, samples, [total for total, _ in scored])
-        batch["group"] = torch.arange(len(problems)) // k  # [N]
-        batch["version"] = torch.tensor(versions)  # [N]: the version that sampled each row
-        batch.update({f"reward_{n}": torch.tensor([parts[n] for _, parts in scored]) for n in scored[0][1]})
+                samples += gen.generate(prefixes[s : s + cfg.gen_batch], cfg.max_new_tokens, cfg.gen_batch)
+                versions += [version] * (len(samples) - len(versions))
+            scored = [local.task.score(p.prompt, policy.decode(x.ids), p.answer) for p, x in zip(problems, samples)]
+            batch = policy.make_batch(prefixes, samples, [total for total, _ in scored])
+            batch["group"] = torch.arange(len(problems)) // k  # [N]
+            batch["version"] = torch.tensor(versions)  # [N]: the version that sampled each row
+            batch.update({f"reward_{n}": torch.tensor([parts[n] for _, parts in scored]) for n in scored[0][1]})
         body = encode(batch, {"worker": me, "apply_s": apply_s})
         while not fetcher.done.is_set():
             try:

@@ -327,6 +327,18 @@ class Arith(ProceduralTask):
         return str(safe_eval(problem.prompt.rstrip("="))[0])
 
 
+class ArithChain(Arith):
+    """"3+5-2=" -> "6": chains of single-digit additions and subtractions. In 1-digit a+b
+    (200 facts) a held-out problem is a fact never seen; here a held-out chain is new only as a
+    combination (4,000 chains), because each signed digit adds the same amount wherever it
+    stands: the tiny model learns that rule from training chains and carries it to held-out ones."""
+
+    name = "arith_chain"
+
+    def __init__(self, *, seed: int = 0, eval_size: int = 200, n_operands: int = 3, ops: str = "+-"):
+        super().__init__(seed=seed, eval_size=eval_size, max_operand=9, n_operands=n_operands, ops=ops)
+
+
 class Countdown(ProceduralTask):
     """Reach a target from 3-4 numbers with + - * / and parentheses, each number used once.
     The target is made by combining the numbers at random, so every problem is solvable."""
@@ -502,7 +514,7 @@ class MATH(DatasetTask):
 
 # ---------------------------------------------------------------- registry and evaluation
 TASKS: dict[str, type[Task]] = {
-    "arith": Arith, "countdown": Countdown, "gsm8k": GSM8K, "math": MATH}
+    "arith": Arith, "arith_chain": ArithChain, "countdown": Countdown, "gsm8k": GSM8K, "math": MATH}
 
 
 def make_task(name: str, *, seed: int, eval_size: int, data: str | None = None,

@@ -137,10 +137,13 @@ def plot(out: Path, keys=("reward", "eval_return")) -> Path:
     series = read_metrics(out / "metrics.csv")
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     for key in keys:
-        if key in series:
-            steps, walls, values = zip(*series[key])
+        if key in series:  # an eval before a supervised warm-start is the curve's first point (step -sft_steps)
+            steps, walls, values = zip(*series.get(f"{key}_before_sft", []) + series[key])
             axes[0].plot(steps, values, label=key)
             axes[1].plot(walls, values, label=key)
+    if sft := series.get("sft_loss"):
+        axes[0].axvspan(sft[0][0] - 1, 0, color="grey", alpha=0.15, label="supervised warm-start")
+        axes[1].axvspan(0, sft[-1][1], color="grey", alpha=0.15, label="supervised warm-start")
     axes[0].set_xlabel("step")
     axes[1].set_xlabel("wall seconds")
     for ax in axes:

