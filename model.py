@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 import utils
 
@@ -125,7 +126,11 @@ def build_tiny_model(path: str | None = None, *, layers: int = 4, hidden: int = 
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     try:
-        model.save_pretrained(tmp)
+        # Written file by file: under torch.distributed, save_pretrained writes weights on rank 0 only,
+        # and a rank > 0 that got here first would publish a directory without them.
+        config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        save_file(model.state_dict(), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tok.save_pretrained(tmp)
         os.replace(tmp, final)
     except OSError:

@@ -393,8 +393,6 @@ def check_roles(cfg) -> None:
     if cfg.vllm and (cfg.role != "rollout" or not cfg.lora):
         raise err("--vllm is for --role rollout with --lora: with full fine-tuning every sync would ship the whole "
                   "model; drop --vllm to let the worker generate with its own copy of the policy")
-    if cfg.role == "trainer" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise err("--role trainer runs as one process for now; drop torchrun, or use the synchronous loop under torchrun")
     if cfg.max_staleness < 0 or cfg.workers < 0 or cfg.worker_patience <= 0:
         raise err("need --max-staleness >= 0, --workers >= 0 and --worker-patience > 0")
 
@@ -470,17 +468,21 @@ class AsyncRollouts:
         self.vocab = policy.model.get_input_embeddings().num_embeddings
         self.seen, self.told = {}, set()  # worker -> time of its last request; workers told "finished"
         self.counts, self.apply_s, self.publish_s = Counter(), [], 0.0
+        self.lead, self.procs = utils.rank() == 0, []  # under torchrun rank 0 alone serves the workers
+        if not self.lead:
+            return
         url = urlsplit(cfg.trainer_url)  # "" (the usual case) binds an ephemeral loopback port
         self.server = Server({("POST", "/hello"): self.hello, ("GET", "/adapter"): self.adapter,
                               ("POST", "/batch"): self.receive}, url.hostname or "127.0.0.1", url.port or 0)
         utils.stderr(f"trainer listening on {self.server.url}; start workers with --role rollout --trainer-url "
                      f"{self.server.url} and the same NANORL_TOKEN" + ("" if os.environ.get("NANORL_TOKEN") else
                      " (none is set, so only --workers started here can join)"))
-        # Local workers get exactly this run's config (so the fingerprints match) and the token.
+        # Local workers get exactly this run's config (so the fingerprints match) and the token, not torchrun's rank.
+        worker_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
         path = Path(tempfile.mkdtemp(prefix="nanorl-worker-")) / "config.yaml"
         utils.save_config(replace(cfg, role="rollout", trainer_url=self.server.url, workers=0, out="", resume=""), path)
         self.procs = [subprocess.Popen([sys.executable, str(Path(__file__).with_name("train.py")), "--config", str(path)],
-                                       env={**os.environ, "NANORL_TOKEN": self.server.token}) for _ in range(cfg.workers)]
+                                       env=worker_env | {"NANORL_TOKEN": self.server.token}) for _ in range(cfg.workers)]
 
     # ------------------------------------------------------------ routes (HTTP threads, under self.cond)
     def _heard(self, worker) -> bool:
@@ -540,6 +542,25 @@ class AsyncRollouts:
     def next(self, step: int) -> dict:
         if self.version < step:
             self.publish(step)  # the first call: after any resume or SFT warm-start, so v0 is what trains
+        batch, meta = self.take(step) if self.lead else ({}, {})
+        k, share = self.cfg.group_size, self.groups // utils.world()  # groups per rank
+        if utils.world() > 1:  # rank 0 sends the whole batch as a payload (no pickle); each rank keeps its share
+            batch, meta = decode(utils.broadcast_bytes(encode(batch, meta) if self.lead else None))
+            batch = {n: x[utils.rank() * share * k:(utils.rank() + 1) * share * k] for n, x in batch.items()}
+        batch["group"] = torch.arange(share).repeat_interleave(k)  # [N]
+        batch["sampler_logp"] = batch["logp"]  # [N, T]: logged now, for importance corrections later
+        batch["old_logp"] = self.score_by_version(batch)  # [N, T]
+        mask, lag = batch["mask"], step - batch["version"].float()  # [N, T], [N]
+        self.breakdown = {n: batch.pop(n).mean().item() for n in list(batch) if n.startswith("reward_")}
+        self.breakdown.update(multiturn_metrics(batch) if "turns" in batch else {})
+        self.breakdown.update(
+            staleness_mean=lag.mean().item(), staleness_max=lag.max().item(), **meta,
+            logp_gap=((batch["old_logp"] - batch["sampler_logp"]).abs() * mask).sum().item() / max(mask.sum().item(), 1))
+        return batch
+
+    def take(self, step: int) -> tuple[dict, dict]:
+        """Rank 0: the step's groups from the queue, minus (counted) ones older than max_staleness
+        or without a snapshot, sorted by version; and the transport's numbers for the log."""
         got = []
         while len(got) < self.groups:
             with self.cond:
@@ -554,21 +575,11 @@ class AsyncRollouts:
                     else:
                         got.append(g)
         got.sort(key=lambda g: int(g["version"].min()))  # rows of one version share micro-batches: fewer swaps
-        batch = collate(got, self.policy.pad_id)
-        batch["group"] = torch.arange(len(got)).repeat_interleave(self.cfg.group_size)  # [N]
-        batch["sampler_logp"] = batch["logp"]  # [N, T]: logged now, for importance corrections later
-        batch["old_logp"] = self.score_by_version(batch)  # [N, T]
-        mask, lag = batch["mask"], step - batch["version"].float()  # [N, T], [N]
         with self.cond:
-            self.breakdown = {n: batch.pop(n).mean().item() for n in list(batch) if n.startswith("reward_")}
-            self.breakdown.update(multiturn_metrics(batch) if "turns" in batch else {})
-            self.breakdown.update(
-                staleness_mean=lag.mean().item(), staleness_max=lag.max().item(), queue_depth=len(self.queue),
-                logp_gap=((batch["old_logp"] - batch["sampler_logp"]).abs() * mask).sum().item() / max(mask.sum().item(), 1),
-                live_workers=len(self.live()), sync_bytes=len(self.payload), sync_publish_s=self.publish_s,
-                sync_apply_s=statistics.median(self.apply_s or [0.0]), **self.counts)
+            meta = dict(queue_depth=len(self.queue), live_workers=len(self.live()), sync_bytes=len(self.payload),
+                        sync_publish_s=self.publish_s, sync_apply_s=statistics.median(self.apply_s or [0.0]), **self.counts)
             self.apply_s = []
-        return batch
+        return collate(got, self.policy.pad_id), meta
 
     @torch.no_grad()
     def score_by_version(self, batch: dict) -> torch.Tensor:
@@ -615,6 +626,8 @@ class AsyncRollouts:
     def close(self) -> None:
         """Answers 'finished' until every live worker has heard it (a few seconds at most), then
         stops; a worker that missed it exits after --worker-patience of refused connections."""
+        if not self.lead:
+            return
         with self.cond:
             self.finished = True
             self.cond.notify_all()

@@ -275,6 +275,18 @@ def sum_grads(module: torch.nn.Module) -> None:
 
 
 @torch.no_grad()
+def broadcast_bytes(data: bytes | None) -> bytes:
+    """Rank 0's bytes on every rank, sent as a uint8 tensor: never pickled (receivers decode them
+    as they would network bytes)."""
+    if world() == 1:
+        return data
+    n = torch.tensor([len(data) if rank() == 0 else 0])
+    dist.broadcast(n, 0)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank() == 0 else torch.empty(int(n), dtype=torch.uint8)
+    dist.broadcast(buf, 0)
+    return buf.numpy().tobytes()
+
+
 def broadcast_weights(module: torch.nn.Module) -> None:
     """Rank 0's weights everywhere. Ranks then stay identical with no further syncing: they apply
     the same summed gradients with the same optimizer."""
