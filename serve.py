@@ -528,9 +528,14 @@ class AsyncRollouts:
                 self.counts["batches_rejected"] += 1
                 return 400, {"error": why}
             groups = [{n: x[rows] for n, x in tensors.items()} for g in tensors["group"].unique() for rows in [tensors["group"] == g]]
-            fresh = [g for g in groups if self.version - int(g["version"].min()) <= self.cfg.max_staleness]
-            if self.queue and len(self.queue) + len(fresh) > self.capacity:
+            # A full queue holds the request until the trainer takes groups (up to LONG_POLL): a worker
+            # told to come back later would sit idle while the trainer drains the queue.
+            room = lambda: not self.queue or len(self.queue) + len(groups) <= self.capacity
+            if not self.cond.wait_for(lambda: room() or self.finished, timeout=LONG_POLL):
                 return 429, {"error": f"queue full ({len(self.queue)} groups); retry shortly"}
+            if self.finished:
+                return 410, {"finished": True}
+            fresh = [g for g in groups if self.version - int(g["version"].min()) <= self.cfg.max_staleness]
             self.counts.update(groups_received=len(groups), dropped_stale=len(groups) - len(fresh))
             if isinstance(meta.get("apply_s"), (int, float)):
                 self.apply_s.append(float(meta["apply_s"]))
@@ -567,6 +572,7 @@ class AsyncRollouts:
                 if not self.cond.wait_for(lambda: self.queue, timeout=60):
                     utils.stderr(f"step {step}: waiting for rollout batches ({len(self.live())} live workers)")
                 taken, self.queue = self.queue[: self.groups - len(got)], self.queue[self.groups - len(got):]
+                self.cond.notify_all()  # room for a worker whose POST is waiting
                 for g in taken:
                     if step - int(g["version"].min()) > self.cfg.max_staleness:
                         self.counts["dropped_stale"] += 1

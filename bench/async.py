@@ -73,7 +73,7 @@ def adapter_sync(args) -> dict:
     src = serve.AsyncRollouts(cfg, policy, SimpleNamespace(task=None, draw=None))
     client = serve.Client(src.server.url, token=src.server.token)
     sync, raw = [], []
-    for v in range(args.repeats + 1):
+    for v in range(args.sync_repeats + 1):
         t = time.perf_counter()
         src.publish(v)  # snapshot + encode, as after every optimizer step
         status, body = client.get(f"/adapter?have={v - 1}&worker=-1")
@@ -152,6 +152,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16, help="max_new_tokens of the training workload")
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sync-repeats", type=int, default=20, help="adapter syncs (milliseconds each)")
     ap.add_argument("--e2e-repeats", type=int, default=1, help="end-to-end runs per mode (each is minutes on 2 cores)")
     ap.add_argument("--no-vllm", dest="vllm", action="store_false")
     args = ap.parse_args()

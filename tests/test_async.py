@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -171,6 +172,27 @@ def test_groups_older_than_max_staleness_are_dropped_and_counted_never_trained(p
         status, reply = src.receive(serve.Request("/batch", {}, old, "127.0.0.1"))
         assert (status, reply, src.counts["dropped_stale"]) == (200, {"queued": 0, "dropped": 1}, 1)
         assert src.queue == []
+    finally:
+        src.close()
+
+
+def test_a_post_to_a_full_queue_waits_for_room_instead_of_bouncing(policy, monkeypatch):
+    monkeypatch.setattr(serve, "LONG_POLL", 0.5)
+    src, policy = source_for(policy)  # 2 groups a step, max_staleness 1: the queue holds 2 groups
+    try:
+        src.publish(0)
+        two = serve.encode(worker_batch(policy, [0] * 8), {"worker": "t"})
+        post = lambda: src.receive(serve.Request("/batch", {}, two, "127.0.0.1"))
+        assert post() == (200, {"queued": 2, "dropped": 0})
+        assert post()[0] == 429  # still full when the long poll ends
+        replies = []
+        waiting = threading.Thread(target=lambda: replies.append(post()))
+        waiting.start()
+        time.sleep(0.2)
+        assert replies == []  # held, not bounced
+        src.take(0)  # the trainer takes its 2 groups
+        waiting.join(5)
+        assert replies == [(200, {"queued": 2, "dropped": 0})] and len(src.queue) == 2
     finally:
         src.close()
 
