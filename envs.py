@@ -194,6 +194,7 @@ if pid == 0:
         os.setuid(uid)
     check(libc.prctl(38, 1, 0, 0, 0) == 0, "no_new_privs")  # setuid binaries cannot give root back
     sys.argv = ["main.py"]
+    os.environ.clear()  # started with none, but bubblewrap sets PWD
     try:
         exec(compile(src, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
     except SystemExit:
@@ -231,14 +232,16 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: int = 5, mem_mb: int
     timeout. Every process of the run is dead when this returns. The limits are per process, so
     a run can hold nproc * mem_mb of memory (4 GB by default). See `sandbox_plan` for what else
     holds on this machine."""
-    python, flags, uid_base = sandbox_plan()
+    python, flags, uid_base, bwrap = sandbox_plan()
     limits = (cpu_s, mem_mb << 20, fsize_mb << 20, nofile, nproc)
-    return _sandboxed(python, flags, uid_base, code, timeout_s, limits, max_output)
+    return _sandboxed(python, flags, uid_base, code, timeout_s, limits, max_output, bwrap)
 
 
 @functools.cache
-def sandbox_plan() -> tuple[str, int, int]:
-    """(interpreter, unshare flags, uid base or 0): the strongest setup that runs here, found once.
+def sandbox_plan() -> tuple[str, int, int, bool]:
+    """(interpreter, unshare flags, uid base or 0, bubblewrap or not): the strongest setup that
+    runs here, found once. Bubblewrap, when installed, adds a read-only view of the host's files
+    and a minimal /dev around the launcher, which still sets up everything below itself.
     Namespaces: pid (the run sees and signals only its own processes, and all of them die with
     its first), network (none at all), mount (its own /proc and /tmp) and ipc. As root each run
     also gets its own unused uid, so RLIMIT_NPROC binds and root's files stay unreadable; without
@@ -249,29 +252,33 @@ def sandbox_plan() -> tuple[str, int, int]:
     # (a pyenv Python under /root is not): then the system's python3 runs it.
     system = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
     pythons = dict.fromkeys(p for p in (sys.executable, system) if p)
-    tried = []
-    for flags in (_NEWPID | _NEWNET | _NEWNS | _NEWIPC | (0 if root else _NEWUSER), 0):
+    tried, full = [], _NEWPID | _NEWNET | _NEWNS | _NEWIPC | (0 if root else _NEWUSER)
+    for flags, bwrap in ((full, bool(shutil.which("bwrap"))), (full, False), (0, False)):
         for python in pythons:  # importing json, not loaded at start-up, proves the uid can read the stdlib
             r = _sandboxed(python, flags, uid_base, "import json\nprint(json.dumps(6 * 7))", 30.0,
-                           (10, 512 << 20, 1 << 20, 64, 32), 999)
+                           (10, 512 << 20, 1 << 20, 64, 32), 999, bwrap)
             if r.stdout == "42\n":
                 if not flags:
                     warnings.warn(f"sandbox: no namespaces ({tried[-1]}): model code can use the network and write "
                                   "to /tmp" + ("" if root else "; and as it runs as you, it can signal your processes "
                                   "(the trainer too), read their environment and leave setsid'd children running")
                                   + ". Run as root, or allow unprivileged user namespaces.")
-                return python, flags, uid_base
-            tried.append(f"{python} with flags {flags:#x}: {r.stderr.strip()[-300:] or f'exit {r.returncode}'}")
+                return python, flags, uid_base, bwrap
+            tried.append(f"{python} with flags {flags:#x}{' in bwrap' * bwrap}: {r.stderr.strip()[-300:] or f'exit {r.returncode}'}")
     raise RuntimeError("no Python interpreter runs in the sandbox: " + "; ".join(tried) + ". As root the code runs "
                        "under an unprivileged uid, so install a world-readable python3 (e.g. apt install python3).")
 
 
-def _sandboxed(python, flags, uid_base, code, timeout_s, limits, max_output) -> SandboxResult:
+def _sandboxed(python, flags, uid_base, code, timeout_s, limits, max_output, bwrap=False) -> SandboxResult:
     work = tempfile.mkdtemp(prefix="nanorl-sandbox-")
     try:
         Path(work, "main.py").write_text(code, encoding="utf-8", errors="replace")
         r, w = os.pipe()
         args = [python, "-I", "-S", "-c", _LAUNCHER, *map(str, (w, flags, uid_base, *limits, timeout_s))]
+        if bwrap:  # no pid namespace of its own: the launcher's host pid names the run's uid
+            args = [shutil.which("bwrap"), "--die-with-parent", *(["--unshare-user"] if flags & _NEWUSER else []),
+                    "--ro-bind", "/", "/", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/var/tmp",
+                    "--bind", work, work, "--chdir", work, "--", *args]
         pipe = subprocess.PIPE
         with open(r, "rb") as status, subprocess.Popen(args, cwd=work, env={}, stdin=subprocess.DEVNULL, stdout=pipe,
                                                        stderr=pipe, pass_fds=(w,), start_new_session=True) as proc:

@@ -15,7 +15,7 @@ import envs
 from envs import SANDBOX_UID_BASE, PythonToolEnv, run_python, sandbox_plan
 from tasks import Problem
 
-PYTHON, FLAGS, UID_BASE = sandbox_plan()
+PYTHON, FLAGS, UID_BASE, BWRAP = sandbox_plan()
 # Without a pid namespace or a uid of its own, code that signals "its parent" would hit pytest.
 contained = pytest.mark.skipif(not (FLAGS & envs._NEWPID or UID_BASE),
                                reason="needs a pid namespace or root (a throwaway uid per run)")
@@ -178,3 +178,21 @@ def test_root_without_namespaces_still_reaps_detached_children_and_spares_the_tr
                         "    try:\n        os.kill(pid, signal.SIGKILL)\n    except OSError as e:\n"
                         "        print(type(e).__name__)", 5.0, limits, 4000)
     assert r.stdout == "PermissionError\nPermissionError\n" and r.returncode == 0  # kill(-1) reaches only its uid
+
+
+@pytest.mark.skipif(not FLAGS & envs._NEWNET, reason="no network namespace on this machine")
+@pytest.mark.parametrize("bwrap", [True, False], ids=["bubblewrap", "own-namespaces"])
+def test_with_and_without_bubblewrap_runs_are_contained_and_bubblewrap_makes_host_files_read_only(bwrap):
+    import shutil
+    assert not bwrap or shutil.which("bwrap"), "bubblewrap is missing: apt-get install bubblewrap (.ci/run does)"
+    marker = f"{random.randint(10_000, 99_999)}.{random.randint(1, 999_999)}"
+    code = detach(marker) + ("import os, socket\nprint(sorted(os.environ))\ntry:\n"
+                             "    socket.create_connection(('127.0.0.1', 22), timeout=1)\nexcept OSError as e:\n"
+                             "    print('no network')\ntry:\n    open('/etc/nanorl-sandbox-test', 'w')\n"
+                             "except OSError as e:\n    print(type(e).__name__, e.errno)\nprint(len(open('main.py').read()) > 0)")
+    r = envs._sandboxed(PYTHON, FLAGS, UID_BASE, code, 5.0, (5, 512 << 20, 16 << 20, 64, 32), 4000, bwrap)
+    running, environ, network, write, own_file = r.stdout.splitlines()
+    assert running == "detached child running" and environ in ("[]", "['LC_CTYPE']") and network == "no network"
+    assert own_file == "True" and survivors(marker) == [] and not os.path.exists("/etc/nanorl-sandbox-test")
+    # EROFS (30): bubblewrap's read-only view of the host; without it the run's own uid is refused (EACCES, 13)
+    assert write == ("OSError 30" if bwrap else "PermissionError 13")
