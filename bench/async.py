@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 import serve  # noqa: E402
 import train  # noqa: E402
 import utils  # noqa: E402
-from model import LLMPolicy, resolve_model  # noqa: E402
+from model import LLMPolicy, VLLMGenerator, resolve_model  # noqa: E402
 
 TOKEN = "bench-token-0123456789"
 
@@ -131,7 +131,7 @@ def generation(args) -> dict:
         out = {"hf_worker": tokens_per_second(lambda: worker_path(hf, policy, prefixes, args.gen_tokens), args.repeats),
                "hf_raw": tokens_per_second(lambda: hf_raw(policy, prefixes, args.gen_tokens), args.repeats)}
     if args.vllm:
-        gen = serve.VLLMGenerator(resolve_model(cfg.model), cfg, policy.eos_ids, 0)
+        gen = VLLMGenerator(resolve_model(cfg.model), cfg, policy.eos_ids, 0)
         names, meta = serve.wire_names(policy), {"adapter_config": serve.adapter_config(policy)}
         tensors = {names[n]: t for n, t in policy.trainable_state().items()}
         gen.load(0, tensors, meta, serve.encode(tensors, meta))
