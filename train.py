@@ -163,7 +163,15 @@ def validate(cfg: Config) -> None:
         raise err(f"--resume {cfg.resume}: no such run directory")
     if cfg.role != "sync" and cfg.task in CONTROL:
         raise err(f"--role {cfg.role} is for LLM tasks; {cfg.task} runs in one process (--role sync)")
-    serve.check_roles(cfg)
+    if cfg.role not in ("sync", "trainer", "rollout"):
+        raise err(f"--role must be sync, trainer or rollout (got {cfg.role!r})")
+    if cfg.role == "rollout" and not cfg.trainer_url:
+        raise err("--role rollout needs --trainer-url http://HOST:PORT (the trainer prints it when it starts)")
+    if cfg.vllm and (cfg.role != "rollout" or not cfg.lora):
+        raise err("--vllm is for --role rollout with --lora: with full fine-tuning every sync would ship the whole "
+                  "model; drop --vllm to let the worker generate with its own copy of the policy")
+    if cfg.max_staleness < 0 or cfg.workers < 0 or cfg.worker_patience <= 0:
+        raise err("need --max-staleness >= 0, --workers >= 0 and --worker-patience > 0")
 
 
 # ---------------------------------------------------------------- where batches come from

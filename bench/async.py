@@ -132,7 +132,7 @@ def generation(args) -> dict:
                "hf_raw": tokens_per_second(lambda: hf_raw(policy, prefixes, args.gen_tokens), args.repeats)}
     if args.vllm:
         gen = VLLMGenerator(resolve_model(cfg.model), cfg, policy.eos_ids, 0)
-        names, meta = serve.wire_names(policy), {"adapter_config": serve.adapter_config(policy)}
+        names, meta = policy.wire_names(), {"adapter_config": policy.adapter_config()}
         tensors = {names[n]: t for n, t in policy.trainable_state().items()}
         gen.load(0, tensors, meta, serve.encode(tensors, meta))
         prompts = [gen.TokensPrompt(prompt_token_ids=p) for p in prefixes]

@@ -7,7 +7,6 @@ import warnings
 import pytest
 import torch
 
-import serve
 import utils
 from algos import loss_weights, policy_loss
 from model import CHARS, SPECIALS, LLMPolicy, Sample, build_tiny_model, resolve_model
@@ -314,4 +313,4 @@ def test_policy_without_weights_holds_no_memory_yet_agrees_on_tokens_eos_and_ada
     assert {p.device.type for p in light.parameters()} == {"meta"}
     assert light.eos_ids == full.eos_ids == {2, 7} and light.pad_id == full.pad_id
     assert [light.encode_prompt(p) for p in PROMPTS] == [full.encode_prompt(p) for p in PROMPTS]
-    assert serve.wire_names(light) == serve.wire_names(full)
+    assert light.wire_names() == full.wire_names()
