@@ -593,4 +593,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(utils.record(main)(sys.argv[1:]))
+    utils.exit_process(utils.record(main)(sys.argv[1:]))

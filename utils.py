@@ -231,6 +231,17 @@ def close_distributed() -> None:
         dist.destroy_process_group()
 
 
+def exit_process(code: int) -> None:
+    """Ends the process with `code`. Under torchrun it skips interpreter finalization, where gloo's
+    threads now and then abort a rank that finished cleanly ("terminate called without an active
+    exception", about 1 run in 20 on a loaded machine): everything is written and closed by then."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 

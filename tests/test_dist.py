@@ -248,7 +248,7 @@ def next_or_fail(self, step):
         {action}
     return real(self, step)
 train.ControlRollouts.next = next_or_fail
-sys.exit(utils.record(train.main)(sys.argv[1:]))
+utils.exit_process(utils.record(train.main)(sys.argv[1:]))
 """
 
 
@@ -268,6 +268,7 @@ def test_a_failing_rank_stops_the_whole_run_with_a_message(tmp_path, action, tim
 
 if __name__ == "__main__":
     worker(Path(sys.argv[1]))
+    utils.exit_process(0)
 
 
 def test_two_rank_async_trainer_with_two_hf_workers_trains_every_step_exactly(tmp_path):
