@@ -431,6 +431,15 @@ class LLMPolicy(nn.Module):
         vLLM and PEFT load as is; full fine-tuning keeps the parameter names."""
         return {n: n.removeprefix("model.").replace(".default.", ".") if self.lora else n for n in self.trained}
 
+    def wire_state(self) -> dict[str, torch.Tensor]:
+        """The trained tensors under their wire names, uncopied (encode copies them)."""
+        return {w: self.trained[n] for n, w in self.wire_names().items()}
+
+    def load_wire(self, tensors: dict[str, torch.Tensor]) -> None:
+        """load_trainable for tensors named as on the wire: an adapter payload, or a snapshot of one."""
+        names = {w: n for n, w in self.wire_names().items()}
+        self.load_trainable({names.get(w, w): t for w, t in tensors.items()})
+
     def adapter_config(self) -> str:
         """adapter_config.json exactly as PEFT writes it, after checking wire_names against PEFT's keys."""
         if not self.lora:

@@ -329,7 +329,7 @@ FINGERPRINT = ("task", "seed", "eval_size", "data", "model", "lora", "lora_rank"
                "max_new_tokens", "group_size", "temperature", "top_p", "chat_template", "thinking", "overlong_buffer")
 ROWS = {"tokens": torch.int64, "attn": torch.float32, "mask": torch.float32, "logp": torch.float32,
         "rewards": torch.float32, "truncated": torch.bool, "group": torch.int64, "version": torch.int64}
-EPISODE_ROWS = {"turns": torch.int64, "solved_at_turn": torch.int64}  # [N], multi-turn batches only
+ROW_DTYPES = ROWS | {"turns": torch.int64, "solved_at_turn": torch.int64}  # plus [N] rows of multi-turn batches
 STRIDE = 1_000_000  # worker w samples train problems w*STRIDE, w*STRIDE+1, ...: workers never share a prompt
 LONG_POLL = 2.0  # seconds GET /adapter waits for a newer version; also the workers' heartbeat period
 HEARTBEAT = 10.0  # a worker silent for longer is not counted as live
@@ -343,12 +343,12 @@ def fingerprint(cfg) -> dict:
 def check_batch(t: dict, k: int, newest: int, vocab: int) -> str | None:
     """Why a worker's batch must not be trained on, or None. Runs before the model sees it."""
     missing = [n for n in ROWS if n not in t]
-    extra = [n for n in t if n not in ROWS | EPISODE_ROWS and not re.fullmatch(r"reward_\w{1,64}", n)]
+    extra = [n for n in t if n not in ROW_DTYPES and not re.fullmatch(r"reward_\w{1,64}", n)]
     if missing or extra or t["tokens"].ndim != 2:
         return f"batch keys: missing {missing}, unexpected {extra}" if missing or extra else "tokens must be [N, L]"
     N, L = t["tokens"].shape
     for n, x in t.items():
-        want, dtype = ((N, L) if n in ("tokens", "attn", "mask", "logp", "rewards") else (N,)), (ROWS | EPISODE_ROWS).get(n, torch.float32)
+        want, dtype = ((N, L) if n in ("tokens", "attn", "mask", "logp", "rewards") else (N,)), ROW_DTYPES.get(n, torch.float32)
         if x.dtype != dtype or tuple(x.shape) != want or x.is_floating_point() and not torch.isfinite(x).all():
             return f"{n} is {x.dtype} {list(x.shape)} (NaN or inf?); expected finite {dtype} {list(want)}"
     if N == 0 or N % k or (t["group"].unique(return_counts=True)[1] != k).any():
@@ -380,9 +380,9 @@ class AsyncRollouts:
         self.task, self.draw = local.task, local.draw  # the SFT warm-start runs on the trainer
         self.capacity = max(1, cfg.max_staleness) * self.groups  # groups; a longer queue would only feed stale ones
         self.cond = threading.Condition()  # guards everything the HTTP threads touch
-        self.queue, self.snapshots = [], {}  # groups; version -> trainable_state, inside the window only
+        self.queue, self.snapshots = [], {}  # groups; version -> adapter tensors (wire names), inside the window
         self.version, self.payload, self.finished, self.next_worker = -1, b"", False, 0
-        self.params, self.config_json = {w: n for n, w in policy.wire_names().items()}, policy.adapter_config()
+        self.config_json = policy.adapter_config()
         self.vocab = policy.model.get_input_embeddings().num_embeddings
         self.seen, self.told = {}, set()  # worker -> time of its last request; workers told "finished"
         self.counts, self.apply_s, self.publish_s = Counter(), [], 0.0
@@ -508,21 +508,20 @@ class AsyncRollouts:
         for rows in torch.arange(len(versions)).split(self.cfg.micro_batch or len(versions)):
             for v in versions[rows].unique().tolist():
                 if v != loaded:
-                    self.policy.load_trainable(self.snapshots[v])
+                    self.policy.load_wire(self.snapshots[v])
                     loaded = v
                 keep = versions[rows] == v  # [rows]
                 out[rows[keep]] = self.policy.score(batch, rows)[0][keep]
         if loaded != self.version:
-            self.policy.load_trainable(self.snapshots[self.version])
+            self.policy.load_wire(self.snapshots[self.version])
         return out * batch["mask"]
 
     def publish(self, step: int) -> None:
         """Version `step`: the adapter encoded once for all workers; the payload's tensors (views,
         not copies) are also the snapshot that scores this version's rows."""
         t = time.perf_counter()
-        payload = encode({w: self.policy.trained[n] for w, n in self.params.items()},
-                         {"version": step, "adapter_config": self.config_json})
-        state = {self.params[w]: x for w, x in _tensors(payload, _check_header(payload)).items()}
+        payload = encode(self.policy.wire_state(), {"version": step, "adapter_config": self.config_json})
+        state = _tensors(payload, _check_header(payload))  # named as on the wire, like what workers load
         with self.cond:
             self.snapshots = {v: s for v, s in self.snapshots.items() if v >= step - self.cfg.max_staleness} | {step: state}
             self.version, self.payload, self.publish_s = step, payload, time.perf_counter() - t
@@ -564,10 +563,10 @@ class HFGenerator:
     """Generation with the worker's own LLMPolicy (generate is the policy's); an adapter version loads in place."""
 
     def __init__(self, policy):
-        self.policy, self.generate, self.names = policy, policy.generate, {w: n for n, w in policy.wire_names().items()}
+        self.policy, self.generate = policy, policy.generate
 
     def load(self, version: int, tensors: dict, meta: dict, payload: bytearray) -> None:
-        self.policy.load_trainable({self.names.get(w, w): t for w, t in tensors.items()})
+        self.policy.load_wire(tensors)
 
 
 class AdapterFetcher(threading.Thread):

@@ -286,16 +286,16 @@ def sum_grads(module: torch.nn.Module) -> None:
 
 
 @torch.no_grad()
-def broadcast_bytes(data: bytes | None) -> bytes:
+def broadcast_bytes(data: bytearray | None) -> bytearray:
     """Rank 0's bytes on every rank, sent as a uint8 tensor: never pickled (receivers decode them
-    as they would network bytes)."""
+    as they would network bytes). A bytearray, which serve.decode views without a copy."""
     if world() == 1:
         return data
     n = torch.tensor([len(data) if rank() == 0 else 0])
     dist.broadcast(n, 0)
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank() == 0 else torch.empty(int(n), dtype=torch.uint8)
+    buf = torch.frombuffer(data, dtype=torch.uint8) if rank() == 0 else torch.empty(int(n), dtype=torch.uint8)
     dist.broadcast(buf, 0)
-    return buf.numpy().tobytes()
+    return data if rank() == 0 else bytearray(buf.numpy())
 
 
 def broadcast_weights(module: torch.nn.Module) -> None:
