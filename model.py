@@ -201,7 +201,7 @@ class LLMPolicy(nn.Module):
                  lora_targets: str = "all-linear", lora_dropout: float = 0.0, dtype: str = "fp32",
                  temperature: float = 1.0, top_p: float = 1.0, chat_template: bool = True,
                  thinking: bool = False, kl_coef: float = 0.0, critic: bool = False, device: str | None = None,
-                 weights: bool = True):
+                 weights: bool = True, attn: str = "auto"):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         super().__init__()
@@ -219,13 +219,21 @@ class LLMPolicy(nn.Module):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu") if weights else "meta")
         self.lora, self.bf16, self.kl_coef = lora, dtype == "bf16", kl_coef
         self.temperature, self.top_p, self.thinking = temperature, top_p, thinking
+        self.share_prompts = True
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError) as e:
             raise utils.ConfigError(f"--model {model}: cannot load its tokenizer ({str(e).splitlines()[0]}); {LOAD_HINT}") from None
         # A frozen LoRA base may live in bf16; anything trained stays fp32 (autocast does the bf16 compute).
         if weights:
-            lm = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype] if lora else torch.float32).to(self.device)
+            # "auto": sdpa, except plain matmul attention for bf16 on a CPU, where PyTorch's flash-attention
+            # backward makes a training step ~25% slower at every length measured (21 to 512 tokens).
+            attn = attn if attn != "auto" else "eager" if self.bf16 and self.device.type == "cpu" else "sdpa"
+            try:
+                lm = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype] if lora else torch.float32,
+                                                          attn_implementation=attn).to(self.device)
+            except (ValueError, ImportError) as e:  # an unknown or uninstalled attention kernel
+                raise utils.ConfigError(f"--attn {attn}: {str(e).splitlines()[0]} (try --attn sdpa)") from None
         else:
             with self.device:
                 lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
@@ -234,6 +242,10 @@ class LLMPolicy(nn.Module):
             except OSError:  # the model has none; the defaults from its config stand, as in from_pretrained
                 pass
         self.model = add_lora(lm, lora_targets, lora_rank, lora_alpha, lora_dropout) if lora else lm
+        if lora and self.bf16:  # autocast feeds the adapter bf16 already: PEFT's cast of every input to
+            for m in self.model.modules():  # the fp32 adapter dtype is a copy autocast undoes (~8% of a step)
+                if hasattr(m, "cast_input_dtype_enabled"):
+                    m.cast_input_dtype_enabled = False
         # PPO's critic: a linear head on the last hidden state, trained through the same adapter (or
         # weights); zero-initialised so the first values are 0 rather than noise of the reward's scale.
         self.has_critic = critic
@@ -284,34 +296,37 @@ class LLMPolicy(nn.Module):
         return out
 
     def _generate_chunk(self, prefixes: list[list[int]], max_new: int, greedy: bool) -> list[Sample]:
+        distinct = {p: i for i, p in enumerate(dict.fromkeys(map(tuple, prefixes)))}  # a group's prompt is run once
         B, P, dev = len(prefixes), max(map(len, prefixes)), self.device
-        ids = torch.full((B, P), self.pad_id, dtype=torch.long)  # [B, P] left-padded
-        attn = torch.zeros(B, P, dtype=torch.long)  # [B, P]
-        for r, p in enumerate(prefixes):
+        ids = torch.full((len(distinct), P), self.pad_id, dtype=torch.long)  # [U, P] left-padded
+        attn = torch.zeros(len(distinct), P, dtype=torch.long)  # [U, P]
+        for p, r in distinct.items():
             ids[r, P - len(p) :] = torch.tensor(p)
             attn[r, P - len(p) :] = 1
-        ids, attn = ids.to(dev), attn.to(dev)
-        pos = (attn.cumsum(1) - 1).clamp(min=0)  # [B, P]: every row's first real token sits at position 0
+        ids, attn, rows = ids.to(dev), attn.to(dev), torch.tensor([distinct[tuple(p)] for p in prefixes], device=dev)
+        pos = (attn.cumsum(1) - 1).clamp(min=0)  # [U, P]: every row's first real token sits at position 0
         eos = torch.tensor(sorted(self.eos_ids), device=dev)
         tokens = torch.zeros(B, max_new, dtype=torch.long, device=dev)  # [B, max_new]
         logps = torch.zeros(B, max_new, device=dev)  # [B, max_new]
         length = torch.full((B,), max_new, device=dev)  # [B]: completion length, eos included
         done = torch.zeros(B, dtype=torch.bool, device=dev)  # [B]
-        cache = None
-        for t in range(max_new):
-            with self.autocast():
-                out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+        with self.autocast():  # once per chunk: full fine-tuning's fp32 weights are cast to bf16 once, not per token
+            out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
+            cache, logits, attn, pos = out.past_key_values, out.logits[rows, -1], attn[rows], pos[rows, -1:]
+            cache.batch_select_indices(rows)  # [U, ...] -> [B, ...]: each row continues from its prompt's cache
+            for t in range(max_new):
+                logp_all = F.log_softmax(logits.float() / self.temperature, -1)  # [B, V], fp32 like score()
+                nxt = logp_all.argmax(-1) if greedy else torch.multinomial(self._sampling_probs(logp_all), 1)[:, 0]  # [B]
+                tokens[:, t], logps[:, t] = nxt, logp_all.gather(1, nxt[:, None]).squeeze(1)
+                ended = ~done & torch.isin(nxt, eos)  # [B]
+                length[ended], done = t + 1, done | ended
+                if done.all() or t == max_new - 1:
+                    break
+                pos = pos + 1  # [B, 1]; finished rows run on but are cut below
+                attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype, device=dev)], 1)  # [B, P + t + 1]
+                out = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, past_key_values=cache,
                                  use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
-            logp_all = F.log_softmax(out.logits[:, -1].float() / self.temperature, -1)  # [B, V], fp32 like score()
-            nxt = logp_all.argmax(-1) if greedy else torch.multinomial(self._sampling_probs(logp_all), 1)[:, 0]  # [B]
-            tokens[:, t], logps[:, t] = nxt, logp_all.gather(1, nxt[:, None]).squeeze(1)
-            ended = ~done & torch.isin(nxt, eos)  # [B]
-            length[ended], done = t + 1, done | ended
-            if done.all():
-                break
-            ids, pos = nxt[:, None], pos[:, -1:] + 1  # [B, 1]; finished rows run on but are cut below
-            attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype, device=dev)], 1)  # [B, P + t + 1]
+                cache, logits = out.past_key_values, out.logits[:, -1]
         tokens, logps, length = tokens.tolist(), logps.tolist(), length.int().tolist()
         return [Sample(tokens[r][: length[r]], logps[r][: length[r]], not bool(done[r])) for r in range(B)]
 
@@ -374,11 +389,17 @@ class LLMPolicy(nn.Module):
         first = int(cols[0]) if len(cols) else max(end - 1, 1)  # nothing masked: an empty slice keeps backward() legal
         tokens = batch["tokens"][rows, :end].to(dev)  # [n, end]
         attn = batch["attn"][rows, :end].to(dev).long()  # [n, end]
-        with self.autocast():  # logits for positions first-1 .. end-1 only: they predict tokens first .. end
-            fwd = lm(input_ids=tokens, attention_mask=attn, logits_to_keep=end - first + 1, output_hidden_states=head is not None)
-        logits = fwd.logits[:, :-1]  # [n, end - first, V]
         sel = mask[:, first:end] > 0  # [n, end-first]
-        lg = logits[sel].float() / self.temperature  # [k, V], fp32 like the sampler
+        hidden = None
+        with self.autocast():
+            shared = self._shared_prompt_logits(lm, tokens, attn, mask[:, :end]) if head is None else None
+            if shared is None:  # logits for positions first-1 .. end-1 only: they predict tokens first .. end
+                fwd = lm(input_ids=tokens, attention_mask=attn, logits_to_keep=end - first + 1,
+                         output_hidden_states=head is not None)
+                lg, hidden = fwd.logits[:, :-1][sel], fwd.hidden_states[-1] if head is not None else None  # [k, V]
+            else:
+                lg = shared  # [k, V], the same k rows in the same (row-major) order
+        lg = lg.float() / self.temperature  # [k, V], fp32 like the sampler
         lse = lg.logsumexp(-1)  # [k]
         logp, entropy = torch.zeros(n, L, device=dev), torch.zeros(n, L, device=dev)  # [n, L]
         logp[:, first:end][sel] = lg.gather(-1, tokens[:, first:end][sel][:, None]).squeeze(-1) - lse
@@ -388,8 +409,42 @@ class LLMPolicy(nn.Module):
         if head is None:
             return logp.to(out), entropy.to(out), None
         values = torch.zeros(n, L, device=dev)  # [n, L]
-        values[:, first:end][sel] = head(fwd.hidden_states[-1][:, first - 1 : end - 1][sel].float()).squeeze(-1)  # states predicting first .. end-1
+        values[:, first:end][sel] = head(hidden[:, first - 1 : end - 1][sel].float()).squeeze(-1)  # states predicting first .. end-1
         return logp.to(out), entropy.to(out), values.to(out)
+
+    def _shared_prompt_logits(self, lm: nn.Module, tokens, attn, mask):
+        """Logits [k, V] for the k masked tokens, row-major, with each distinct prompt run once: a
+        group's rows share the prompt's keys and values (indexed, so the gradient through them is
+        the sum over the group, as in separate forwards). None when no two rows share a prompt.
+        A row's prompt is everything before its first masked token; the rest is its suffix."""
+        n, L = tokens.shape
+        a = (mask > 0).float().argmax(1)  # [n]: first masked column
+        if not bool((mask > 0).any(1).all()) or not self.share_prompts:
+            return None
+        keys = [tuple(tokens[r, : a[r]].tolist()) for r in range(n)]
+        index = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+        if len(index) == n:
+            return None
+        g = torch.tensor([index[k] for k in keys], device=tokens.device)  # [n]: row -> distinct prompt
+        heads = [r for r in range(n) if keys[r] not in keys[:r]]  # one row per prompt, in index order
+        A, S = int(a.max()), int((attn.sum(1) - a).max())
+        pre = torch.full((len(heads), A), self.pad_id, dtype=torch.long, device=tokens.device)  # [U, A] left-padded
+        pre_attn = torch.zeros_like(pre)  # [U, A]
+        for u, r in enumerate(heads):
+            pre[u, A - a[r] :], pre_attn[u, A - a[r] :] = tokens[r, : a[r]], 1
+        cols = a[:, None] + torch.arange(S, device=tokens.device)  # [n, S]: each row's suffix columns
+        inside = cols < L
+        suffix = torch.where(inside, tokens.gather(1, cols.clamp(max=L - 1)), self.pad_id)  # [n, S]
+        suf_attn = attn.gather(1, cols.clamp(max=L - 1)) * inside  # [n, S]
+        suf_mask = (mask.gather(1, cols.clamp(max=L - 1)) > 0) & inside.bool()  # [n, S]
+        head = lm(input_ids=pre, attention_mask=pre_attn, position_ids=(pre_attn.cumsum(1) - 1).clamp(min=0),
+                  use_cache=True, logits_to_keep=1)  # last prompt position: predicts each row's first token
+        cache = head.past_key_values
+        cache.batch_select_indices(g)  # [U, ...] -> [n, ...]: indexing, so backward sums over the group
+        body = lm(input_ids=suffix, attention_mask=torch.cat([pre_attn[g], suf_attn], 1), position_ids=cols,
+                  past_key_values=cache, use_cache=True)
+        logits = torch.cat([head.logits[g], body.logits[:, :-1]], 1)  # [n, S, V]: position j predicts suffix token j
+        return logits[suf_mask]
 
     # ------------------------------------------------------------ weights
     @functools.cached_property

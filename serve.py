@@ -77,21 +77,26 @@ def encode(tensors: dict[str, torch.Tensor], meta: dict) -> bytearray:
     adapter_model.safetensors), written by hand: one copy of the tensor bytes, one hash over them."""
     if not isinstance(meta, dict):
         raise PayloadError(f"meta must be a JSON-able dict, got {type(meta).__name__}")
-    entries, chunks, offset = {}, [], 0
+    entries, flat, offset = {}, {}, 0
     for k, t in sorted(tensors.items()):
         if not (isinstance(k, str) and isinstance(t, torch.Tensor) and t.dtype in NAMES):
             raise PayloadError(f"encode needs dict[str, Tensor] with dtypes {sorted(map(str, NAMES))}; "
                                f"got {k!r} -> {getattr(t, 'dtype', type(t).__name__)}")
-        chunks.append(t.detach().cpu().reshape(-1).view(torch.uint8))  # reshape(-1): a 0-dim tensor has no byte view
-        entries[k] = {"dtype": NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(chunks[-1])]}
-        offset += len(chunks[-1])
-    data = (torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)).numpy()
-    head = json.dumps({"format": FORMAT, "sha256": _digest(entries, data), "meta": meta})
+        flat[k] = t.detach().reshape(-1).view(torch.uint8)  # reshape(-1): a 0-dim tensor has no byte view
+        entries[k] = {"dtype": NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(flat[k])]}
+        offset += len(flat[k])
+    # The digest goes in the header, before the data it covers: a placeholder of its length first,
+    # so the tensors are copied once, straight into place (and off the GPU), then hashed there.
+    head = json.dumps({"sha256": "0" * 64, "format": FORMAT, "meta": meta})
     header = json.dumps({"__metadata__": {"nanorl": head}, **entries}).encode()
     header += b" " * (-len(header) % 8)  # safetensors pads the header so the data starts 8-byte aligned
-    out = bytearray(8 + len(header) + offset)
-    out[:8 + len(header)] = struct.pack("<Q", len(header)) + header
-    memoryview(out)[8 + len(header):] = data
+    out, start = bytearray(8 + len(header) + offset), 8 + len(header)
+    out[:start] = struct.pack("<Q", len(header)) + header
+    body = torch.frombuffer(out, dtype=torch.uint8)[start:]
+    for k, b in flat.items():
+        body[entries[k]["data_offsets"][0] : entries[k]["data_offsets"][1]] = b
+    at = 8 + header.index(b"0" * 64)  # the first run of 64 zeros: the placeholder opens the header
+    out[at : at + 64] = _digest(entries, memoryview(out)[start:]).encode()
     return out
 
 
@@ -295,13 +300,13 @@ class Client:
         self.url, self.host, self.port = url.rstrip("/"), u.hostname, u.port or 80
         self.token, self.timeout, self.retries, self.backoff = _check_token(token), timeout, retries, backoff
 
-    def get(self, path: str) -> tuple[int, bytes]:
+    def get(self, path: str) -> tuple[int, bytearray]:
         return self._request("GET", path, None)
 
-    def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+    def post(self, path: str, body: bytes) -> tuple[int, bytearray]:
         return self._request("POST", path, body)
 
-    def _request(self, method: str, path: str, body: bytes | None) -> tuple[int, bytes]:
+    def _request(self, method: str, path: str, body: bytes | None) -> tuple[int, bytearray]:
         for attempt in range(1, self.retries + 1):
             conn, sent = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout), False
             try:
@@ -312,7 +317,14 @@ class Client:
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the server refused the body early (413, 401): its answer is still readable
                 resp = conn.getresponse()
-                return resp.status, resp.read()
+                if resp.length is None:  # no Content-Length: read to the end
+                    return resp.status, resp.read()
+                body, got = bytearray(resp.length), 0  # read in place: decode views these bytes, no copy
+                while got < len(body) and (n := resp.readinto(memoryview(body)[got:])):
+                    got += n
+                if got < len(body):
+                    raise http.client.IncompleteRead(b"", len(body) - got)
+                return resp.status, body
             except (OSError, http.client.HTTPException) as e:
                 if attempt == self.retries or (sent and method != "GET"):
                     stage = "during" if sent else "connecting for"

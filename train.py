@@ -77,6 +77,7 @@ class Config:
     lora_alpha: int = 32  # alpha = 2 x rank keeps the update scale stable when the rank changes
     lora_targets: str = "all-linear"  # every linear projection the model has, found from the model
     dtype: str = "fp32"  # bf16 on GPUs halves memory; trained parameters stay fp32 either way
+    attn: str = "auto"  # attention kernel (sdpa, eager, flash_attention_2, ...); auto: eager for bf16 on a CPU, else sdpa
     temperature: float = 1.0  # applied to the logits of both sampling and scoring, so ratios stay exact
     top_p: float = 1.0  # < 1 samples from a distribution the loss does not model (warned)
     max_new_tokens: int = 256  # completion budget; a truncated completion gets no end token
@@ -341,7 +342,7 @@ def build(cfg: Config):
         policy = LLMPolicy(cfg.model, lora=cfg.lora, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
                            lora_targets=cfg.lora_targets, dtype=cfg.dtype, temperature=cfg.temperature,
                            top_p=cfg.top_p, chat_template=cfg.chat_template, thinking=cfg.thinking, kl_coef=cfg.kl_coef,
-                           critic=cfg.algo == "ppo", weights=not cfg.vllm)  # a vLLM worker's weights live in vLLM
+                           critic=cfg.algo == "ppo", weights=not cfg.vllm, attn=cfg.attn)  # a vLLM worker's weights live in vLLM
     utils.broadcast_weights(policy)  # torchrun: every rank starts from rank 0's weights
     opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)
     source = TASKS[cfg.task](cfg, policy)

@@ -2,15 +2,19 @@
 Hugging Face loop, all with 8 prompts x 8 completions of exactly 16 tokens and one backward.
 
     nice -n -10 python bench/grpo_step.py [--steps 10] [--warmup 2] [--mode lora|full|both]
-        [--threads 1] [--trl-python /work/venv-trl/bin/python] [--trl-checkpointing] [--profile 5]
+        [--threads 1] [--dtype fp32|bf16|both] [--trl-python /work/venv-trl/bin/python] [--profile 5]
 
 Contenders (same tiny model, same LoRA r=16 all-linear or full fine-tuning, same lr, Adam(W) wd 0):
   nanorl: one loop iteration = TaskRollouts.next + prepare + update, pieces from train.build.
   trl:    GRPOTrainer (transformers generate), run in its own process (--trl-python may name a
-          separate venv) and timed between consecutive on_step_end callbacks. Configured to do no
-          more model work than the others: beta=0 (no reference model), num_iterations=1 (no
-          old-logp pass) and gradient_checkpointing off unless --trl-checkpointing (TRL's default).
+          separate venv) and timed between consecutive on_step_end callbacks, with beta=0 (no
+          reference model) and num_iterations=1 (no old-logp pass), as the others. Everything
+          else is TRL's default, including gradient checkpointing (one more forward per update).
+  trl_nockpt: the same with gradient_checkpointing=False: TRL at its fastest on this workload.
   bare:   HF model.generate(do_sample=True) + one forward/backward of a plain policy gradient.
+Precision is the same for all three: fp32, or bf16 compute (TRL's own default, bf16=True) over
+the weights each keeps for training: under LoRA a bf16 frozen base with an fp32 adapter, under
+full fine-tuning fp32 weights; autocast runs the matmuls in bf16 for every contender.
 Every completion is exactly 16 tokens: HF and TRL get min_new_tokens=16 (eos suppressed);
 nanorl's end-token set is emptied (eos_ids = {-1}) so no row stops early. The three take turns
 step by step (rotating order), so a noisy neighbour slows all of them alike; TRL's process
@@ -47,6 +51,11 @@ def arith_problems(start: int, n: int) -> list:
     return [task.train_problem(start + i) for i in range(n)]
 
 
+def weight_dtype(lora: bool, dtype: str) -> torch.dtype:
+    """How each contender stores the weights: a frozen LoRA base may be bf16, trained weights stay fp32."""
+    return torch.bfloat16 if lora and dtype == "bf16" else torch.float32
+
+
 def lora_config():
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
@@ -57,11 +66,11 @@ def lora_config():
 
 # ---------------------------------------------------------------- contender 1: nanorl
 class Nanorl:
-    def __init__(self, lora: bool):
+    def __init__(self, lora: bool, dtype: str):
         import train
         import utils
 
-        flags = ["--task", "arith", "--algo", "grpo", "--batch", str(PROMPTS * GROUP), "--group-size", str(GROUP),
+        flags = ["--dtype", dtype, "--task", "arith", "--algo", "grpo", "--batch", str(PROMPTS * GROUP), "--group-size", str(GROUP),
                  "--max-new-tokens", str(TOKENS), "--gen-batch", str(PROMPTS * GROUP), "--lr", str(LR),
                  "--eval-every", "1000000", "--lora" if lora else "--no-lora", "--no-progress"]
         self.cfg = utils.load_config(train.Config, flags)
@@ -85,15 +94,16 @@ class Nanorl:
 
 # ---------------------------------------------------------------- contender 3: the bare loop
 class Bare:
-    def __init__(self, lora: bool):
+    def __init__(self, lora: bool, dtype: str):
         from peft import get_peft_model
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = build_tiny_model()
         torch.manual_seed(0)
         self.tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=weight_dtype(lora, dtype))
         self.model = (get_peft_model(model, lora_config()) if lora else model).eval()
+        self.autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
         self.opt = torch.optim.Adam([p for p in self.model.parameters() if p.requires_grad], lr=LR)
         self.n = 0
 
@@ -103,7 +113,7 @@ class Bare:
         self.n += 1
         enc = self.tok([p.prompt for p in problems], return_tensors="pt", padding=True, padding_side="left")
         P = enc["input_ids"].shape[1]
-        with torch.no_grad():
+        with torch.no_grad(), self.autocast:
             out = self.model.generate(**enc, do_sample=True, max_new_tokens=TOKENS, min_new_tokens=TOKENS, top_k=0,
                                       top_p=1.0, temperature=1.0, pad_token_id=self.tok.pad_token_id)  # [N, P + T]
         texts = self.tok.batch_decode(out[:, P:], skip_special_tokens=True)
@@ -111,7 +121,8 @@ class Bare:
         adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1, 1)  # [N, 1]
         t1 = time.perf_counter()
         attn = torch.cat([enc["attention_mask"], torch.ones(len(out), TOKENS, dtype=torch.long)], 1)  # [N, P + T]
-        logits = self.model(input_ids=out, attention_mask=attn).logits[:, P - 1 : -1]  # [N, T, V]
+        with self.autocast:
+            logits = self.model(input_ids=out, attention_mask=attn).logits[:, P - 1 : -1]  # [N, T, V]
         logp = torch.log_softmax(logits.float(), -1).gather(-1, out[:, P:, None]).squeeze(-1)  # [N, T]
         loss = -(adv * logp).mean()
         loss.backward()
@@ -124,7 +135,7 @@ class Bare:
 
 
 # ---------------------------------------------------------------- contender 2: TRL, in its own process
-def trl_worker(lora: bool, total_steps: int, threads: int, checkpointing: bool) -> None:
+def trl_worker(lora: bool, dtype: str, total_steps: int, threads: int, checkpointing: bool) -> None:
     """Runs GRPOTrainer; after each optimizer step it prints one TAG line and waits for 'go'."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -157,8 +168,8 @@ def trl_worker(lora: bool, total_steps: int, threads: int, checkpointing: bool) 
             wait_for_go()
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="grpo_step_trl-"), use_cpu=True, bf16=False,
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=weight_dtype(lora, dtype))
+    args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="grpo_step_trl-"), use_cpu=True, bf16=dtype == "bf16",
                       per_device_train_batch_size=PROMPTS * GROUP, gradient_accumulation_steps=1,
                       num_generations=GROUP, max_completion_length=TOKENS, generation_kwargs={"min_new_tokens": TOKENS},
                       temperature=1.0, top_p=1.0, top_k=0, beta=0.0, num_iterations=1, learning_rate=LR,
@@ -181,10 +192,10 @@ def trl_worker(lora: bool, total_steps: int, threads: int, checkpointing: bool) 
 
 
 class Trl:
-    def __init__(self, lora: bool, total_steps: int, python: str, threads: int, checkpointing: bool):
+    def __init__(self, lora: bool, dtype: str, total_steps: int, python: str, threads: int, checkpointing: bool):
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-        cmd = [python, __file__, "--trl-worker", "--mode", "lora" if lora else "full",
+        cmd = [python, __file__, "--trl-worker", "--mode", "lora" if lora else "full", "--dtype", dtype,
                "--total-steps", str(total_steps), "--threads", str(threads)] + ["--trl-checkpointing"] * checkpointing
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         self.read()  # ready
@@ -218,10 +229,12 @@ def summary(rows: list[dict]) -> dict:
 
 
 def measure(mode: str, args) -> dict:
-    lora, total = mode == "lora", args.warmup + args.steps
-    contenders = {"nanorl": Nanorl(lora), "bare": Bare(lora)}
+    (method, dtype), total = mode.split(), args.warmup + args.steps
+    lora = method == "lora"
+    contenders = {"nanorl": Nanorl(lora, dtype), "bare": Bare(lora, dtype)}
     if args.trl_python:
-        contenders["trl"] = Trl(lora, total, args.trl_python, args.threads, args.trl_checkpointing)
+        contenders["trl"] = Trl(lora, dtype, total, args.trl_python, args.threads, True)
+        contenders["trl_nockpt"] = Trl(lora, dtype, total, args.trl_python, args.threads, False)
     torch.set_num_threads(args.threads)  # after build(): nothing in this process may change it
     times = {name: [] for name in contenders}
     loads = []
@@ -234,8 +247,9 @@ def measure(mode: str, args) -> dict:
         loads.append(os.getloadavg()[0])
         print(f"  {mode} step {i}: " + "  ".join(f"{n} {times[n][-1]['step']:.3f}s" if i >= args.warmup else f"{n} warm-up"
                                                  for n in names), flush=True)
-    if "trl" in contenders:
-        contenders["trl"].close()
+    for name in ("trl", "trl_nockpt"):
+        if name in contenders:
+            contenders[name].close()
     result = {name: summary(rows) for name, rows in times.items()}
     result["load_1min"] = {"median": statistics.median(loads), "min": min(loads), "max": max(loads)}
     if args.profile:
@@ -258,7 +272,7 @@ def table(results: dict) -> str:
     lines = ["| mode | contender | s/step median | min | max | generation (median) | update (median) | CPU s/step (median) |",
              "|---|---|---|---|---|---|---|---|"]
     for mode, res in results.items():
-        for name in ("nanorl", "trl", "bare"):
+        for name in ("nanorl", "trl", "trl_nockpt", "bare"):
             if name in res:
                 s = res[name]
                 lines.append(f"| {mode} | {name} | {s['step']['median']:.3f} | {s['step']['min']:.3f} | {s['step']['max']:.3f} "
@@ -267,7 +281,7 @@ def table(results: dict) -> str:
         nano = res["nanorl"]["step"]["median"]
         cpu = res["nanorl"]["cpu"]["median"]
         ratios = [f"nanorl/{n} = {nano / res[n]['step']['median']:.2f}x (CPU time {cpu / res[n]['cpu']['median']:.2f}x)"
-                  for n in ("trl", "bare") if n in res]
+                  for n in ("trl", "trl_nockpt", "bare") if n in res]
         lines.append(f"\n{mode}: " + ", ".join(ratios) + f"; 1-min load during the run: median {res['load_1min']['median']:.1f} "
                      f"(min {res['load_1min']['min']:.1f}, max {res['load_1min']['max']:.1f})")
     return "\n".join(lines)
@@ -278,10 +292,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="measured steps per contender (after the warm-up)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--mode", choices=["lora", "full", "both"], default="lora")
+    ap.add_argument("--dtype", choices=["fp32", "bf16", "both"], default="both",
+                    help="bf16: autocast compute for every contender (TRL's default); fp32: none")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for every contender (1 on a busy 2-core box)")
     ap.add_argument("--trl-python", default=sys.executable, help="python with trl installed; '' skips TRL")
-    ap.add_argument("--trl-checkpointing", action="store_true",
-                    help="TRL's own default (recomputes the forward in backward); off by default: nobody else does it")
+    ap.add_argument("--trl-checkpointing", action="store_true", help=argparse.SUPPRESS)  # the worker's setting
     ap.add_argument("--profile", type=int, default=0, help="then cProfile this many nanorl steps")
     ap.add_argument("--out", default=str(ROOT / "results" / "grpo_step.json"))
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
@@ -289,9 +304,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.trl_worker:
-        return trl_worker(args.mode == "lora", args.total_steps, args.threads, args.trl_checkpointing)
+        return trl_worker(args.mode == "lora", args.dtype, args.total_steps, args.threads, args.trl_checkpointing)
     build_tiny_model()  # built once here, so the TRL worker never races to build it
-    modes = ["lora", "full"] if args.mode == "both" else [args.mode]
+    modes = [f"{m} {d}" for m in (["lora", "full"] if args.mode == "both" else [args.mode])
+             for d in (["fp32", "bf16"] if args.dtype == "both" else [args.dtype])]
     load_before = os.getloadavg()
     results = {mode: measure(mode, args) for mode in modes}
     report = table(results)
@@ -300,7 +316,7 @@ def main() -> None:
         if "nanorl_profile" in res:
             print(f"\n--- cProfile of {args.profile} nanorl steps ({mode}) ---\n{res['nanorl_profile']}")
     meta = {"threads": args.threads, "prompts": PROMPTS, "group": GROUP, "tokens": TOKENS, "lr": LR,
-            "warmup": args.warmup, "steps": args.steps, "trl_gradient_checkpointing": args.trl_checkpointing, "nice": os.nice(0), "load_before": load_before,
+            "warmup": args.warmup, "steps": args.steps, "dtype": args.dtype, "nice": os.nice(0), "load_before": load_before,
             "load_after": os.getloadavg(), "torch": torch.__version__, "cpus": os.cpu_count(),
             "command": " ".join(sys.argv)}
     out = Path(args.out)

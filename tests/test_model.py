@@ -200,6 +200,36 @@ def test_microbatched_backward_matches_one_shot(tiny):
         torch.testing.assert_close(micro[k], one[k], rtol=1e-4, atol=1e-7)
 
 
+def test_shared_prompt_scoring_matches_separate_rows_in_logp_and_gradient(tiny):
+    pol = policy(tiny)
+    randomise_adapter(pol)
+    _, samples, batch = rollout(pol, max_new=10, n=3)  # 4 ragged prompts x 3 rows each
+    batch["mask"][1, 7:9] = 0  # a hole, like an environment reply inside a multi-turn completion
+    n = len(samples)
+    seen = []
+    hook = pol.model.get_base_model().model.register_forward_pre_hook(lambda m, a, k: seen.append(tuple(k["input_ids"].shape)), with_kwargs=True)
+
+    def run(share: bool):
+        pol.share_prompts, seen[:] = share, []
+        pol.zero_grad(set_to_none=True)
+        logp, entropy, _ = pol.score(batch, torch.arange(n))
+        (logp * torch.linspace(-1, 2, n)[:, None]).sum().backward()
+        return logp.detach(), entropy, {k: p.grad.clone() for k, p in pol.trained.items()}, pol.ref_logp(batch, torch.arange(n)), list(seen)
+
+    (lp0, h0, g0, ref0, calls0), (lp1, h1, g1, ref1, calls1) = run(False), run(True)
+    hook.remove()
+    longest = max(len(p) for p in map(pol.encode_prompt, PROMPTS))
+    assert calls0[0][0] == n and calls1[0] == (4, longest)  # each prompt ran once, then every row's suffix
+    assert calls1[1][0] == n and calls1[1][1] < calls0[0][1]
+    torch.testing.assert_close(lp1, lp0, rtol=0, atol=1e-5)
+    torch.testing.assert_close(h1, h0, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ref1, ref0, rtol=0, atol=1e-5)
+    assert (lp1[1, 7:9] == 0).all() and (lp1[batch["mask"] > 0] < 0).all()
+    assert max(g.abs().max() for g in g0.values()) > 1e-3  # not trivially zero
+    for k in g0:  # sums in another order: equal to float32 rounding of the tensor's own scale
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-4, atol=1e-4 * float(g0[k].abs().max()))
+
+
 def test_lora_trains_only_adapter_and_base_stays_bit_identical(tiny):
     pol = policy(tiny)
     trained = {k for k, p in pol.named_parameters() if p.requires_grad}
@@ -263,6 +293,22 @@ def test_bf16_autocast_runs_and_keeps_trainable_params_fp32(tiny):
     (logp * batch["mask"]).sum().backward()
     grads = [p.grad for p in pol.parameters() if p.requires_grad]
     assert all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
+
+
+def test_bf16_on_cpu_picks_eager_attention_and_skipping_peft_input_casts_changes_no_bit(tiny):
+    assert policy(tiny).model.config._attn_implementation == "sdpa"
+    pol = policy(tiny, dtype="bf16")
+    assert pol.model.config._attn_implementation == "eager"  # auto: measured faster for bf16 on a CPU
+    randomise_adapter(pol)
+    _, _, batch = rollout(pol, max_new=8, n=1)
+    lora = [m for m in pol.modules() if hasattr(m, "cast_input_dtype_enabled")]
+    assert len(lora) == 14 and not any(m.cast_input_dtype_enabled for m in lora)
+    fast = pol.score(batch, slice(0, 4))[0]
+    for m in lora:
+        m.cast_input_dtype_enabled = True  # PEFT's default: every input copied to fp32, then autocast back to bf16
+    assert torch.equal(pol.score(batch, slice(0, 4))[0], fast)
+    with pytest.raises(utils.ConfigError, match="--attn no_such_kernel: .*try --attn sdpa"):
+        policy(tiny, attn="no_such_kernel")
 
 
 # ---------------------------------------------------------------- weights in and out
