@@ -281,7 +281,7 @@ class LLMPolicy(nn.Module):
         return self.tokenizer.decode([i for i in ids if i not in self.eos_ids])
 
     # ------------------------------------------------------------ sampling
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(self, prefixes: list[list[int]], max_new_tokens: int, gen_batch: int = 64,
                  greedy: bool = False) -> list[Sample]:
         """One completion per prefix. Rows are sorted by length first so a chunk pads little."""
