@@ -295,16 +295,22 @@ class LLMPolicy(nn.Module):
                 out[i] = sample
         return out
 
-    def _generate_chunk(self, prefixes: list[list[int]], max_new: int, greedy: bool) -> list[Sample]:
-        distinct = {p: i for i, p in enumerate(dict.fromkeys(map(tuple, prefixes)))}  # a group's prompt is run once
-        B, P, dev = len(prefixes), max(map(len, prefixes)), self.device
-        ids = torch.full((len(distinct), P), self.pad_id, dtype=torch.long)  # [U, P] left-padded
-        attn = torch.zeros(len(distinct), P, dtype=torch.long)  # [U, P]
-        for p, r in distinct.items():
-            ids[r, P - len(p) :] = torch.tensor(p)
-            attn[r, P - len(p) :] = 1
-        ids, attn, rows = ids.to(dev), attn.to(dev), torch.tensor([distinct[tuple(p)] for p in prefixes], device=dev)
+    def _distinct_prompts(self, prefixes: list[list[int]]):
+        """Each distinct prefix once, left-padded (ids, attn, positions: [U, P]), and row -> prefix
+        [B]: a group's shared prompt runs once and its K/V cache is indexed out to the group's rows."""
+        index = {p: u for u, p in enumerate(dict.fromkeys(map(tuple, prefixes)))}
+        P = max(map(len, index))
+        ids = torch.full((len(index), P), self.pad_id, dtype=torch.long)  # [U, P]
+        attn = torch.zeros(len(index), P, dtype=torch.long)  # [U, P]
+        for p, u in index.items():
+            ids[u, P - len(p) :], attn[u, P - len(p) :] = torch.tensor(p, dtype=torch.long), 1
         pos = (attn.cumsum(1) - 1).clamp(min=0)  # [U, P]: every row's first real token sits at position 0
+        rows = torch.tensor([index[tuple(p)] for p in prefixes])  # [B]
+        return ids.to(self.device), attn.to(self.device), pos.to(self.device), rows.to(self.device)
+
+    def _generate_chunk(self, prefixes: list[list[int]], max_new: int, greedy: bool) -> list[Sample]:
+        B, dev = len(prefixes), self.device
+        ids, attn, pos, rows = self._distinct_prompts(prefixes)  # [U, P] each, rows [B]
         eos = torch.tensor(sorted(self.eos_ids), device=dev)
         tokens = torch.zeros(B, max_new, dtype=torch.long, device=dev)  # [B, max_new]
         logps = torch.zeros(B, max_new, device=dev)  # [B, max_new]
@@ -419,31 +425,22 @@ class LLMPolicy(nn.Module):
         A row's prompt is everything before its first masked token; the rest is its suffix."""
         n, L = tokens.shape
         a = (mask > 0).float().argmax(1)  # [n]: first masked column
-        if not bool((mask > 0).any(1).all()) or not self.share_prompts:
+        prompts = [tokens[r, : a[r]].tolist() for r in range(n)]
+        if not self.share_prompts or not bool((mask > 0).any(1).all()) or len(set(map(tuple, prompts))) == n:
             return None
-        keys = [tuple(tokens[r, : a[r]].tolist()) for r in range(n)]
-        index = {k: i for i, k in enumerate(dict.fromkeys(keys))}
-        if len(index) == n:
-            return None
-        g = torch.tensor([index[k] for k in keys], device=tokens.device)  # [n]: row -> distinct prompt
-        heads = [r for r in range(n) if keys[r] not in keys[:r]]  # one row per prompt, in index order
-        A, S = int(a.max()), int((attn.sum(1) - a).max())
-        pre = torch.full((len(heads), A), self.pad_id, dtype=torch.long, device=tokens.device)  # [U, A] left-padded
-        pre_attn = torch.zeros_like(pre)  # [U, A]
-        for u, r in enumerate(heads):
-            pre[u, A - a[r] :], pre_attn[u, A - a[r] :] = tokens[r, : a[r]], 1
+        pre, pre_attn, pre_pos, g = self._distinct_prompts(prompts)  # [U, A] each, g [n]: row -> prompt
+        S = int((attn.sum(1) - a).max())
         cols = a[:, None] + torch.arange(S, device=tokens.device)  # [n, S]: each row's suffix columns
-        inside = cols < L
-        suffix = torch.where(inside, tokens.gather(1, cols.clamp(max=L - 1)), self.pad_id)  # [n, S]
-        suf_attn = attn.gather(1, cols.clamp(max=L - 1)) * inside  # [n, S]
-        suf_mask = (mask.gather(1, cols.clamp(max=L - 1)) > 0) & inside.bool()  # [n, S]
-        head = lm(input_ids=pre, attention_mask=pre_attn, position_ids=(pre_attn.cumsum(1) - 1).clamp(min=0),
-                  use_cache=True, logits_to_keep=1)  # last prompt position: predicts each row's first token
-        cache = head.past_key_values
-        cache.batch_select_indices(g)  # [U, ...] -> [n, ...]: indexing, so backward sums over the group
+        inside, at = cols < L, cols.clamp(max=L - 1)  # [n, S] each
+        suffix = torch.where(inside, tokens.gather(1, at), self.pad_id)  # [n, S]
+        suf_attn, suf_mask = attn.gather(1, at) * inside, (mask.gather(1, at) > 0) & inside  # [n, S] each
+        # The last prompt position predicts each row's first token; the suffix runs on the indexed cache
+        # ([U, ...] -> [n, ...]: indexing, so the backward sums each prompt's gradient over its group).
+        pre_out = lm(input_ids=pre, attention_mask=pre_attn, position_ids=pre_pos, use_cache=True, logits_to_keep=1)
+        pre_out.past_key_values.batch_select_indices(g)
         body = lm(input_ids=suffix, attention_mask=torch.cat([pre_attn[g], suf_attn], 1), position_ids=cols,
-                  past_key_values=cache, use_cache=True)
-        logits = torch.cat([head.logits[g], body.logits[:, :-1]], 1)  # [n, S, V]: position j predicts suffix token j
+                  past_key_values=pre_out.past_key_values, use_cache=True)
+        logits = torch.cat([pre_out.logits[g], body.logits[:, :-1]], 1)  # [n, S, V]: position j predicts suffix token j
         return logits[suf_mask]
 
     # ------------------------------------------------------------ weights
