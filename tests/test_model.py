@@ -203,11 +203,13 @@ def test_microbatched_backward_matches_one_shot(tiny):
 def test_shared_prompt_scoring_matches_separate_rows_in_logp_and_gradient(tiny):
     pol = policy(tiny)
     randomise_adapter(pol)
-    _, samples, batch = rollout(pol, max_new=10, n=3)  # 4 ragged prompts x 3 rows each
-    batch["mask"][1, 7:9] = 0  # a hole, like an environment reply inside a multi-turn completion
-    n = len(samples)
     seen = []
     hook = pol.model.get_base_model().model.register_forward_pre_hook(lambda m, a, k: seen.append(tuple(k["input_ids"].shape)), with_kwargs=True)
+    _, samples, batch = rollout(pol, max_new=10, n=3)  # 4 ragged prompts x 3 rows each
+    longest = max(len(p) for p in map(pol.encode_prompt, PROMPTS))
+    assert seen[0] == (4, longest) and seen[1] == (12, 1)  # the sampler's prefill: each prompt once
+    batch["mask"][1, 7:9] = 0  # a hole, like an environment reply inside a multi-turn completion
+    n = len(samples)
 
     def run(share: bool):
         pol.share_prompts, seen[:] = share, []
@@ -218,10 +220,11 @@ def test_shared_prompt_scoring_matches_separate_rows_in_logp_and_gradient(tiny):
 
     (lp0, h0, g0, ref0, calls0), (lp1, h1, g1, ref1, calls1) = run(False), run(True)
     hook.remove()
-    longest = max(len(p) for p in map(pol.encode_prompt, PROMPTS))
     assert calls0[0][0] == n and calls1[0] == (4, longest)  # each prompt ran once, then every row's suffix
     assert calls1[1][0] == n and calls1[1][1] < calls0[0][1]
     torch.testing.assert_close(lp1, lp0, rtol=0, atol=1e-5)
+    # the sampler ran each prompt once too: its log-probs match rows scored one by one
+    torch.testing.assert_close(batch["logp"][batch["mask"] > 0], lp0[batch["mask"] > 0], rtol=0, atol=1e-5)
     torch.testing.assert_close(h1, h0, rtol=0, atol=1e-5)
     torch.testing.assert_close(ref1, ref0, rtol=0, atol=1e-5)
     assert (lp1[1, 7:9] == 0).all() and (lp1[batch["mask"] > 0] < 0).all()
