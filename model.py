@@ -219,7 +219,7 @@ class LLMPolicy(nn.Module):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu") if weights else "meta")
         self.lora, self.bf16, self.kl_coef = lora, dtype == "bf16", kl_coef
         self.temperature, self.top_p, self.thinking = temperature, top_p, thinking
-        self.share_prompts = True
+        self.share_prompts = True  # score each group's prompt once; exact either way (tests compare the two)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError) as e:
