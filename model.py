@@ -319,7 +319,7 @@ class LLMPolicy(nn.Module):
         with self.autocast():  # once per chunk: full fine-tuning's fp32 weights are cast to bf16 once, not per token
             out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
             cache, logits, attn, pos = out.past_key_values, out.logits[rows, -1], attn[rows], pos[rows, -1:]
-            cache.batch_select_indices(rows)  # [U, ...] -> [B, ...]: each row continues from its prompt's cache
+            cache.reorder_cache(rows)  # [U, ...] -> [B, ...]: beam search's index_select, which every cache type has
             for t in range(max_new):
                 logp_all = F.log_softmax(logits.float() / self.temperature, -1)  # [B, V], fp32 like score()
                 nxt = logp_all.argmax(-1) if greedy else torch.multinomial(self._sampling_probs(logp_all), 1)[:, 0]  # [B]
@@ -437,7 +437,7 @@ class LLMPolicy(nn.Module):
         # The last prompt position predicts each row's first token; the suffix runs on the indexed cache
         # ([U, ...] -> [n, ...]: indexing, so the backward sums each prompt's gradient over its group).
         pre_out = lm(input_ids=pre, attention_mask=pre_attn, position_ids=pre_pos, use_cache=True, logits_to_keep=1)
-        pre_out.past_key_values.batch_select_indices(g)
+        pre_out.past_key_values.reorder_cache(g)  # index_select, as beam search does: every cache type has it
         body = lm(input_ids=suffix, attention_mask=torch.cat([pre_attn[g], suf_attn], 1), position_ids=cols,
                   past_key_values=pre_out.past_key_values, use_cache=True)
         logits = torch.cat([pre_out.logits[g], body.logits[:, :-1]], 1)  # [n, S, V]: position j predicts suffix token j

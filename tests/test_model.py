@@ -233,6 +233,38 @@ def test_shared_prompt_scoring_matches_separate_rows_in_logp_and_gradient(tiny):
         torch.testing.assert_close(g1[k], g0[k], rtol=1e-4, atol=1e-4 * float(g0[k].abs().max()))
 
 
+OTHER_ARCHS = {  # the same code path on other attention layouts: GQA, a hybrid with conv state, sliding windows
+    "qwen3": dict(num_key_value_heads=1, head_dim=64),
+    "lfm2": dict(num_key_value_heads=1, layer_types=["conv", "full_attention"]),
+    "gemma3_text": dict(num_key_value_heads=1, head_dim=64, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(OTHER_ARCHS))
+def test_other_architectures_sample_and_score_exactly_with_shared_prompts(tiny, tmp_path, arch):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = AutoConfig.from_pretrained(tiny)
+    cfg = AutoConfig.for_model(arch, vocab_size=base.vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                               num_attention_heads=2, bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id,
+                               pad_token_id=base.pad_token_id, **OTHER_ARCHS[arch])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    for f in os.listdir(tiny):  # the tiny model's character tokenizer
+        if f.startswith("tokenizer") or f == "special_tokens_map.json":
+            shutil.copy(os.path.join(tiny, f), tmp_path)
+    pol = policy(str(tmp_path))
+    assert pol.model.get_base_model().config.model_type == arch
+    randomise_adapter(pol)
+    _, _, batch = rollout(pol, max_new=10, n=2)  # 12 characters of prompt and more: past gemma's window of 4
+    mask = batch["mask"] > 0
+    pol.share_prompts = False
+    one_by_one = pol.score(batch, torch.arange(len(mask)))[0].detach()
+    pol.share_prompts = True
+    torch.testing.assert_close(pol.score(batch, torch.arange(len(mask)))[0].detach(), one_by_one, rtol=0, atol=1e-5)
+    torch.testing.assert_close(batch["logp"][mask], one_by_one[mask], rtol=0, atol=1e-5)  # the sampler's, prefilled once per prompt
+
+
 def test_lora_trains_only_adapter_and_base_stays_bit_identical(tiny):
     pol = policy(tiny)
     trained = {k for k, p in pol.named_parameters() if p.requires_grad}
