@@ -227,7 +227,8 @@ class LLMPolicy(nn.Module):
         # A frozen LoRA base may live in bf16; anything trained stays fp32 (autocast does the bf16 compute).
         if weights:
             # "auto": sdpa, except plain matmul attention for bf16 on a CPU, where PyTorch's flash-attention
-            # backward makes a training step ~25% slower at every length measured (21 to 512 tokens).
+            # backward makes a training step ~25% slower at every length measured (21 to 512 tokens). Matmul
+            # attention keeps the T x T scores for the backward: for long contexts pass attn="sdpa".
             attn = attn if attn != "auto" else "eager" if self.bf16 and self.device.type == "cpu" else "sdpa"
             try:
                 lm = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype] if lora else torch.float32,

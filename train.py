@@ -77,7 +77,7 @@ class Config:
     lora_alpha: int = 32  # alpha = 2 x rank keeps the update scale stable when the rank changes
     lora_targets: str = "all-linear"  # every linear projection the model has, found from the model
     dtype: str = "fp32"  # bf16 on GPUs halves memory; trained parameters stay fp32 either way
-    attn: str = "auto"  # attention kernel (sdpa, eager, flash_attention_2, ...); auto: eager for bf16 on a CPU, else sdpa
+    attn: str = "auto"  # sdpa, eager, flash_attention_2, ...; auto: eager for bf16 on a CPU (faster to 512 tokens; holds T x T scores), else sdpa
     temperature: float = 1.0  # applied to the logits of both sampling and scoring, so ratios stay exact
     top_p: float = 1.0  # < 1 samples from a distribution the loss does not model (warned)
     max_new_tokens: int = 256  # completion budget; a truncated completion gets no end token
