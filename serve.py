@@ -717,7 +717,7 @@ def run_worker(cfg, build) -> int:
                 fetcher.done.set()
             elif status not in (429, 503):
                 if status != 200:
-                    utils.stderr(f"worker {me}: batch refused ({status}): {reply[:300]!r}")
+                    utils.stderr(f"worker {me}: batch refused ({status}): {bytes(reply[:300])!r}")
                 break
             time.sleep(0.3)
     return 0
