@@ -505,7 +505,17 @@ class LLMPolicy(nn.Module):
             return (path / "adapter_config.json").read_text()
 
 
-# ================================================================ fast generation for rollout workers
+# ================================================================ generation for rollout workers
+class HFGenerator:
+    """Generation with the worker's own LLMPolicy (generate is the policy's); an adapter version loads in place."""
+
+    def __init__(self, policy: LLMPolicy):
+        self.policy, self.generate = policy, policy.generate
+
+    def load(self, version: int, tensors: dict, meta: dict, payload: bytearray) -> None:
+        self.policy.load_wire(tensors)
+
+
 class VLLMGenerator:
     """vLLM with LoRA: each adapter version becomes a directory holding the trainer's bytes
     (adapter_config.json + adapter_model.safetensors) and a LoRARequest. Sampling is plain

@@ -5,7 +5,7 @@
 
 Routes: POST /hello (fingerprint check, worker id), GET /adapter?have=V (long-polls for a newer
 adapter), POST /batch (scored groups). Standard library HTTP only; everything on the wire is a
-safetensors blob from `encode` (tensors, the caller's meta, a SHA-256 of the tensors), never unpickled.
+safetensors blob from `utils.encode` (tensors, the caller's meta, a SHA-256 of the tensors), never unpickled.
 
 Security: every request carries the shared secret NANORL_TOKEN as `Authorization: Bearer <token>`,
 checked in constant time. A loopback bind without one generates it (`Server.token`) for the workers
@@ -18,14 +18,12 @@ import http.client
 import ipaddress
 import json
 import logging
-import math
 import os
 import re
 import secrets
 import socket
 import socketserver
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -41,138 +39,17 @@ import torch
 import torch.nn.functional as F
 
 import utils
+from utils import PayloadError, decode, encode
 from envs import TEXT_ENVS, multiturn_metrics, rollout_multiturn
-from model import Sample, VLLMGenerator, resolve_model
+from model import HFGenerator, Sample, VLLMGenerator, resolve_model
 
 log = logging.getLogger("nanorl.serve")
 
-DTYPES = {  # safetensors name -> torch dtype; anything else on the wire is refused
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}
-NAMES = {t: n for n, t in DTYPES.items()}
-MAX_HEADER, MAX_NDIM = 16 << 20, 8  # a LoRA state dict header is tens of KB; these bound the header we parse
 DEFAULT_MAX_BODY = 1 << 30  # 1 GiB: a full-model weight push fits, a 2 GB lie does not
-FORMAT = "nanorl/1"
-
-
-class PayloadError(ValueError):
-    """A payload is malformed, tampered with, or uses something this format does not allow."""
 
 
 class ServeError(RuntimeError):
     """The peer could not be reached or did not answer in time (the caller decides to retry or exit)."""
-
-
-# ---------------------------------------------------------------- payloads
-def _digest(entries: dict, data) -> str:
-    """SHA-256 of the tensor directory (names, dtypes, shapes, offsets) and the data bytes."""
-    h = hashlib.sha256(json.dumps(entries, sort_keys=True).encode())
-    h.update(data)
-    return h.hexdigest()
-
-
-def encode(tensors: dict[str, torch.Tensor], meta: dict) -> bytearray:
-    """Tensors + a JSON-able `meta` dict as a safetensors blob (PEFT and vLLM read it as
-    adapter_model.safetensors), written by hand: one copy of the tensor bytes, one hash over them."""
-    if not isinstance(meta, dict):
-        raise PayloadError(f"meta must be a JSON-able dict, got {type(meta).__name__}")
-    entries, flat, offset = {}, {}, 0
-    for k, t in sorted(tensors.items()):
-        if not (isinstance(k, str) and isinstance(t, torch.Tensor) and t.dtype in NAMES):
-            raise PayloadError(f"encode needs dict[str, Tensor] with dtypes {sorted(map(str, NAMES))}; "
-                               f"got {k!r} -> {getattr(t, 'dtype', type(t).__name__)}")
-        flat[k] = t.detach().reshape(-1).view(torch.uint8)  # reshape(-1): a 0-dim tensor has no byte view
-        entries[k] = {"dtype": NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(flat[k])]}
-        offset += len(flat[k])
-    # The digest goes in the header, before the data it covers: a placeholder of its length first,
-    # so the tensors are copied once, straight into place (and off the GPU), then hashed there.
-    head = json.dumps({"sha256": "0" * 64, "format": FORMAT, "meta": meta})
-    header = json.dumps({"__metadata__": {"nanorl": head}, **entries}).encode()
-    header += b" " * (-len(header) % 8)  # safetensors pads the header so the data starts 8-byte aligned
-    out, start = bytearray(8 + len(header) + offset), 8 + len(header)
-    out[:start] = struct.pack("<Q", len(header)) + header
-    body = torch.frombuffer(out, dtype=torch.uint8)[start:]
-    for k, b in flat.items():
-        body[entries[k]["data_offsets"][0] : entries[k]["data_offsets"][1]] = b
-    at = 8 + header.index(b"0" * 64)  # the first run of 64 zeros: the placeholder opens the header
-    out[at : at + 64] = _digest(entries, memoryview(out)[start:]).encode()
-    return out
-
-
-def _check_header(data: bytearray) -> dict:
-    """Validate the safetensors JSON header ourselves: every tensor's bytes lie inside the body,
-    back to back in order and covering it exactly (the layout safetensors itself writes)."""
-    if len(data) < 8:
-        raise PayloadError(f"payload is {len(data)} bytes; a safetensors blob has at least 8")
-    if (n := struct.unpack("<Q", data[:8])[0]) > min(MAX_HEADER, len(data) - 8):
-        raise PayloadError(f"header length {n} exceeds the payload ({len(data) - 8} bytes) or {MAX_HEADER}")
-    try:
-        header = json.loads(data[8:8 + n].decode("utf-8"))
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise PayloadError(f"safetensors header is not valid JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise PayloadError("safetensors header is not a JSON object")
-    spans, end = [], 0
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = info.get("dtype") if isinstance(info, dict) else None
-        if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise PayloadError(f"tensor {name!r}: dtype {dtype!r} not allowed; allowed: {sorted(DTYPES)}")
-        shape, offs = info.get("shape"), info.get("data_offsets")
-        if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(type(d) is int and d >= 0 for d in shape)):
-            raise PayloadError(f"tensor {name!r}: shape {shape!r} is not a list of <= {MAX_NDIM} sizes")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
-                and offs[1] - offs[0] == math.prod(shape) * DTYPES[dtype].itemsize):
-            raise PayloadError(f"tensor {name!r}: shape {shape} {dtype} does not match data_offsets {offs!r}")
-        spans.append((offs[0], offs[1], name))
-    for a, b, name in sorted(spans):
-        if a != end:
-            raise PayloadError(f"tensor {name!r} starts at byte {a}, not {end}: tensors must be back to back")
-        end = b
-    if end != len(data) - 8 - n:
-        raise PayloadError(f"the tensors cover {end} bytes but the body holds {len(data) - 8 - n}")
-    return header
-
-
-def _tensors(data: bytearray, header: dict) -> dict[str, torch.Tensor]:
-    """Tensors that view `data` (no copy), after _check_header vouched for every offset."""
-    start, flat, out = 8 + struct.unpack("<Q", data[:8])[0], torch.frombuffer(data, dtype=torch.uint8), {}
-    for name, info in header.items():
-        if name != "__metadata__":
-            dtype, (a, b) = DTYPES[info["dtype"]], info["data_offsets"]
-            x = flat[start + a:start + b]
-            x = x.clone() if (start + a) % dtype.itemsize else x  # a view must be aligned to its element size
-            out[name] = x.view(dtype).reshape(info["shape"])
-    return out
-
-
-def decode(data: bytes | bytearray) -> tuple[dict[str, torch.Tensor], dict]:
-    """Inverse of `encode`. Raises only PayloadError, whatever the bytes are."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise PayloadError(f"decode needs bytes, got {type(data).__name__}")
-    data = data if isinstance(data, bytearray) else bytearray(data)  # writable: tensors view it in place
-    header = _check_header(data)
-    meta_s = header.get("__metadata__", {})
-    if not isinstance(meta_s, dict) or not isinstance(meta_s.get("nanorl"), str):
-        raise PayloadError("not a nanorl payload: safetensors metadata has no 'nanorl' header")
-    try:
-        head = json.loads(meta_s["nanorl"])
-    except (ValueError, RecursionError) as e:
-        raise PayloadError(f"nanorl header is not valid JSON: {e}") from None
-    if not (isinstance(head, dict) and head.get("format") == FORMAT and isinstance(head.get("sha256"), str)
-            and isinstance(head.get("meta"), dict)):
-        raise PayloadError(f"nanorl header must be an object with format={FORMAT!r}, sha256 and meta")
-    entries = {k: {f: v[f] for f in ("dtype", "shape", "data_offsets")} for k, v in header.items() if k != "__metadata__"}
-    start = 8 + struct.unpack("<Q", data[:8])[0]
-    if _digest(entries, memoryview(data)[start:]) != head["sha256"]:  # integrity, not a secret: == is fine
-        raise PayloadError("sha256 mismatch: tensor bytes were corrupted or tampered with in transit")
-    tensors = _tensors(data, header)
-    for k, t in tensors.items():  # a bool byte other than 0/1 is undefined behaviour in torch
-        if t.dtype == torch.bool and t.numel() and t.view(torch.uint8).max() > 1:
-            raise PayloadError(f"bool tensor {k!r} holds bytes other than 0 and 1")
-    return tensors, head["meta"]
 
 
 # ---------------------------------------------------------------- HTTP: an authenticated server, a retrying client
@@ -319,10 +196,8 @@ class Client:
                 resp = conn.getresponse()
                 if resp.length is None:  # no Content-Length: read to the end
                     return resp.status, resp.read()
-                body, got = bytearray(resp.length), 0  # read in place: decode views these bytes, no copy
-                while got < len(body) and (n := resp.readinto(memoryview(body)[got:])):
-                    got += n
-                if got < len(body):
+                body = bytearray(resp.length)  # read in place: decode views these bytes, no copy
+                if (got := resp.readinto(body)) < len(body):  # a buffered reader fills it unless the peer hung up
                     raise http.client.IncompleteRead(b"", len(body) - got)
                 return resp.status, body
             except (OSError, http.client.HTTPException) as e:
@@ -536,7 +411,7 @@ class AsyncRollouts:
         not copies) are also the snapshot that scores this version's rows."""
         t = time.perf_counter()
         payload = encode(self.policy.wire_state(), {"version": step, "adapter_config": self.config_json})
-        state = _tensors(payload, _check_header(payload))  # named as on the wire, like what workers load
+        state = utils.views(payload)  # named as on the wire, like what workers load
         with self.cond:
             self.snapshots = {v: s for v, s in self.snapshots.items() if v >= step - self.cfg.max_staleness} | {step: state}
             self.version, self.payload, self.publish_s = step, payload, time.perf_counter() - t
@@ -574,16 +449,6 @@ class AsyncRollouts:
 
 
 # ---------------------------------------------------------------- the worker side
-class HFGenerator:
-    """Generation with the worker's own LLMPolicy (generate is the policy's); an adapter version loads in place."""
-
-    def __init__(self, policy):
-        self.policy, self.generate = policy, policy.generate
-
-    def load(self, version: int, tensors: dict, meta: dict, payload: bytearray) -> None:
-        self.policy.load_wire(tensors)
-
-
 class AdapterFetcher(threading.Thread):
     """Long-polls GET /adapter in the background so the worker never waits for weights: the
     newest payload waits in `pending` for the generator's next request. Sets `done` when the

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 import serve  # noqa: E402
 import train  # noqa: E402
 import utils  # noqa: E402
-from model import LLMPolicy, VLLMGenerator, resolve_model  # noqa: E402
+from model import HFGenerator, LLMPolicy, VLLMGenerator, resolve_model  # noqa: E402
 
 TOKEN = "bench-token-0123456789"
 
@@ -69,7 +69,7 @@ def raw_copy_seconds(data: bytes) -> float:
 def adapter_sync(args) -> dict:
     cfg = utils.load_config(train.Config, ["--task", "arith", "--role", "trainer"])
     policy = LLMPolicy(cfg.model, lora=True)
-    worker = serve.HFGenerator(LLMPolicy(cfg.model, lora=True))
+    worker = HFGenerator(LLMPolicy(cfg.model, lora=True))
     src = serve.AsyncRollouts(cfg, policy, SimpleNamespace(task=None, draw=None))
     client = serve.Client(src.server.url, token=src.server.token)
     sync, raw = [], []
@@ -126,7 +126,7 @@ def generation(args) -> dict:
     cfg = utils.load_config(train.Config, ["--task", "arith", "--max-new-tokens", str(args.gen_tokens)])
     policy = LLMPolicy(cfg.model, lora=True)
     prefixes = [policy.encode_prompt(f"{a}+{a * 7 % 97}=") for a in range(64) for _ in range(8)]
-    hf = serve.HFGenerator(policy)
+    hf = HFGenerator(policy)
     with torch.no_grad():
         out = {"hf_worker": tokens_per_second(lambda: worker_path(hf, policy, prefixes, args.gen_tokens), args.repeats),
                "hf_raw": tokens_per_second(lambda: hf_raw(policy, prefixes, args.gen_tokens), args.repeats)}
