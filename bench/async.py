@@ -1,14 +1,17 @@
 """Disaggregated training, measured in one run on this machine (medians; a markdown table at the end):
 
-1. trained sequences/s: the synchronous loop vs a trainer + one rollout worker, same workload;
+1. trained sequences/s: the synchronous loop vs a trainer + one rollout worker, same workload,
+   and the most a split onto one core each could reach (each phase timed on one thread);
 2. adapter sync: publish + fetch of one adapter over the real routes vs a raw loopback socket
-   copy of the same bytes, and the bytes per sync next to the adapter and model sizes;
+   copy of the same bytes (and that copy plus the two SHA-256 passes: the floor of any verified
+   transport), and the bytes per sync next to the adapter and model sizes;
 3. completion tokens/s: each worker's generator (sampled-token logprobs captured, batch built
    and encoded) vs its raw engine called directly (HF `generate`, vLLM `LLM.generate`).
 
     python bench/async.py [--steps 8] [--repeats 3] [--no-vllm]
 """
 import argparse
+import hashlib
 import os
 import re
 import socket
@@ -45,24 +48,67 @@ def trained_per_second(args, role: list[str], env: dict) -> float:
     return (args.steps - 1) * args.batch / (walls[args.steps] - walls[1])
 
 
+def one_core_phases(args) -> dict:
+    """Seconds per step of each phase on one thread, the same workload in this process: what a worker
+    (generation) and the trainer (old-logp rescoring + prepare and update) each do. With the
+    cores split one each, trained sequences/s can reach at most batch / max(gen, rescore + update)
+    (perfect overlap, a free transport), and never more than 2 cores' worth of work:
+    2 * batch / (gen + rescore + update)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cfg = utils.load_config(train.Config, ["--task", "arith", "--algo", "grpo", "--batch", str(args.batch), "--group-size", "8",
+                                           "--max-new-tokens", str(args.tokens), "--eval-size", "8"])
+    policy, opt, source = train.build(cfg)
+    times = {"gen": [], "rescore": [], "update": []}
+    for step in range(args.steps + 2):  # 2 warm up
+        t0 = time.perf_counter()
+        batch = source.next(step)
+        t1 = time.perf_counter()
+        with torch.no_grad():  # what AsyncRollouts.score_by_version runs when every row has one version
+            batch["old_logp"] = torch.cat([policy.score(batch, r)[0] for r in train.micro_slices(torch.arange(args.batch), 0)])
+        t2 = time.perf_counter()
+        train.update(policy, opt, train.prepare(policy, batch, cfg), cfg)
+        if step >= 2:
+            for k, a, b in (("gen", t0, t1), ("rescore", t1, t2), ("update", t2, time.perf_counter())):
+                times[k].append(b - a)
+    torch.set_num_threads(threads)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 # ---------------------------------------------------------------- 2. adapter sync
-def raw_copy_seconds(data: bytes) -> float:
-    """One loopback TCP copy of `data`: the floor any transport pays."""
-    srv = socket.create_server(("127.0.0.1", 0))
-    def send():
-        conn, _ = srv.accept()
-        conn.sendall(data)
-        conn.close()
+class RawCopy:
+    """The floor any transport pays: a listener that sends `data` down every connection it accepts,
+    like the trainer's server (one connection per request), and a reader that connects and fills a
+    preallocated buffer (what the client does): no HTTP, no hashing, no parsing."""
+
+    def __init__(self, data: bytearray):
+        self.data, self.srv = data, socket.create_server(("127.0.0.1", 0))
+        threading.Thread(target=self.serve, daemon=True).start()
+        self.seconds()  # warm up
+
+    def serve(self):
+        while True:
+            conn, _ = self.srv.accept()
+            with conn:
+                conn.sendall(self.data)
+
+    def seconds(self) -> float:
+        buf, got = bytearray(len(self.data)), 0
+        t = time.perf_counter()
+        with socket.create_connection(self.srv.getsockname()) as cli:
+            view = memoryview(buf)
+            while got < len(buf) and (n := cli.recv_into(view[got:])):
+                got += n
+        t = time.perf_counter() - t
+        assert buf == self.data
+        return t
+
+
+def two_hashes_seconds(data: bytearray) -> float:
+    """The SHA-256 passes the transport must make: the trainer's over what it sends, the worker's over what it got."""
     t = time.perf_counter()
-    thread = threading.Thread(target=send)
-    thread.start()
-    cli, got = socket.create_connection(srv.getsockname()), bytearray()
-    while chunk := cli.recv(1 << 20):
-        got += chunk
-    thread.join()
-    cli.close()
-    srv.close()
-    assert len(got) == len(data)
+    hashlib.sha256(data).digest()
+    hashlib.sha256(data).digest()
     return time.perf_counter() - t
 
 
@@ -72,7 +118,7 @@ def adapter_sync(args) -> dict:
     worker = HFGenerator(LLMPolicy(cfg.model, lora=True))
     src = serve.AsyncRollouts(cfg, policy, SimpleNamespace(task=None, draw=None))
     client = serve.Client(src.server.url, token=src.server.token)
-    sync, raw = [], []
+    sync, raw, hashes, copy = [], [], [], None
     for v in range(args.sync_repeats + 1):
         t = time.perf_counter()
         src.publish(v)  # snapshot + encode, as after every optimizer step
@@ -81,11 +127,13 @@ def adapter_sync(args) -> dict:
         worker.load(meta["version"], tensors, meta, body)  # into the worker's policy, in place
         if v:  # v == 0 warms up
             sync.append(time.perf_counter() - t)
-            raw.append(raw_copy_seconds(body))
+            copy = copy or RawCopy(body)  # every version's payload has the same size
+            raw.append(copy.seconds())
+            hashes.append(two_hashes_seconds(body))
     src.close()
     params = {n: p.numel() * p.element_size() for n, p in policy.named_parameters()}
     adapter = sum(v for n, v in params.items() if "lora_" in n)
-    return {"sync_s": statistics.median(sync), "raw_s": statistics.median(raw), "bytes": len(body),
+    return {"sync_s": statistics.median(sync), "raw_s": statistics.median(raw), "hashes_s": statistics.median(hashes), "bytes": len(body),
             "adapter_bytes": adapter, "model_bytes": sum(params.values()) - adapter}
 
 
@@ -157,15 +205,24 @@ def main() -> None:
     ap.add_argument("--no-vllm", dest="vllm", action="store_false")
     args = ap.parse_args()
     one = {"OMP_NUM_THREADS": "1", "NANORL_TOKEN": TOKEN}  # trainer and worker get a core each
-    sync = statistics.median(trained_per_second(args, [], {}) for _ in range(args.e2e_repeats))
-    split = statistics.median(trained_per_second(args, ["--role", "trainer", "--workers", "1"], one) for _ in range(args.e2e_repeats))
+    runs = [(trained_per_second(args, [], {}), trained_per_second(args, ["--role", "trainer", "--workers", "1"], one))
+            for _ in range(args.e2e_repeats)]  # interleaved: a drift in the machine's speed hits both modes
+    sync, split = (statistics.median(r) for r in zip(*runs))
     print(f"trained sequences/s: sync {sync:.2f}, trainer + 1 worker {split:.2f}", flush=True)  # the table comes last
+    p = one_core_phases(args)
+    balance, cores = args.batch / max(p["gen"], p["rescore"] + p["update"]), 2 * args.batch / sum(p.values())
+    print(f"one-thread phases (s/step): {p}", flush=True)
     a = adapter_sync(args)
     print(f"adapter sync: {a}", flush=True)
     g = generation(args)
     rows = [("trained sequences/s, sync loop", f"{sync:.1f}", ""),
             ("trained sequences/s, trainer + 1 HF worker", f"{split:.1f}", f"{split / sync:.2f}x sync (goal >= 1.5x)"),
+            ("  its bound: one core each, perfect overlap, free transport",
+             f"{balance:.1f}", f"{balance / sync:.2f}x sync (gen {p['gen'] * 1e3:.0f} ms; trainer: rescore {p['rescore'] * 1e3:.0f} + update {p['update'] * 1e3:.0f} ms per step)"),
+            ("  its bound: all the work spread over 2 cores", f"{cores:.1f}", f"{cores / sync:.2f}x sync"),
             ("adapter sync: publish + fetch + load (s)", f"{a['sync_s'] * 1e3:.1f} ms", f"{a['sync_s'] / a['raw_s']:.1f}x raw socket copy ({a['raw_s'] * 1e3:.1f} ms; goal <= 2x)"),
+            ("  its floor: raw copy + the 2 SHA-256 passes", f"{(a['raw_s'] + a['hashes_s']) * 1e3:.1f} ms",
+             f"{(a['raw_s'] + a['hashes_s']) / a['raw_s']:.1f}x raw socket copy (hashing {a['hashes_s'] * 1e3:.1f} ms)"),
             ("bytes per sync", f"{a['bytes']:,}", f"adapter {a['adapter_bytes']:,} B, base model {a['model_bytes']:,} B"),
             ("HF worker tokens/s (64x8x64)", f"{g['hf_worker']:.0f}", f"{g['hf_worker'] / g['hf_raw']:.0%} of raw HF generate ({g['hf_raw']:.0f}; goal >= 80%)")]
     if args.vllm:
