@@ -355,18 +355,19 @@ def encode(tensors: dict[str, torch.Tensor], meta: dict) -> bytearray:
         if not (isinstance(k, str) and isinstance(t, torch.Tensor) and t.dtype in NAMES):
             raise PayloadError(f"encode needs dict[str, Tensor] with dtypes {sorted(map(str, NAMES))}; "
                                f"got {k!r} -> {getattr(t, 'dtype', type(t).__name__)}")
-        flat[k], n = t.detach().reshape(-1).view(torch.uint8), t.numel() * t.element_size()  # reshape: a 0-dim tensor has no byte view
-        entries[k] = {"dtype": NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
+        flat[k] = t.detach().reshape(-1).view(torch.uint8)  # reshape(-1): a 0-dim tensor has no byte view
+        entries[k] = {"dtype": NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(flat[k])]}
+        offset += len(flat[k])
     # The digest goes in the header, before the data it covers: a placeholder of its length first,
-    # so the tensors are written once, straight into place, then hashed there.
+    # so the tensors are copied once, straight into place (and off the GPU), then hashed there.
     head = json.dumps({"sha256": "0" * 64, "format": FORMAT, "meta": meta})
     header = json.dumps({"__metadata__": {"nanorl": head}, **entries}).encode()
     header += b" " * (-len(header) % 8)  # safetensors pads the header so the data starts 8-byte aligned
     out, start = bytearray(8 + len(header) + offset), 8 + len(header)
     out[:start] = struct.pack("<Q", len(header)) + header
-    if flat:  # the tensors back to back in name order (the offsets above), then one copy (off the GPU)
-        torch.frombuffer(out, dtype=torch.uint8)[start:].copy_(torch.cat(list(flat.values())))
+    body = torch.frombuffer(out, dtype=torch.uint8)[start:]
+    for k, b in flat.items():
+        body[entries[k]["data_offsets"][0] : entries[k]["data_offsets"][1]] = b
     at = 8 + header.index(b"0" * 64)  # the first run of 64 zeros: the placeholder opens the header
     out[at : at + 64] = _digest(entries, memoryview(out)[start:]).encode()
     return out
