@@ -5,211 +5,34 @@
 
 Routes: POST /hello (fingerprint check, worker id), GET /adapter?have=V (long-polls for a newer
 adapter), POST /batch (scored groups). Standard library HTTP only; everything on the wire is a
-safetensors blob from `utils.encode` (tensors, the caller's meta, a SHA-256 of the tensors), never unpickled.
+safetensors blob from `transport.encode` (tensors, the caller's meta, a SHA-256 of the tensors), never unpickled.
 
 Security: every request carries the shared secret NANORL_TOKEN as `Authorization: Bearer <token>`,
 checked in constant time. A loopback bind without one generates it (`Server.token`) for the workers
 the trainer spawns, since a token-less server would let any local user push batches; any other bind
 without NANORL_TOKEN refuses to start.
 """
-import hashlib
-import hmac
-import http.client
-import ipaddress
 import json
-import logging
 import os
 import re
-import secrets
-import socket
-import socketserver
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections import Counter, namedtuple
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import urlsplit
 
 import torch
 import torch.nn.functional as F
 
 import utils
-from utils import PayloadError, decode, encode
+from transport import Client, PayloadError, Request, ServeError, Server, decode, encode, views
 from envs import TEXT_ENVS, multiturn_metrics, rollout_multiturn
 from model import HFGenerator, Sample, VLLMGenerator, resolve_model
-
-log = logging.getLogger("nanorl.serve")
-
-DEFAULT_MAX_BODY = 1 << 30  # 1 GiB: a full-model weight push fits, a 2 GB lie does not
-
-
-class ServeError(RuntimeError):
-    """The peer could not be reached or did not answer in time (the caller decides to retry or exit)."""
-
-
-# ---------------------------------------------------------------- HTTP: an authenticated server, a retrying client
-def _check_token(token: str) -> str:
-    if not re.fullmatch(r"[\x21-\x7e]+", token):
-        raise ValueError("NANORL_TOKEN must be non-empty printable ASCII without spaces "
-                         "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
-    return token
-
-
-Request = namedtuple("Request", "path query body peer")  # str, dict[str, str] from the query string, bytes, client ip
-
-
-class _Handler(BaseHTTPRequestHandler):
-    timeout = 60  # socket timeout: a client that stalls mid-request cannot hold a thread forever
-
-    def log_message(self, fmt, *args):
-        log.debug("%s " + fmt, self.client_address[0], *args)
-
-    def _reply(self, status: int, body: bytes | dict | list | None):
-        is_json = isinstance(body, (dict, list))
-        body = json.dumps(body).encode() if is_json else body or b""
-        self.send_response(status)
-        if body:
-            self.send_header("Content-Type", "application/json" if is_json else "application/octet-stream")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def send_error(self, code, message=None, explain=None):
-        # Every error, http.server's own (bad request line, 501, 431) included, is JSON. The body
-        # (if any) was not read, so this connection cannot carry another request.
-        self.close_connection = True
-        self._reply(code, {"error": message or self.responses.get(code, ("error",))[0]})
-
-    def _dispatch(self):
-        srv, url, lengths = self.server, urlsplit(self.path), self.headers.get_all("Content-Length") or []
-        length = lengths[0].strip() if lengths else "0"
-        # Hashing both sides gives equal-length inputs (no length leak) and turns any header
-        # text, non-ASCII included, into bytes that compare_digest accepts.
-        sha = lambda text: hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
-        if not hmac.compare_digest(sha(self.headers.get("Authorization", "")), sha(f"Bearer {srv.token}")):
-            return self.send_error(401, "missing or wrong token: send 'Authorization: Bearer $NANORL_TOKEN'")
-        if all(path != url.path for _, path in srv.routes):
-            return self.send_error(404, f"no route {url.path!r}")
-        if (route := srv.routes.get((self.command, url.path))) is None:
-            return self.send_error(405, f"{self.command} not allowed on {url.path}")
-        if len(set(lengths)) > 1:
-            return self.send_error(400, f"conflicting Content-Length headers: {lengths}")
-        if not lengths and self.command == "POST":
-            return self.send_error(411, "POST needs a Content-Length header (chunked bodies are not supported)")
-        if not re.fullmatch(r"[0-9]{1,19}", length):
-            return self.send_error(400, f"malformed Content-Length {length[:40]!r}; expected a non-negative integer")
-        if (n := int(length)) > srv.max_body:
-            return self.send_error(413, f"body of {n} bytes exceeds the server limit of {srv.max_body} bytes")
-        if len(body := self.rfile.read(n)) < n:
-            return self.send_error(400, f"body truncated: got {len(body)} of {n} bytes")
-        req = Request(url.path, dict(parse_qsl(url.query, keep_blank_values=True)), body, self.client_address[0])
-        try:
-            status, out = route(req)
-        except PayloadError as e:
-            return self.send_error(400, f"bad payload: {e}")
-        except Exception as e:  # a route bug must not take the server down; log it and answer 500
-            log.exception("route %s %s failed", self.command, url.path)
-            return self.send_error(500, f"internal error in {url.path}: {type(e).__name__}: {e}")
-        self._reply(status, out)
-
-    do_GET = do_POST = _dispatch
-
-
-class Server(ThreadingHTTPServer):
-    """Authenticated HTTP server in a background thread; a context manager. routes: {(method, path): fn};
-    fn(Request) returns (status, body): bytes, JSON (dict or list) or None. token: None reads NANORL_TOKEN."""
-    daemon_threads = True  # a stuck worker connection must not keep the trainer process alive
-
-    def __init__(self, routes: dict, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                 max_body: int = DEFAULT_MAX_BODY):
-        if bad := [m for m, _ in routes if m not in ("GET", "POST")]:
-            raise ValueError(f"routes support GET and POST only; got {bad}")
-        token = token or os.environ.get("NANORL_TOKEN")
-        try:
-            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-        except ValueError:  # a host name other than localhost: treat as exposed
-            loopback = False
-        if not token and not loopback:  # checked before a socket is opened
-            raise ValueError(f"refusing to serve on {host!r} without a token: set NANORL_TOKEN to a shared "
-                             "secret on the trainer and every worker, or bind 127.0.0.1")
-        self.token = _check_token(token or secrets.token_urlsafe(32))
-        self.routes, self.max_body = dict(routes), max_body
-        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET  # read when the socket is made
-        super().__init__((host, port), _Handler)
-        host, port = self.server_address[:2]
-        self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-        # poll_interval 0.1 s: close() returns within that instead of serve_forever's 0.5 s default
-        self._thread = threading.Thread(target=self.serve_forever, args=(0.1,), daemon=True)
-        self._thread.start()
-
-    def server_bind(self):
-        # Skip HTTPServer.server_bind: its socket.getfqdn() can stall for seconds on a bad DNS setup.
-        socketserver.TCPServer.server_bind(self)
-        self.server_name, self.server_port = self.server_address[:2]
-
-    def handle_error(self, request, client_address):  # e.g. the peer hung up mid-response
-        log.warning("connection from %s failed", client_address[0], exc_info=True)
-
-    def close(self, *exc):
-        self.shutdown()
-        self.server_close()
-        self._thread.join()
-
-    __exit__ = close
-
-
-class Client:
-    """Tiny HTTP client: one connection per request, bounded retries with linear backoff. Connection
-    failures are retried for every request; failures after the request was sent are retried only
-    for GET, because a POST /batch may have landed and must not be sent twice."""
-
-    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0, retries: int = 3,
-                 backoff: float = 1.0):
-        if (u := urlsplit(url)).scheme != "http" or not u.hostname:
-            raise ValueError(f"server url must look like http://HOST:PORT, got {url!r}")
-        if not (token := token or os.environ.get("NANORL_TOKEN")):
-            raise ValueError("no token: set NANORL_TOKEN to the trainer's token (Server.token)")
-        self.url, self.host, self.port = url.rstrip("/"), u.hostname, u.port or 80
-        self.token, self.timeout, self.retries, self.backoff = _check_token(token), timeout, retries, backoff
-
-    def get(self, path: str) -> tuple[int, bytearray]:
-        return self._request("GET", path, None)
-
-    def post(self, path: str, body: bytes) -> tuple[int, bytearray]:
-        return self._request("POST", path, body)
-
-    def _request(self, method: str, path: str, body: bytes | None) -> tuple[int, bytearray]:
-        for attempt in range(1, self.retries + 1):
-            conn, sent = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout), False
-            try:
-                conn.connect()
-                sent = True
-                try:
-                    conn.request(method, path, body=body, headers={"Authorization": f"Bearer {self.token}"})
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the server refused the body early (413, 401): its answer is still readable
-                resp = conn.getresponse()
-                if resp.length is None:  # no Content-Length: read to the end
-                    return resp.status, resp.read()
-                body = bytearray(resp.length)  # read in place: decode views these bytes, no copy
-                if (got := resp.readinto(body)) < len(body):  # a buffered reader fills it unless the peer hung up
-                    raise http.client.IncompleteRead(b"", len(body) - got)
-                return resp.status, body
-            except (OSError, http.client.HTTPException) as e:
-                if attempt == self.retries or (sent and method != "GET"):
-                    stage = "during" if sent else "connecting for"
-                    raise ServeError(f"{method} {self.url}{path} failed {stage} the request after {attempt} "
-                                     f"tries: {type(e).__name__}: {e}; is the trainer running at {self.url}?") from e
-                log.warning("%s %s: %s; retry %d/%d", method, path, e, attempt, self.retries - 1)
-                time.sleep(self.backoff * attempt)
-            finally:
-                conn.close()
-
 
 # ================================================================ disaggregated training
 FINGERPRINT = ("task", "seed", "eval_size", "data", "model", "lora", "lora_rank", "lora_alpha", "lora_targets",
@@ -411,7 +234,7 @@ class AsyncRollouts:
         not copies) are also the snapshot that scores this version's rows."""
         t = time.perf_counter()
         payload = encode(self.policy.wire_state(), {"version": step, "adapter_config": self.config_json})
-        state = utils.views(payload)  # named as on the wire, like what workers load
+        state = views(payload)  # named as on the wire, like what workers load
         with self.cond:
             self.snapshots = {v: s for v, s in self.snapshots.items() if v >= step - self.cfg.max_staleness} | {step: state}
             self.version, self.payload, self.publish_s = step, payload, time.perf_counter() - t

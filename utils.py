@@ -1,5 +1,5 @@
 """Plumbing shared by the loop: config parsing, run directory, metrics, plots, checkpoints, torchrun
-helpers, and the payload codec (tensors <-> safetensors bytes with a SHA-256, never pickled)."""
+helpers."""
 from __future__ import annotations
 
 import argparse
@@ -7,12 +7,9 @@ import csv
 import dataclasses
 import datetime
 import difflib
-import hashlib
 import json
-import math
 import os
 import shutil
-import struct
 import sys
 import time
 from pathlib import Path
@@ -322,130 +319,3 @@ class NoMetrics:
     def log(self, step: int, values: dict) -> None: pass  # noqa: E301,E704
     def wall(self) -> float: return 0.0  # noqa: E301,E704
     def close(self) -> None: pass  # noqa: E301,E704
-
-
-# ---------------------------------------------------------------- payloads: tensors <-> bytes, never pickled
-DTYPES = {  # safetensors name -> torch dtype; anything else on the wire is refused
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}
-NAMES = {t: n for n, t in DTYPES.items()}
-MAX_HEADER, MAX_NDIM = 16 << 20, 8  # a LoRA state dict header is tens of KB; these bound the header we parse
-FORMAT = "nanorl/1"
-
-
-class PayloadError(ValueError):
-    """A payload is malformed, tampered with, or uses something this format does not allow."""
-
-
-def _digest(entries: dict, data) -> str:
-    """SHA-256 of the tensor directory (names, dtypes, shapes, offsets) and the data bytes."""
-    h = hashlib.sha256(json.dumps(entries, sort_keys=True).encode())
-    h.update(data)
-    return h.hexdigest()
-
-
-def encode(tensors: dict[str, torch.Tensor], meta: dict) -> bytearray:
-    """Tensors + a JSON-able `meta` dict as a safetensors blob (PEFT and vLLM read it as
-    adapter_model.safetensors), written by hand: one copy of the tensor bytes, one hash over them."""
-    if not isinstance(meta, dict):
-        raise PayloadError(f"meta must be a JSON-able dict, got {type(meta).__name__}")
-    entries, flat, offset = {}, {}, 0
-    for k, t in sorted(tensors.items()):
-        if not (isinstance(k, str) and isinstance(t, torch.Tensor) and t.dtype in NAMES):
-            raise PayloadError(f"encode needs dict[str, Tensor] with dtypes {sorted(map(str, NAMES))}; "
-                               f"got {k!r} -> {getattr(t, 'dtype', type(t).__name__)}")
-        flat[k] = t.detach().reshape(-1).view(torch.uint8)  # reshape(-1): a 0-dim tensor has no byte view
-        entries[k] = {"dtype": NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(flat[k])]}
-        offset += len(flat[k])
-    # The digest goes in the header, before the data it covers: a placeholder of its length first,
-    # so the tensors are copied once, straight into place (and off the GPU), then hashed there.
-    head = json.dumps({"sha256": "0" * 64, "format": FORMAT, "meta": meta})
-    header = json.dumps({"__metadata__": {"nanorl": head}, **entries}).encode()
-    header += b" " * (-len(header) % 8)  # safetensors pads the header so the data starts 8-byte aligned
-    out, start = bytearray(8 + len(header) + offset), 8 + len(header)
-    out[:start] = struct.pack("<Q", len(header)) + header
-    body = torch.frombuffer(out, dtype=torch.uint8)[start:]
-    for k, b in flat.items():
-        body[entries[k]["data_offsets"][0] : entries[k]["data_offsets"][1]] = b
-    at = 8 + header.index(b"0" * 64)  # the first run of 64 zeros: the placeholder opens the header
-    out[at : at + 64] = _digest(entries, memoryview(out)[start:]).encode()
-    return out
-
-
-def _check_header(data: bytearray) -> tuple[object, dict, int]:
-    """Validate the safetensors JSON header ourselves: every tensor's bytes lie inside the body,
-    back to back in order and covering it exactly (the layout safetensors itself writes).
-    Returns (__metadata__, name -> {dtype, shape, data_offsets}, where the data starts)."""
-    if len(data) < 8:
-        raise PayloadError(f"payload is {len(data)} bytes; a safetensors blob has at least 8")
-    if (n := struct.unpack("<Q", data[:8])[0]) > min(MAX_HEADER, len(data) - 8):
-        raise PayloadError(f"header length {n} exceeds the payload ({len(data) - 8} bytes) or {MAX_HEADER}")
-    try:
-        header = json.loads(data[8:8 + n].decode("utf-8"))
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise PayloadError(f"safetensors header is not valid JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise PayloadError("safetensors header is not a JSON object")
-    entries = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = info.get("dtype") if isinstance(info, dict) else None
-        if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise PayloadError(f"tensor {name!r}: dtype {dtype!r} not allowed; allowed: {sorted(DTYPES)}")
-        shape, offs = info.get("shape"), info.get("data_offsets")
-        if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(type(d) is int and d >= 0 for d in shape)):
-            raise PayloadError(f"tensor {name!r}: shape {shape!r} is not a list of <= {MAX_NDIM} sizes")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
-                and offs[1] - offs[0] == math.prod(shape) * DTYPES[dtype].itemsize):
-            raise PayloadError(f"tensor {name!r}: shape {shape} {dtype} does not match data_offsets {offs!r}")
-        entries[name] = {"dtype": dtype, "shape": shape, "data_offsets": offs}
-    end = 0
-    for name, e in sorted(entries.items(), key=lambda item: item[1]["data_offsets"]):
-        if (a := e["data_offsets"][0]) != end:
-            raise PayloadError(f"tensor {name!r} starts at byte {a}, not {end}: tensors must be back to back")
-        end = e["data_offsets"][1]
-    if end != len(data) - 8 - n:
-        raise PayloadError(f"the tensors cover {end} bytes but the body holds {len(data) - 8 - n}")
-    return header.get("__metadata__", {}), entries, 8 + n
-
-
-def _tensors(data: bytearray, entries: dict, start: int) -> dict[str, torch.Tensor]:
-    """Tensors that view `data` (no copy), after _check_header vouched for every offset."""
-    flat, out = torch.frombuffer(data, dtype=torch.uint8), {}
-    for name, e in entries.items():
-        dtype, (a, b) = DTYPES[e["dtype"]], e["data_offsets"]
-        x = flat[start + a:start + b]
-        x = x.clone() if (start + a) % dtype.itemsize else x  # a view must be aligned to its element size
-        out[name] = x.view(dtype).reshape(e["shape"])
-    return out
-
-
-def decode(data: bytes | bytearray) -> tuple[dict[str, torch.Tensor], dict]:
-    """Inverse of `encode`. Raises only PayloadError, whatever the bytes are."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise PayloadError(f"decode needs bytes, got {type(data).__name__}")
-    data = data if isinstance(data, bytearray) else bytearray(data)  # writable: tensors view it in place
-    meta_s, entries, start = _check_header(data)
-    if not isinstance(meta_s, dict) or not isinstance(meta_s.get("nanorl"), str):
-        raise PayloadError("not a nanorl payload: safetensors metadata has no 'nanorl' header")
-    try:
-        head = json.loads(meta_s["nanorl"])
-    except (ValueError, RecursionError) as e:
-        raise PayloadError(f"nanorl header is not valid JSON: {e}") from None
-    if not (isinstance(head, dict) and head.get("format") == FORMAT and isinstance(head.get("sha256"), str)
-            and isinstance(head.get("meta"), dict)):
-        raise PayloadError(f"nanorl header must be an object with format={FORMAT!r}, sha256 and meta")
-    if _digest(entries, memoryview(data)[start:]) != head["sha256"]:  # integrity, not a secret: == is fine
-        raise PayloadError("sha256 mismatch: tensor bytes were corrupted or tampered with in transit")
-    tensors = _tensors(data, entries, start)
-    for k, t in tensors.items():  # a bool byte other than 0/1 is undefined behaviour in torch
-        if t.dtype == torch.bool and t.numel() and t.view(torch.uint8).max() > 1:
-            raise PayloadError(f"bool tensor {k!r} holds bytes other than 0 and 1")
-    return tensors, head["meta"]
-
-
-def views(data: bytearray) -> dict[str, torch.Tensor]:
-    """The tensors of a payload this process encoded itself, viewed in place (its own bytes: no hash check)."""
-    return _tensors(data, *_check_header(data)[1:])

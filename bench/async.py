@@ -29,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import serve  # noqa: E402
+import transport  # noqa: E402
 import train  # noqa: E402
 import utils  # noqa: E402
 from model import HFGenerator, LLMPolicy, VLLMGenerator, resolve_model  # noqa: E402
@@ -117,13 +118,13 @@ def adapter_sync(args) -> dict:
     policy = LLMPolicy(cfg.model, lora=True)
     worker = HFGenerator(LLMPolicy(cfg.model, lora=True))
     src = serve.AsyncRollouts(cfg, policy, SimpleNamespace(task=None, draw=None))
-    client = serve.Client(src.server.url, token=src.server.token)
+    client = transport.Client(src.server.url, token=src.server.token)
     sync, raw, hashes, copy = [], [], [], None
     for v in range(args.sync_repeats + 1):
         t = time.perf_counter()
         src.publish(v)  # snapshot + encode, as after every optimizer step
         status, body = client.get(f"/adapter?have={v - 1}&worker=-1")
-        tensors, meta = serve.decode(body)
+        tensors, meta = transport.decode(body)
         worker.load(meta["version"], tensors, meta, body)  # into the worker's policy, in place
         if v:  # v == 0 warms up
             sync.append(time.perf_counter() - t)
@@ -152,7 +153,7 @@ def worker_path(gen, policy, prefixes, tokens) -> int:
     """What a worker does per batch besides HTTP: generate with logprobs, build, encode."""
     samples = gen.generate(prefixes, tokens, 64)
     batch = policy.make_batch(prefixes, samples, [0.0] * len(samples))
-    serve.encode(batch, {"worker": 0})
+    transport.encode(batch, {"worker": 0})
     return sum(len(s.ids) for s in samples)
 
 
@@ -182,7 +183,7 @@ def generation(args) -> dict:
         gen = VLLMGenerator(resolve_model(cfg.model), cfg, policy.eos_ids, 0)
         names, meta = policy.wire_names(), {"adapter_config": policy.adapter_config()}
         tensors = {names[n]: t for n, t in policy.trainable_state().items()}
-        gen.load(0, tensors, meta, serve.encode(tensors, meta))
+        gen.load(0, tensors, meta, transport.encode(tensors, meta))
         prompts = [gen.TokensPrompt(prompt_token_ids=p) for p in prefixes]
         params = gen.SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=args.gen_tokens,
                                     stop_token_ids=sorted(policy.eos_ids))

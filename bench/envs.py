@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import envs  # noqa: E402
+import sandbox  # noqa: E402
 from tasks import solve_countdown  # noqa: E402
 from tests.test_envs import ScriptedPolicy, chat_tokenizer  # noqa: E402
 
@@ -70,7 +71,7 @@ def main():
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])  # 2 cores, inherited by the sandboxes too
     print(f"load average {os.getloadavg()[0]:.1f} on {len(os.sched_getaffinity(0))} cores")
     tok = chat_tokenizer()
-    python, flags, uid_base, bwrap = envs.sandbox_plan()
+    python, flags, uid_base, bwrap = sandbox.sandbox_plan()
     print(f"sandbox: {python}, unshare flags {flags:#x}, {'a uid per run' if uid_base else 'no uid drop'}, "
           f"{'in bubblewrap' if bwrap else 'no bubblewrap'}")
     print(f"{'environment':<22}{'episodes':>9}{'seconds':>9}{'episodes/s':>12}{'solved':>8}{'turns':>7}")
@@ -88,7 +89,7 @@ def main():
         times, cpu = [], 0.0
         for _ in range(args.calls):
             start, used = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-            r = envs.run_python(code)
+            r = sandbox.run_python(code)
             times.append((time.perf_counter() - start) * 1000)
             after = resource.getrusage(resource.RUSAGE_CHILDREN)  # CPU time does not grow on a busy machine
             cpu += (after.ru_utime + after.ru_stime - used.ru_utime - used.ru_stime) * 1000 / args.calls

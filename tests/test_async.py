@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import serve
+import transport
 import train
 import utils
 from model import LLMPolicy, build_tiny_model
@@ -144,8 +145,8 @@ def test_old_logp_is_scored_under_the_exact_version_that_sampled_each_row(policy
         src.publish(1)
         v1 = policy.trainable_state()
         rows_v1 = worker_batch(policy, [1] * 4, offset=4)
-        body = serve.encode(serve.collate([rows_v1, rows_v0], policy.pad_id) | {"group": torch.tensor([0] * 4 + [1] * 4)}, {"worker": "t"})
-        status, _ = src.receive(serve.Request("/batch", {}, body, "127.0.0.1"))
+        body = transport.encode(serve.collate([rows_v1, rows_v0], policy.pad_id) | {"group": torch.tensor([0] * 4 + [1] * 4)}, {"worker": "t"})
+        status, _ = src.receive(transport.Request("/batch", {}, body, "127.0.0.1"))
         assert status == 200
         batch = src.next(1)
         assert batch["version"].tolist() == [0] * 4 + [1] * 4  # sorted by version
@@ -165,11 +166,11 @@ def test_groups_older_than_max_staleness_are_dropped_and_counted_never_trained(p
     src, policy = source_for(policy, max_staleness=1)
     try:
         src.publish(0)
-        old = serve.encode(rows, {"worker": "t"})
+        old = transport.encode(rows, {"worker": "t"})
         src.publish(1)
         src.publish(2)  # version 0 now lags by 2 > max_staleness
         assert 0 not in src.snapshots and set(src.snapshots) == {1, 2}
-        status, reply = src.receive(serve.Request("/batch", {}, old, "127.0.0.1"))
+        status, reply = src.receive(transport.Request("/batch", {}, old, "127.0.0.1"))
         assert (status, reply, src.counts["dropped_stale"]) == (200, {"queued": 0, "dropped": 1}, 1)
         assert src.queue == []
     finally:
@@ -181,8 +182,8 @@ def test_a_post_to_a_full_queue_waits_for_room_instead_of_bouncing(policy, monke
     src, policy = source_for(policy)  # 2 groups a step, max_staleness 1: the queue holds 2 groups
     try:
         src.publish(0)
-        two = serve.encode(worker_batch(policy, [0] * 8), {"worker": "t"})
-        post = lambda: src.receive(serve.Request("/batch", {}, two, "127.0.0.1"))
+        two = transport.encode(worker_batch(policy, [0] * 8), {"worker": "t"})
+        post = lambda: src.receive(transport.Request("/batch", {}, two, "127.0.0.1"))
         assert post() == (200, {"queued": 2, "dropped": 0})
         assert post()[0] == 429  # still full when the long poll ends
         replies = []
@@ -211,7 +212,7 @@ def test_malformed_worker_batches_are_rejected_before_the_model_sees_them(policy
         src.publish(0)
         batch = dict(rows)
         edit(batch)
-        status, reply = src.receive(serve.Request("/batch", {}, serve.encode(batch, {"worker": "t"}), "127.0.0.1"))
+        status, reply = src.receive(transport.Request("/batch", {}, transport.encode(batch, {"worker": "t"}), "127.0.0.1"))
         assert status == 400 and re.search(message, reply["error"]) and src.counts["batches_rejected"] == 1
     finally:
         src.close()
@@ -221,18 +222,18 @@ def test_adapter_payload_uses_peft_names_and_a_corrupt_one_keeps_the_previous_ad
     src, policy = source_for(policy)
     try:
         src.publish(0)
-        tensors, meta = serve.decode(src.payload)
+        tensors, meta = transport.decode(src.payload)
         assert meta["version"] == 0 and '"r": 8' in meta["adapter_config"]
         assert all(n.startswith("base_model.model.") and ".default." not in n for n in tensors)
         assert len(src.payload) < sum(t.numel() * 4 for t in tensors.values()) + 20_000  # the adapter, not the model
         good, src.payload = src.payload, bytes(bytearray(src.payload[:-1]) + bytes([src.payload[-1] ^ 1]))
         src.version = 1  # a "new version" whose bytes were flipped in transit
-        fetcher = serve.AdapterFetcher(serve.Client(src.server.url, token=src.server.token, retries=1), 0, 5)
+        fetcher = serve.AdapterFetcher(transport.Client(src.server.url, token=src.server.token, retries=1), 0, 5)
         fetcher.have = 0
         fetcher.start()
         wait_for(lambda: fetcher.rejected >= 1, SimpleNamespace(poll=lambda: None), "a rejected adapter", 30)
         assert fetcher.take() is None and fetcher.have == 0  # still on version 0
-        src.payload = serve.encode(tensors, {**meta, "version": 1})
+        src.payload = transport.encode(tensors, {**meta, "version": 1})
         wait_for(lambda: fetcher.have == 1, SimpleNamespace(poll=lambda: None), "the good adapter", 30)
         version, got, _, _, _ = fetcher.take()
         assert version == 1 and all(torch.equal(got[n], tensors[n]) for n in tensors)

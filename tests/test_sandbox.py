@@ -1,5 +1,5 @@
 """The sandbox for model-written code, attacked with real processes: each test runs hostile
-code through envs.run_python and then inspects the host (its /proc, files, sockets)."""
+code through sandbox.run_python and then inspects the host (its /proc, files, sockets)."""
 import errno
 import os
 import random
@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
-import envs
-from envs import SANDBOX_UID_BASE, PythonToolEnv, run_python, sandbox_plan
+import sandbox
+from envs import PythonToolEnv
+from sandbox import SANDBOX_UID_BASE, run_python, sandbox_plan
 from tasks import Problem
 
 PYTHON, FLAGS, UID_BASE, BWRAP = sandbox_plan()
 # Without a pid namespace or a uid of its own, code that signals "its parent" would hit pytest.
-contained = pytest.mark.skipif(not (FLAGS & envs._NEWPID or UID_BASE),
+contained = pytest.mark.skipif(not (FLAGS & sandbox._NEWPID or UID_BASE),
                                reason="needs a pid namespace or root (a throwaway uid per run)")
 
 
@@ -85,7 +86,7 @@ def test_cpu_limit_kills_a_busy_loop_before_the_wall_clock():
     assert r.returncode == -signal.SIGKILL and not r.timed_out
 
 
-@pytest.mark.skipif(not FLAGS & envs._NEWNET, reason="no network namespace on this machine")
+@pytest.mark.skipif(not FLAGS & sandbox._NEWNET, reason="no network namespace on this machine")
 def test_socket_connection_to_localhost_fails_and_reaches_no_listener():
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))  # a real listener on the host's loopback
@@ -106,7 +107,7 @@ def test_parent_environment_secret_is_invisible(monkeypatch):
                    "        print(open(f'/proc/{pid}/environ').read())\n    except OSError as e:\n"
                    "        print(type(e).__name__)")
     assert r.stdout.splitlines()[0] in ("[]", "['LC_CTYPE']")  # Python itself may set LC_CTYPE (PEP 538)
-    if FLAGS & envs._NEWPID or UID_BASE:  # otherwise the code runs as us and may read our /proc/<pid>/environ
+    if FLAGS & sandbox._NEWPID or UID_BASE:  # otherwise the code runs as us and may read our /proc/<pid>/environ
         assert secret not in r.stdout + r.stderr
 
 
@@ -155,7 +156,7 @@ def test_working_directory_is_deleted_and_tmp_writes_vanish():
     r = run_python(f"import os\nopen('here.txt', 'w').write('x')\nopen('{leak}', 'w').write('x')\nprint(os.getcwd())")
     cwd = r.stdout.strip()
     assert cwd.startswith(tempfile.gettempdir()) and not os.path.exists(cwd)
-    if FLAGS & envs._NEWNS:  # without a mount namespace /tmp is the host's
+    if FLAGS & sandbox._NEWNS:  # without a mount namespace /tmp is the host's
         assert not os.path.exists(leak)
 
 
@@ -172,15 +173,15 @@ def test_root_without_namespaces_still_reaps_detached_children_and_spares_the_tr
     """What holds where unshare is refused (e.g. Docker's default seccomp) but setuid works."""
     marker = f"{random.randint(10_000, 99_999)}.{random.randint(1, 999_999)}"
     limits = (5, 512 << 20, 16 << 20, 64, 32)
-    r = envs._sandboxed(PYTHON, 0, UID_BASE, detach(marker), 5.0, limits, 4000)
+    r = sandbox._sandboxed(PYTHON, 0, UID_BASE, detach(marker), 5.0, limits, 4000)
     assert r.stdout == "detached child running\n" and not r.timed_out and survivors(marker) == []
-    r = envs._sandboxed(PYTHON, 0, UID_BASE, f"import os, signal\nfor pid in (os.getppid(), {os.getpid()}, -1):\n"
+    r = sandbox._sandboxed(PYTHON, 0, UID_BASE, f"import os, signal\nfor pid in (os.getppid(), {os.getpid()}, -1):\n"
                         "    try:\n        os.kill(pid, signal.SIGKILL)\n    except OSError as e:\n"
                         "        print(type(e).__name__)", 5.0, limits, 4000)
     assert r.stdout == "PermissionError\nPermissionError\n" and r.returncode == 0  # kill(-1) reaches only its uid
 
 
-@pytest.mark.skipif(not FLAGS & envs._NEWNET, reason="no network namespace on this machine")
+@pytest.mark.skipif(not FLAGS & sandbox._NEWNET, reason="no network namespace on this machine")
 @pytest.mark.parametrize("bwrap", [True, False], ids=["bubblewrap", "own-namespaces"])
 def test_with_and_without_bubblewrap_runs_are_contained_and_bubblewrap_makes_host_files_read_only(bwrap):
     import shutil
@@ -190,7 +191,7 @@ def test_with_and_without_bubblewrap_runs_are_contained_and_bubblewrap_makes_hos
                              "    socket.create_connection(('127.0.0.1', 22), timeout=1)\nexcept OSError as e:\n"
                              "    print('no network')\ntry:\n    open('/etc/nanorl-sandbox-test', 'w')\n"
                              "except OSError as e:\n    print(type(e).__name__, e.errno)\nprint(len(open('main.py').read()) > 0)")
-    r = envs._sandboxed(PYTHON, FLAGS, UID_BASE, code, 5.0, (5, 512 << 20, 16 << 20, 64, 32), 4000, bwrap)
+    r = sandbox._sandboxed(PYTHON, FLAGS, UID_BASE, code, 5.0, (5, 512 << 20, 16 << 20, 64, 32), 4000, bwrap)
     running, environ, network, write, own_file = r.stdout.splitlines()
     assert running == "detached child running" and environ in ("[]", "['LC_CTYPE']") and network == "no network"
     assert own_file == "True" and survivors(marker) == [] and not os.path.exists("/etc/nanorl-sandbox-test")

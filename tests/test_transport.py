@@ -1,4 +1,4 @@
-"""serve.py: payload codec and the authenticated HTTP transport, over real 127.0.0.1 sockets."""
+"""transport.py: payload codec and the authenticated HTTP transport, over real 127.0.0.1 sockets."""
 import io
 import json
 import pickle
@@ -12,9 +12,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import serve
-import utils
-from serve import Client, PayloadError, Request, ServeError, Server, decode, encode
+import transport
+from transport import Client, PayloadError, Request, ServeError, Server, decode, encode
 
 TOKEN = "test-token-0123456789abcdef"
 MAX_BODY = 1 << 20
@@ -90,7 +89,7 @@ def test_decode_rejects_bad_header_json_and_foreign_safetensors():
 
 
 def test_decode_rejects_unexpected_dtype_and_absurd_shape_before_allocating():
-    meta = {"__metadata__": {"nanorl": json.dumps({"format": utils.FORMAT, "sha256": "0" * 64, "meta": {}})}}
+    meta = {"__metadata__": {"nanorl": json.dumps({"format": transport.FORMAT, "sha256": "0" * 64, "meta": {}})}}
     with pytest.raises(PayloadError, match="dtype 'C64' not allowed"):
         decode(raw_safetensors({**meta, "z": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, bytes(8)))
     with pytest.raises(PayloadError, match="does not match data_offsets"):  # 2**62 floats claimed, 8 bytes sent
@@ -103,7 +102,7 @@ def test_decode_rejects_unexpected_dtype_and_absurd_shape_before_allocating():
 
 
 def test_decode_refuses_overlapping_gapped_or_short_tensor_layouts():
-    meta = {"__metadata__": {"nanorl": json.dumps({"format": utils.FORMAT, "sha256": "0" * 64, "meta": {}})}}
+    meta = {"__metadata__": {"nanorl": json.dumps({"format": transport.FORMAT, "sha256": "0" * 64, "meta": {}})}}
     f32 = lambda a, b: {"dtype": "F32", "shape": [(b - a) // 4], "data_offsets": [a, b]}
     with pytest.raises(PayloadError, match="back to back"):  # y re-reads x's bytes
         decode(raw_safetensors({**meta, "x": f32(0, 8), "y": f32(0, 8)}, bytes(16)))

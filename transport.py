@@ -1,0 +1,324 @@
+"""Transport between a trainer and its rollout workers: an authenticated stdlib HTTP server, a
+retrying client, and the payload codec (tensors <-> safetensors bytes with a SHA-256, never pickled).
+
+Security: every request carries the shared secret NANORL_TOKEN as `Authorization: Bearer <token>`,
+checked in constant time. A loopback bind without one generates it (`Server.token`) for the workers
+the trainer spawns, since a token-less server would let any local user push batches; any other bind
+without NANORL_TOKEN refuses to start.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import http.client
+import ipaddress
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import socket
+import socketserver
+import struct
+import time
+import threading
+from collections import namedtuple
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qsl, urlsplit
+
+import torch
+
+log = logging.getLogger("nanorl.transport")
+
+DEFAULT_MAX_BODY = 1 << 30  # 1 GiB: a full-model weight push fits, a 2 GB lie does not
+
+
+class ServeError(RuntimeError):
+    """The peer could not be reached or did not answer in time (the caller decides to retry or exit)."""
+
+
+# ---------------------------------------------------------------- HTTP: an authenticated server, a retrying client
+def _check_token(token: str) -> str:
+    if not re.fullmatch(r"[\x21-\x7e]+", token):
+        raise ValueError("NANORL_TOKEN must be non-empty printable ASCII without spaces "
+                         "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+    return token
+
+
+Request = namedtuple("Request", "path query body peer")  # str, dict[str, str] from the query string, bytes, client ip
+
+
+class _Handler(BaseHTTPRequestHandler):
+    timeout = 60  # socket timeout: a client that stalls mid-request cannot hold a thread forever
+
+    def log_message(self, fmt, *args):
+        log.debug("%s " + fmt, self.client_address[0], *args)
+
+    def _reply(self, status: int, body: bytes | dict | list | None):
+        is_json = isinstance(body, (dict, list))
+        body = json.dumps(body).encode() if is_json else body or b""
+        self.send_response(status)
+        if body:
+            self.send_header("Content-Type", "application/json" if is_json else "application/octet-stream")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def send_error(self, code, message=None, explain=None):
+        # Every error, http.server's own (bad request line, 501, 431) included, is JSON. The body
+        # (if any) was not read, so this connection cannot carry another request.
+        self.close_connection = True
+        self._reply(code, {"error": message or self.responses.get(code, ("error",))[0]})
+
+    def _dispatch(self):
+        srv, url, lengths = self.server, urlsplit(self.path), self.headers.get_all("Content-Length") or []
+        length = lengths[0].strip() if lengths else "0"
+        # Hashing both sides gives equal-length inputs (no length leak) and turns any header
+        # text, non-ASCII included, into bytes that compare_digest accepts.
+        sha = lambda text: hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+        if not hmac.compare_digest(sha(self.headers.get("Authorization", "")), sha(f"Bearer {srv.token}")):
+            return self.send_error(401, "missing or wrong token: send 'Authorization: Bearer $NANORL_TOKEN'")
+        if all(path != url.path for _, path in srv.routes):
+            return self.send_error(404, f"no route {url.path!r}")
+        if (route := srv.routes.get((self.command, url.path))) is None:
+            return self.send_error(405, f"{self.command} not allowed on {url.path}")
+        if len(set(lengths)) > 1:
+            return self.send_error(400, f"conflicting Content-Length headers: {lengths}")
+        if not lengths and self.command == "POST":
+            return self.send_error(411, "POST needs a Content-Length header (chunked bodies are not supported)")
+        if not re.fullmatch(r"[0-9]{1,19}", length):
+            return self.send_error(400, f"malformed Content-Length {length[:40]!r}; expected a non-negative integer")
+        if (n := int(length)) > srv.max_body:
+            return self.send_error(413, f"body of {n} bytes exceeds the server limit of {srv.max_body} bytes")
+        if len(body := self.rfile.read(n)) < n:
+            return self.send_error(400, f"body truncated: got {len(body)} of {n} bytes")
+        req = Request(url.path, dict(parse_qsl(url.query, keep_blank_values=True)), body, self.client_address[0])
+        try:
+            status, out = route(req)
+        except PayloadError as e:
+            return self.send_error(400, f"bad payload: {e}")
+        except Exception as e:  # a route bug must not take the server down; log it and answer 500
+            log.exception("route %s %s failed", self.command, url.path)
+            return self.send_error(500, f"internal error in {url.path}: {type(e).__name__}: {e}")
+        self._reply(status, out)
+
+    do_GET = do_POST = _dispatch
+
+
+class Server(ThreadingHTTPServer):
+    """Authenticated HTTP server in a background thread; a context manager. routes: {(method, path): fn};
+    fn(Request) returns (status, body): bytes, JSON (dict or list) or None. token: None reads NANORL_TOKEN."""
+    daemon_threads = True  # a stuck worker connection must not keep the trainer process alive
+
+    def __init__(self, routes: dict, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                 max_body: int = DEFAULT_MAX_BODY):
+        if bad := [m for m, _ in routes if m not in ("GET", "POST")]:
+            raise ValueError(f"routes support GET and POST only; got {bad}")
+        token = token or os.environ.get("NANORL_TOKEN")
+        try:
+            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:  # a host name other than localhost: treat as exposed
+            loopback = False
+        if not token and not loopback:  # checked before a socket is opened
+            raise ValueError(f"refusing to serve on {host!r} without a token: set NANORL_TOKEN to a shared "
+                             "secret on the trainer and every worker, or bind 127.0.0.1")
+        self.token = _check_token(token or secrets.token_urlsafe(32))
+        self.routes, self.max_body = dict(routes), max_body
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET  # read when the socket is made
+        super().__init__((host, port), _Handler)
+        host, port = self.server_address[:2]
+        self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        # poll_interval 0.1 s: close() returns within that instead of serve_forever's 0.5 s default
+        self._thread = threading.Thread(target=self.serve_forever, args=(0.1,), daemon=True)
+        self._thread.start()
+
+    def server_bind(self):
+        # Skip HTTPServer.server_bind: its socket.getfqdn() can stall for seconds on a bad DNS setup.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = self.server_address[:2]
+
+    def handle_error(self, request, client_address):  # e.g. the peer hung up mid-response
+        log.warning("connection from %s failed", client_address[0], exc_info=True)
+
+    def close(self, *exc):
+        self.shutdown()
+        self.server_close()
+        self._thread.join()
+
+    __exit__ = close
+
+
+class Client:
+    """Tiny HTTP client: one connection per request, bounded retries with linear backoff. Connection
+    failures are retried for every request; failures after the request was sent are retried only
+    for GET, because a POST /batch may have landed and must not be sent twice."""
+
+    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0, retries: int = 3,
+                 backoff: float = 1.0):
+        if (u := urlsplit(url)).scheme != "http" or not u.hostname:
+            raise ValueError(f"server url must look like http://HOST:PORT, got {url!r}")
+        if not (token := token or os.environ.get("NANORL_TOKEN")):
+            raise ValueError("no token: set NANORL_TOKEN to the trainer's token (Server.token)")
+        self.url, self.host, self.port = url.rstrip("/"), u.hostname, u.port or 80
+        self.token, self.timeout, self.retries, self.backoff = _check_token(token), timeout, retries, backoff
+
+    def get(self, path: str) -> tuple[int, bytearray]:
+        return self._request("GET", path, None)
+
+    def post(self, path: str, body: bytes) -> tuple[int, bytearray]:
+        return self._request("POST", path, body)
+
+    def _request(self, method: str, path: str, body: bytes | None) -> tuple[int, bytearray]:
+        for attempt in range(1, self.retries + 1):
+            conn, sent = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout), False
+            try:
+                conn.connect()
+                sent = True
+                try:
+                    conn.request(method, path, body=body, headers={"Authorization": f"Bearer {self.token}"})
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the server refused the body early (413, 401): its answer is still readable
+                resp = conn.getresponse()
+                if resp.length is None:  # no Content-Length: read to the end
+                    return resp.status, resp.read()
+                body = bytearray(resp.length)  # read in place: decode views these bytes, no copy
+                if (got := resp.readinto(body)) < len(body):  # a buffered reader fills it unless the peer hung up
+                    raise http.client.IncompleteRead(b"", len(body) - got)
+                return resp.status, body
+            except (OSError, http.client.HTTPException) as e:
+                if attempt == self.retries or (sent and method != "GET"):
+                    stage = "during" if sent else "connecting for"
+                    raise ServeError(f"{method} {self.url}{path} failed {stage} the request after {attempt} "
+                                     f"tries: {type(e).__name__}: {e}; is the trainer running at {self.url}?") from e
+                log.warning("%s %s: %s; retry %d/%d", method, path, e, attempt, self.retries - 1)
+                time.sleep(self.backoff * attempt)
+            finally:
+                conn.close()
+
+
+# ---------------------------------------------------------------- payloads: tensors <-> bytes, never pickled
+DTYPES = {  # safetensors name -> torch dtype; anything else on the wire is refused
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+NAMES = {t: n for n, t in DTYPES.items()}
+MAX_HEADER, MAX_NDIM = 16 << 20, 8  # a LoRA state dict header is tens of KB; these bound the header we parse
+FORMAT = "nanorl/1"
+
+
+class PayloadError(ValueError):
+    """A payload is malformed, tampered with, or uses something this format does not allow."""
+
+
+def _digest(entries: dict, data) -> str:
+    """SHA-256 of the tensor directory (names, dtypes, shapes, offsets) and the data bytes."""
+    h = hashlib.sha256(json.dumps(entries, sort_keys=True).encode())
+    h.update(data)
+    return h.hexdigest()
+
+
+def encode(tensors: dict[str, torch.Tensor], meta: dict) -> bytearray:
+    """Tensors + a JSON-able `meta` dict as a safetensors blob (PEFT and vLLM read it as
+    adapter_model.safetensors), written by hand: one copy of the tensor bytes, one hash over them."""
+    if not isinstance(meta, dict):
+        raise PayloadError(f"meta must be a JSON-able dict, got {type(meta).__name__}")
+    entries, flat, offset = {}, {}, 0
+    for k, t in sorted(tensors.items()):
+        if not (isinstance(k, str) and isinstance(t, torch.Tensor) and t.dtype in NAMES):
+            raise PayloadError(f"encode needs dict[str, Tensor] with dtypes {sorted(map(str, NAMES))}; "
+                               f"got {k!r} -> {getattr(t, 'dtype', type(t).__name__)}")
+        flat[k] = t.detach().reshape(-1).view(torch.uint8)  # reshape(-1): a 0-dim tensor has no byte view
+        entries[k] = {"dtype": NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(flat[k])]}
+        offset += len(flat[k])
+    # The digest goes in the header, before the data it covers: a placeholder of its length first,
+    # so the tensors are copied once, straight into place (and off the GPU), then hashed there.
+    head = json.dumps({"sha256": "0" * 64, "format": FORMAT, "meta": meta})
+    header = json.dumps({"__metadata__": {"nanorl": head}, **entries}).encode()
+    header += b" " * (-len(header) % 8)  # safetensors pads the header so the data starts 8-byte aligned
+    out, start = bytearray(8 + len(header) + offset), 8 + len(header)
+    out[:start] = struct.pack("<Q", len(header)) + header
+    body = torch.frombuffer(out, dtype=torch.uint8)[start:]
+    for k, b in flat.items():
+        body[entries[k]["data_offsets"][0] : entries[k]["data_offsets"][1]] = b
+    at = 8 + header.index(b"0" * 64)  # the first run of 64 zeros: the placeholder opens the header
+    out[at : at + 64] = _digest(entries, memoryview(out)[start:]).encode()
+    return out
+
+
+def _check_header(data: bytearray) -> tuple[object, dict, int]:
+    """Validate the safetensors JSON header ourselves: every tensor's bytes lie inside the body,
+    back to back in order and covering it exactly (the layout safetensors itself writes).
+    Returns (__metadata__, name -> {dtype, shape, data_offsets}, where the data starts)."""
+    if len(data) < 8:
+        raise PayloadError(f"payload is {len(data)} bytes; a safetensors blob has at least 8")
+    if (n := struct.unpack("<Q", data[:8])[0]) > min(MAX_HEADER, len(data) - 8):
+        raise PayloadError(f"header length {n} exceeds the payload ({len(data) - 8} bytes) or {MAX_HEADER}")
+    try:
+        header = json.loads(data[8:8 + n].decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise PayloadError(f"safetensors header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise PayloadError("safetensors header is not a JSON object")
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = info.get("dtype") if isinstance(info, dict) else None
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise PayloadError(f"tensor {name!r}: dtype {dtype!r} not allowed; allowed: {sorted(DTYPES)}")
+        shape, offs = info.get("shape"), info.get("data_offsets")
+        if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(type(d) is int and d >= 0 for d in shape)):
+            raise PayloadError(f"tensor {name!r}: shape {shape!r} is not a list of <= {MAX_NDIM} sizes")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
+                and offs[1] - offs[0] == math.prod(shape) * DTYPES[dtype].itemsize):
+            raise PayloadError(f"tensor {name!r}: shape {shape} {dtype} does not match data_offsets {offs!r}")
+        entries[name] = {"dtype": dtype, "shape": shape, "data_offsets": offs}
+    end = 0
+    for name, e in sorted(entries.items(), key=lambda item: item[1]["data_offsets"]):
+        if (a := e["data_offsets"][0]) != end:
+            raise PayloadError(f"tensor {name!r} starts at byte {a}, not {end}: tensors must be back to back")
+        end = e["data_offsets"][1]
+    if end != len(data) - 8 - n:
+        raise PayloadError(f"the tensors cover {end} bytes but the body holds {len(data) - 8 - n}")
+    return header.get("__metadata__", {}), entries, 8 + n
+
+
+def _tensors(data: bytearray, entries: dict, start: int) -> dict[str, torch.Tensor]:
+    """Tensors that view `data` (no copy), after _check_header vouched for every offset."""
+    flat, out = torch.frombuffer(data, dtype=torch.uint8), {}
+    for name, e in entries.items():
+        dtype, (a, b) = DTYPES[e["dtype"]], e["data_offsets"]
+        x = flat[start + a:start + b]
+        x = x.clone() if (start + a) % dtype.itemsize else x  # a view must be aligned to its element size
+        out[name] = x.view(dtype).reshape(e["shape"])
+    return out
+
+
+def decode(data: bytes | bytearray) -> tuple[dict[str, torch.Tensor], dict]:
+    """Inverse of `encode`. Raises only PayloadError, whatever the bytes are."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise PayloadError(f"decode needs bytes, got {type(data).__name__}")
+    data = data if isinstance(data, bytearray) else bytearray(data)  # writable: tensors view it in place
+    meta_s, entries, start = _check_header(data)
+    if not isinstance(meta_s, dict) or not isinstance(meta_s.get("nanorl"), str):
+        raise PayloadError("not a nanorl payload: safetensors metadata has no 'nanorl' header")
+    try:
+        head = json.loads(meta_s["nanorl"])
+    except (ValueError, RecursionError) as e:
+        raise PayloadError(f"nanorl header is not valid JSON: {e}") from None
+    if not (isinstance(head, dict) and head.get("format") == FORMAT and isinstance(head.get("sha256"), str)
+            and isinstance(head.get("meta"), dict)):
+        raise PayloadError(f"nanorl header must be an object with format={FORMAT!r}, sha256 and meta")
+    if _digest(entries, memoryview(data)[start:]) != head["sha256"]:  # integrity, not a secret: == is fine
+        raise PayloadError("sha256 mismatch: tensor bytes were corrupted or tampered with in transit")
+    tensors = _tensors(data, entries, start)
+    for k, t in tensors.items():  # a bool byte other than 0/1 is undefined behaviour in torch
+        if t.dtype == torch.bool and t.numel() and t.view(torch.uint8).max() > 1:
+            raise PayloadError(f"bool tensor {k!r} holds bytes other than 0 and 1")
+    return tensors, head["meta"]
+
+
+def views(data: bytearray) -> dict[str, torch.Tensor]:
+    """The tensors of a payload this process encoded itself, viewed in place (its own bytes: no hash check)."""
+    return _tensors(data, *_check_header(data)[1:])
