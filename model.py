@@ -225,10 +225,15 @@ def resolve_model(name: str) -> str:
     return name
 
 
-def linear_names(lm: nn.Module) -> list[str]:
-    """Leaf names of every nn.Linear in the model except the output head: the LoRA targets."""
-    head = lm.get_output_embeddings()
-    return sorted({n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if isinstance(m, nn.Linear) and m is not head})
+def lora_layers(lm: nn.Module) -> dict[str, bool]:
+    """Leaf name -> is it a projection, for every layer of a type PEFT's LoRA adapts (the output head
+    excepted). "all-linear" takes the projections: nn.Linear, and transformers' Conv1D (GPT-2's);
+    embeddings and convolutions are adapted only when named."""
+    from transformers.pytorch_utils import Conv1D
+
+    kinds, head = (nn.Linear, Conv1D, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d), lm.get_output_embeddings()
+    return {n.rsplit(".", 1)[-1]: isinstance(m, (nn.Linear, Conv1D)) for n, m in lm.named_modules()
+            if isinstance(m, kinds) and m is not head}
 
 
 def add_lora(lm: nn.Module, targets: str, rank: int, alpha: int, dropout: float) -> nn.Module:
@@ -236,10 +241,16 @@ def add_lora(lm: nn.Module, targets: str, rank: int, alpha: int, dropout: float)
     freezes the base and keeps the adapter in fp32 even over a bf16 base."""
     from peft import LoraConfig, get_peft_model
 
-    found = linear_names(lm)
+    layers = lora_layers(lm)
+    found = sorted(n for n, projection in layers.items() if projection)
     names = found if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
-    if not names or set(names) - set(found):
-        raise utils.ConfigError(f"--lora-targets {targets}: this model's linear layers are {','.join(found)} (or all-linear)")
+    if not names or set(names) - set(layers):
+        others = sorted(set(layers) - set(found))
+        has = f"; other layers LoRA can adapt when named: {','.join(others)}" if others else ""
+        if not layers:
+            has = f"; it has no layer LoRA adapts, only {','.join(sorted({type(m).__name__ for m in lm.modules()}))}"
+        raise utils.ConfigError(f"--lora-targets {targets}: this model's linear layers are {','.join(found)} "
+                                f"(or all-linear){has}")
     cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=names, lora_dropout=dropout, task_type="CAUSAL_LM")
     return get_peft_model(lm, cfg)
 
