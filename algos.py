@@ -1,9 +1,9 @@
 """Advantage estimators and the one loss.
 
-Contract: every estimator is `fn(batch, cfg) -> adv [N, T]`, reading per-step `rewards`, `mask`
-(1 on the policy's own steps) and, where it needs them, `group` [N], `values` [N, T],
-`last_value` [N] and `terminated` [N]. Positions with mask == 0 get advantage 0. An estimator
-that trains a critic also stores its regression targets in `batch["returns"]`. Adding an
+Contract: every estimator is `fn(batch, cfg) -> adv [N, T]`, reading a rollouts.Batch's per-step
+`rewards`, `mask` (1 on the policy's own steps) and, where it needs them, `group` [N], `values`
+[N, T], `last_value` [N] and `truncated` [N] (bootstrap only a truncation). Positions with mask == 0 get advantage 0. An estimator
+that trains a critic also stores its regression targets in `batch.returns`. Adding an
 algorithm is one function and one entry in ALGOS; the loss below never changes.
 
 Below the estimators: `loss_weights` (how tokens are aggregated: AGGREGATIONS), the one
@@ -76,29 +76,29 @@ def group_baseline(scores: torch.Tensor, group: torch.Tensor):
 
 
 def sequence_score(batch) -> torch.Tensor:
-    return (batch["rewards"] * batch["mask"]).sum(1)  # [N]
+    return (batch.rewards * batch.mask).sum(1)  # [N]
 
 
 def reinforce(batch, cfg):
-    return discounted_returns(batch["rewards"], batch["mask"], cfg.gamma)
+    return discounted_returns(batch.rewards, batch.mask, cfg.gamma)
 
 
 def reinforce_baseline(batch, cfg):
-    g = discounted_returns(batch["rewards"], batch["mask"], cfg.gamma)
-    return (g - masked_mean(g, batch["mask"])) * batch["mask"]
+    g = discounted_returns(batch.rewards, batch.mask, cfg.gamma)
+    return (g - masked_mean(g, batch.mask)) * batch.mask
 
 
 def reinforce_pp(batch, cfg):
     """REINFORCE++: returns whitened with one mean and std over every token of the batch."""
-    g = discounted_returns(batch["rewards"], batch["mask"], cfg.gamma)
-    return masked_whiten(g, batch["mask"])
+    g = discounted_returns(batch.rewards, batch.mask, cfg.gamma)
+    return masked_whiten(g, batch.mask)
 
 
 def ppo(batch, cfg):
     """GAE with the critic's values from before the update; targets fixed once, here."""
-    m = batch["mask"]
-    adv = gae(batch["rewards"], batch["values"], m, batch["last_value"], batch["terminated"], cfg.gamma, cfg.lam)
-    batch["returns"] = (adv + batch["values"]) * m
+    m = batch.mask
+    adv = gae(batch.rewards, batch.values, m, batch.last_value, ~batch.truncated, cfg.gamma, cfg.lam)
+    batch.returns = (adv + batch.values) * m
     return masked_whiten(adv, m)
 
 
@@ -106,17 +106,17 @@ def grpo(batch, cfg):
     """Group-relative: (R - mean_group) / std_group; Dr. GRPO drops the std division, which
     otherwise up-weights groups that are nearly all right or all wrong."""
     r = sequence_score(batch)
-    mean, std, _ = group_baseline(r, batch["group"])
+    mean, std, _ = group_baseline(r, batch.group)
     adv = r - mean if cfg.dr_grpo else (r - mean) / (std + EPS)  # [N]
-    return adv.unsqueeze(1) * batch["mask"]
+    return adv.unsqueeze(1) * batch.mask
 
 
 def rloo(batch, cfg):
     """Leave-one-out: each row's baseline is the mean of the other rows of its group."""
     r = sequence_score(batch)
-    mean, _, k = group_baseline(r, batch["group"])
+    mean, _, k = group_baseline(r, batch.group)
     adv = (r - mean) * k / (k - 1)  # == r - mean(others)
-    return adv.unsqueeze(1) * batch["mask"]
+    return adv.unsqueeze(1) * batch.mask
 
 
 ALGOS = {

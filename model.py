@@ -2,10 +2,10 @@
 
     score(batch, rows) -> (logp [n, T], entropy [n, T], values [n, T] or None)
 
-recomputes, with grad, the log-probability of the actions stored in `batch[...][rows]`, so the
-training loop never needs to know whether it is pushing a cart or writing an answer.
+recomputes, with grad, the log-probability of the actions stored in a rollouts.Batch's `rows`,
+so the training loop never needs to know whether it is pushing a cart or writing an answer.
 MLPPolicy acts in control tasks; LLMPolicy is a Hugging Face causal LM (LoRA or full fine-tuning)
-that also samples completions with their log-probs (`generate`) and collates them (`make_batch`);
+that also samples completions with their log-probs (`generate`);
 VLLMGenerator samples the same distribution with vLLM, for rollout workers (serve.py).
 """
 from __future__ import annotations
@@ -58,10 +58,14 @@ class MLPPolicy(nn.Module):
     def value(self, obs: torch.Tensor) -> torch.Tensor | None:
         return None if self.v is None else self.v(obs).squeeze(-1)
 
-    def score(self, batch: dict, rows: slice):
-        obs = batch["obs"][rows]  # [n, T, D]
+    def last_value(self, batch) -> torch.Tensor:
+        """[N] the critic's value of the state after each episode's last step (bootstraps a truncation)."""
+        return self.value(batch.last_obs)
+
+    def score(self, batch, rows: slice):
+        obs = batch.obs[rows]  # [n, T, D]
         logp_all = F.log_softmax(self.pi(obs), dim=-1)  # [n, T, A]
-        logp = logp_all.gather(-1, batch["actions"][rows].unsqueeze(-1)).squeeze(-1)  # [n, T]
+        logp = logp_all.gather(-1, batch.tokens[rows].unsqueeze(-1)).squeeze(-1)  # [n, T]
         entropy = -(logp_all.exp() * logp_all).sum(-1)  # [n, T]
         return logp, entropy, self.value(obs)
 
@@ -197,41 +201,40 @@ class LLMPolicy(nn.Module):
 
     has_critic = False
 
-    def __init__(self, model: str, *, lora: bool = True, lora_rank: int = 16, lora_alpha: int = 32,
-                 lora_targets: str = "all-linear", lora_dropout: float = 0.0, dtype: str = "fp32",
-                 temperature: float = 1.0, top_p: float = 1.0, chat_template: bool = True,
-                 thinking: bool = False, kl_coef: float = 0.0, critic: bool = False, device: str | None = None,
-                 weights: bool = True, attn: str = "auto"):
+    def __init__(self, cfg, device: str | None = None):
+        """cfg: a train.Config (model, lora*, dtype, attn, temperature, top_p, chat_template, thinking,
+        kl_coef; algo ppo adds the critic; --vllm builds no weights)."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         super().__init__()
-        if dtype not in DTYPES:
-            raise utils.ConfigError(f"--dtype {dtype}{utils.closest(dtype, DTYPES)} (choices: {', '.join(DTYPES)})")
-        if temperature <= 0 or not 0 < top_p <= 1:
-            raise utils.ConfigError(f"need temperature > 0 and 0 < top_p <= 1 (got {temperature}, {top_p}); "
+        if cfg.dtype not in DTYPES:
+            raise utils.ConfigError(f"--dtype {cfg.dtype}{utils.closest(cfg.dtype, DTYPES)} (choices: {', '.join(DTYPES)})")
+        if cfg.temperature <= 0 or not 0 < cfg.top_p <= 1:
+            raise utils.ConfigError(f"need temperature > 0 and 0 < top_p <= 1 (got {cfg.temperature}, {cfg.top_p}); "
                                     "greedy decoding is generate(greedy=True)")
-        if top_p < 1:
-            warnings.warn(f"top_p={top_p}: samples come from a truncated distribution the loss does not model, "
+        if cfg.top_p < 1:
+            warnings.warn(f"top_p={cfg.top_p}: samples come from a truncated distribution the loss does not model, "
                           "so the importance ratio is only approximate; top_p=1 keeps it exact")
-        path = resolve_model(model)
-        # weights=False: the network is built on the meta device, without memory: a --vllm worker
-        # samples with vLLM's copy and needs only the tokenizer side (and two copies may not fit a GPU).
+        path, lora = resolve_model(cfg.model), cfg.lora
+        # --vllm: the network is built on the meta device, without memory: a --vllm worker samples
+        # with vLLM's copy and needs only the tokenizer side (and two copies may not fit a GPU).
+        weights = not cfg.vllm
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu") if weights else "meta")
-        self.lora, self.bf16, self.kl_coef = lora, dtype == "bf16", kl_coef
-        self.temperature, self.top_p, self.thinking = temperature, top_p, thinking
+        self.lora, self.bf16 = lora, cfg.dtype == "bf16"
+        self.temperature, self.top_p, self.thinking = cfg.temperature, cfg.top_p, cfg.thinking
         self.share_prompts = True  # score each group's prompt once; exact either way (tests compare the two)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError) as e:
-            raise utils.ConfigError(f"--model {model}: cannot load its tokenizer ({str(e).splitlines()[0]}); {LOAD_HINT}") from None
+            raise utils.ConfigError(f"--model {cfg.model}: cannot load its tokenizer ({str(e).splitlines()[0]}); {LOAD_HINT}") from None
         # A frozen LoRA base may live in bf16; anything trained stays fp32 (autocast does the bf16 compute).
         if weights:
             # "auto": sdpa, except plain matmul attention for bf16 on a CPU, where PyTorch's flash-attention
             # backward makes a training step ~25% slower at every length measured (21 to 512 tokens). Matmul
             # attention keeps the T x T scores for the backward: for long contexts pass attn="sdpa".
-            attn = attn if attn != "auto" else "eager" if self.bf16 and self.device.type == "cpu" else "sdpa"
+            attn = cfg.attn if cfg.attn != "auto" else "eager" if self.bf16 and self.device.type == "cpu" else "sdpa"
             try:
-                lm = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype] if lora else torch.float32,
+                lm = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype] if lora else torch.float32,
                                                           attn_implementation=attn).to(self.device)
             except (ValueError, ImportError) as e:  # an unknown or uninstalled attention kernel
                 raise utils.ConfigError(f"--attn {attn}: {str(e).splitlines()[0]} (try --attn sdpa)") from None
@@ -242,26 +245,26 @@ class LLMPolicy(nn.Module):
                 lm.generation_config = GenerationConfig.from_pretrained(path)
             except OSError:  # the model has none; the defaults from its config stand, as in from_pretrained
                 pass
-        self.model = add_lora(lm, lora_targets, lora_rank, lora_alpha, lora_dropout) if lora else lm
+        self.model = add_lora(lm, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, 0.0) if lora else lm
         if lora and self.bf16:  # autocast feeds the adapter bf16 already: PEFT's cast of every input to
             for m in self.model.modules():  # the fp32 adapter dtype is a copy autocast undoes (~8% of a step)
                 if hasattr(m, "cast_input_dtype_enabled"):
                     m.cast_input_dtype_enabled = False
         # PPO's critic: a linear head on the last hidden state, trained through the same adapter (or
         # weights); zero-initialised so the first values are 0 rather than noise of the reward's scale.
-        self.has_critic = critic
+        self.has_critic = critic = cfg.algo == "ppo"
         self.v = nn.Linear(lm.get_output_embeddings().in_features, 1).to(self.device) if critic else None
         if critic:
             nn.init.zeros_(self.v.weight)
             nn.init.zeros_(self.v.bias)
         self.ref_model = None
-        if not lora and kl_coef > 0:
+        if not lora and cfg.kl_coef > 0:
             warnings.warn("full fine-tuning with kl_coef > 0 keeps a frozen copy of the whole model as the KL "
                           "reference (2x weight memory); LoRA gets its reference for free by disabling the adapter")
             self.ref_model = copy.deepcopy(lm).requires_grad_(False)  # same dtype as the policy: KL is exactly 0 at step 0
         self.eos_ids = end_tokens(self.tokenizer, lm.generation_config)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
-        self.use_template = chat_template and self.tokenizer.chat_template is not None
+        self.use_template = cfg.chat_template and self.tokenizer.chat_template is not None
         bos = self.tokenizer.bos_token_id
         self.bos = [bos] if bos is not None and bos in self.tokenizer("")["input_ids"] else []
         self.eval()
@@ -346,38 +349,19 @@ class LLMPolicy(nn.Module):
             probs = probs.scatter(-1, idx, sorted_p.masked_fill(drop, 0.0))
         return probs
 
-    # ------------------------------------------------------------ batches
-    def make_batch(self, prefixes: list[list[int]], samples: list[Sample], rewards: list[float],
-                   loss_mask: list[list[int]] | None = None) -> dict:
-        """Collates rows into the DESIGN.md keys. `loss_mask` (0/1 per completion token) masks out
-        tokens the policy did not sample, e.g. environment replies inside a multi-turn completion;
-        the row's reward then sits on its last token with mask 1."""
-        N, L = len(prefixes), max(len(p) + len(s.ids) for p, s in zip(prefixes, samples))
-        b = {"tokens": torch.full((N, L), self.pad_id, dtype=torch.long), "attn": torch.zeros(N, L),
-             "mask": torch.zeros(N, L), "logp": torch.zeros(N, L), "rewards": torch.zeros(N, L),
-             "truncated": torch.tensor([s.truncated for s in samples], dtype=torch.bool)}  # [N, L] each, truncated [N]
-        for r, (p, s) in enumerate(zip(prefixes, samples)):
-            a, e = len(p), len(p) + len(s.ids)
-            m = torch.tensor(loss_mask[r] if loss_mask else [1] * len(s.ids), dtype=torch.float)
-            if len(m) != len(s.ids):
-                raise ValueError(f"row {r}: loss_mask has {len(m)} entries for {len(s.ids)} completion tokens")
-            b["tokens"][r, :e] = torch.tensor(p + s.ids)
-            b["attn"][r, :e] = 1.0
-            b["mask"][r, a:e] = m
-            b["logp"][r, a:e] = torch.tensor(s.logps) * m
-            last = a + int(m.nonzero().max()) if m.any() else e - 1
-            b["rewards"][r, last] = rewards[r]
-        return b
-
     # ------------------------------------------------------------ scoring
-    def score(self, batch: dict, rows):
+    def score(self, batch, rows):
         """(logp [n, L], entropy [n, L], values [n, L] or None) at temperature, with grad, filled where
         mask == 1 (0 elsewhere: the loss weights are 0 there, so the LM head is not run on prompts).
         values[:, t] is the critic's estimate before token t, read where the logits for token t are."""
         return self._token_logp(self.model, batch, rows, self.v)
 
+    def last_value(self, batch) -> torch.Tensor:
+        """[N] zeros: a completion ends with its end token or its budget, and no state follows either."""
+        return torch.zeros(len(batch))
+
     @torch.no_grad()
-    def ref_logp(self, batch: dict, rows) -> torch.Tensor:
+    def ref_logp(self, batch, rows) -> torch.Tensor:
         """[n, L] log-probs under the reference: the base model with the adapter switched off
         (LoRA), or the frozen copy made at start-up (full fine-tuning with kl_coef > 0)."""
         if self.lora:
@@ -387,15 +371,15 @@ class LLMPolicy(nn.Module):
             raise utils.ConfigError("ref_logp under full fine-tuning needs the frozen copy made only when kl_coef > 0")
         return self._token_logp(self.ref_model, batch, rows)[0]
 
-    def _token_logp(self, lm: nn.Module, batch: dict, rows, head: nn.Module | None = None):
+    def _token_logp(self, lm: nn.Module, batch, rows, head: nn.Module | None = None):
         dev = self.device
-        mask = batch["mask"][rows].to(dev)  # [n, L]
+        mask = batch.mask[rows].to(dev)  # [n, L]
         n, L = mask.shape
-        end = int(batch["attn"][rows].sum(1).max())  # the micro-batch trimmed to its longest row
+        end = int(batch.attn[rows].sum(1).max())  # the micro-batch trimmed to its longest row
         cols = mask[:, 1:end].any(0).nonzero() + 1
         first = int(cols[0]) if len(cols) else max(end - 1, 1)  # nothing masked: an empty slice keeps backward() legal
-        tokens = batch["tokens"][rows, :end].to(dev)  # [n, end]
-        attn = batch["attn"][rows, :end].to(dev).long()  # [n, end]
+        tokens = batch.tokens[rows, :end].to(dev)  # [n, end]
+        attn = batch.attn[rows, :end].to(dev).long()  # [n, end]
         sel = mask[:, first:end] > 0  # [n, end-first]
         hidden = None
         with self.autocast():
@@ -412,7 +396,7 @@ class LLMPolicy(nn.Module):
         logp[:, first:end][sel] = lg.gather(-1, tokens[:, first:end][sel][:, None]).squeeze(-1) - lse
         with torch.no_grad():
             entropy[:, first:end][sel] = lse - (lg.softmax(-1) * lg).sum(-1)
-        out = batch["mask"].device  # the loop's weights live there
+        out = batch.mask.device  # the loop's weights live there
         if head is None:
             return logp.to(out), entropy.to(out), None
         values = torch.zeros(n, L, device=dev)  # [n, L]
@@ -547,8 +531,9 @@ class VLLMGenerator:
         if old is not None:  # vLLM read it when the previous request started; no later request names it
             shutil.rmtree(old.lora_path)
 
-    def generate(self, prefixes: list[list[int]], max_new_tokens: int, gen_batch: int) -> list[Sample]:
-        params = self.SamplingParams(n=1, temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=0,
+    def generate(self, prefixes: list[list[int]], max_new_tokens: int, gen_batch: int,
+                 greedy: bool = False) -> list[Sample]:
+        params = self.SamplingParams(n=1, temperature=0.0 if greedy else self.cfg.temperature, top_p=self.cfg.top_p, top_k=0,
                                      max_tokens=max_new_tokens, logprobs=0, stop_token_ids=self.eos)
         outs = self.llm.generate([self.TokensPrompt(prompt_token_ids=p) for p in prefixes], params,
                                  lora_request=self.request, use_tqdm=False)  # in prompt order

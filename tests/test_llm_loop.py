@@ -3,6 +3,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import rollouts
 import tasks
 import train
 import utils
@@ -21,7 +22,7 @@ class Digits(tasks.Arith):
 @pytest.fixture(autouse=True)
 def digits_task(monkeypatch):
     monkeypatch.setitem(tasks.TASKS, "digits", Digits)
-    monkeypatch.setitem(train.TASKS, "digits", train.TaskRollouts)
+    monkeypatch.setitem(rollouts.SOURCES, "digits", rollouts.TaskRollouts)
 
 
 @pytest.fixture(scope="module")
