@@ -212,7 +212,7 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
     turn would pass max_len ends there, marked truncated."""
     eps = [_start(policy, env_factory, p) for p in problems for _ in range(group_size)]
     if (longest := max(len(e.prompt) for e in eps)) >= max_len:
-        raise utils.ConfigError(f"a prompt has {longest} tokens, not fewer than --max-len {max_len}; raise --max-len")
+        raise utils.ConfigError(f"a prompt has {longest} tokens, not fewer than max_len={max_len}; raise max_len (--max-len)")
     with ThreadPoolExecutor(workers) as pool:
         for _ in range(max_turns):
             if not (live := [e for e in eps if not e.done]):

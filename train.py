@@ -129,11 +129,11 @@ def validate(cfg: Config) -> None:
             raise err(f"unknown --{name} '{value}'{utils.closest(value, valid)} (choices: {', '.join(valid)})")
     for name in ("steps", "sft_steps", "micro_batch", "max_staleness", "workers", "pass_k", "debug_samples"):
         if getattr(cfg, name) < 0:
-            raise err(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(cfg, name)})")
+            raise err(f"need --{name.replace('_', '-')} >= 0 (got {getattr(cfg, name)})")
     for name in ("eval_every", "eval_episodes", "eval_size", "gen_batch", "max_new_tokens", "inner_epochs",
                  "minibatches", "ckpt_every", "keep_ckpts", "max_turns"):
         if getattr(cfg, name) < 1:
-            raise err(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
+            raise err(f"need --{name.replace('_', '-')} >= 1 (got {getattr(cfg, name)})")
     if cfg.algo in GROUPED and cfg.group_size < 2:
         raise err(f"--algo {cfg.algo} needs --group-size >= 2 (got {cfg.group_size}); try --group-size 8")
     if cfg.group_size < 1 or cfg.batch < 1 or cfg.batch % cfg.group_size:
@@ -168,12 +168,6 @@ def validate(cfg: Config) -> None:
 def validate_task(cfg: Config) -> None:
     """Options that only some kinds of task have."""
     err, single = utils.ConfigError, SOURCES[cfg.task] is TaskRollouts
-    if cfg.task in CONTROL:
-        llm = [f for f in ("sft_steps", "mask_truncated", "dynamic_sampling", "prompt_reweight", "kl_coef",
-                           "overlong_buffer", "pass_k", "debug_samples") if getattr(cfg, f)]
-        if llm:
-            raise err(f"--{llm[0].replace('_', '-')} is for LLM tasks; {cfg.task} has no text (CartPole's time "
-                      "limit is handled by bootstrapping); drop it or pick an LLM --task")
     if cfg.dynamic_sampling and (cfg.algo not in GROUPED or not single or cfg.max_gen_batches < 1):
         raise utils.ConfigError(f"--dynamic-sampling needs a grouped --algo ({', '.join(sorted(GROUPED))}), a "
                                 "single-turn LLM task and --max-gen-batches >= 1")
@@ -181,6 +175,12 @@ def validate_task(cfg: Config) -> None:
         raise err(f"--prompt-reweight is a share in [0, 1] for single-turn LLM tasks (got {cfg.prompt_reweight})")
     if cfg.overlong_buffer and (not single or not 0 < cfg.overlong_buffer <= cfg.max_new_tokens):
         raise err(f"--overlong-buffer is for single-turn LLM tasks, in 1..--max-new-tokens (got {cfg.overlong_buffer})")
+    if cfg.task in CONTROL:  # the text and token options mean nothing there
+        llm = [f for f in ("sft_steps", "mask_truncated", "dynamic_sampling", "prompt_reweight", "kl_coef",
+                           "overlong_buffer", "pass_k", "debug_samples") if getattr(cfg, f)]
+        if llm:
+            raise err(f"--{llm[0].replace('_', '-')} is for LLM tasks; {cfg.task} has no text (CartPole's time "
+                      "limit is handled by bootstrapping); drop it or pick an LLM --task")
 
 
 def validate_roles(cfg: Config) -> None:
