@@ -59,6 +59,12 @@ class Batch:
     def __len__(self) -> int:
         return len(self.mask)
 
+    def select(self, rows: slice) -> Batch:
+        """Rows `rows` of the stage-1 fields, e.g. one rank's share."""
+        t = [getattr(self, n)[rows] for n in ("tokens", "attn", "obs", "last_obs", "mask", "logp", "rewards",
+                                               "truncated", "group", "version")]
+        return Batch(*t, {k: v[rows] for k, v in self.stats.items()}, self.texts[rows])
+
     def wire(self) -> dict[str, Tensor]:
         """An LLM batch's rows as named tensors for transport.encode (stats under their own names)."""
         return {n: getattr(self, n) for n in WIRE} | self.stats

@@ -49,7 +49,7 @@ def step_delta(algo: str, rows: slice) -> dict:
     torch.manual_seed(0)  # the same policy and the same whole batch on every rank
     policy = MLPPolicy(4, 2, critic=algo == "ppo")
     whole = rollout_control(CartPole(), policy, BATCH, seed=3, group_size=cfg.group_size)
-    batch = {k: v[rows] for k, v in whole.items()}
+    batch = whole.select(rows)
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     batch = train.prepare(policy, batch, cfg)
     train.update(policy, torch.optim.SGD(policy.parameters(), lr=1.0), batch, cfg)
@@ -72,7 +72,7 @@ def llm_step_delta(rows: slice) -> dict:
     samples = [Sample(torch.randint(4, 40, (1 + 2 * i,), generator=g).tolist(), [0.0] * (1 + 2 * i), True) for i in range(BATCH)]
     whole = make_batch(prefixes, samples, torch.randn(BATCH, generator=g).tolist(), policy.pad_id)
     whole.group = torch.arange(BATCH) // 4
-    batch = {k: v[rows] for k, v in whole.items()}
+    batch = whole.select(rows)
     before = policy.trainable_state()
     train.update(policy, torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0),
                  train.prepare(policy, batch, cfg), cfg)
