@@ -95,7 +95,7 @@ class Inbox:
         self.queue: list[tuple[dict, list]] = []  # (tensors of one group, its rows' texts)
         self.version, self.payload, self.finished, self.next_worker = -1, b"", False, 0
         self.seen, self.told = {}, set()  # worker -> time of its last request; workers told "finished"
-        self.counts, self.apply_s, self.publish_s = Counter(), [], 0.0
+        self.counts, self.apply_s, self.publish_s, self.rollout_metrics = Counter(), [], 0.0, []
         url = urlsplit(cfg.trainer_url)  # "" (the usual case) binds an ephemeral loopback port
         self.server = Server({("POST", "/hello"): self.hello, ("GET", "/adapter"): self.adapter,
                               ("POST", "/batch"): self.receive}, url.hostname or "127.0.0.1", url.port or 0)
@@ -159,6 +159,9 @@ class Inbox:
             fresh = [g for g in groups if self.version - int(g[0]["version"].min()) <= self.cfg.max_staleness]
             self.counts.update(groups_received=len(groups), dropped_stale=len(groups) - len(fresh))
             self.apply_s += [float(meta["apply_s"])] if isinstance(meta.get("apply_s"), (int, float)) else []
+            theirs = meta.get("metrics") if isinstance(meta.get("metrics"), dict) else {}  # e.g. gen_rounds
+            self.rollout_metrics.append({k: float(v) for k, v in theirs.items() if type(v) in (int, float)
+                                         and re.fullmatch(r"[a-z_]{1,40}", k)})
             self.queue.extend(fresh)
             self.cond.notify_all()
             return 200, {"queued": len(fresh), "dropped": len(groups) - len(fresh)}
@@ -189,7 +192,9 @@ class Inbox:
             meta = dict(queue_depth=len(self.queue), live_workers=len(self.live()), sync_bytes=len(self.payload),
                         sync_publish_s=self.publish_s, sync_apply_s=statistics.median(self.apply_s or [0.0]),
                         **self.counts)
-            self.apply_s = []
+            for k in {k for m in self.rollout_metrics for k in m}:  # the workers' source.metrics(), averaged
+                meta[k] = statistics.mean(m[k] for m in self.rollout_metrics if k in m)
+            self.apply_s, self.rollout_metrics = [], []
         got.sort(key=lambda g: int(g[0]["version"].min()))  # rows of one version share micro-batches: fewer swaps
         return collate([g for g, _ in got], self.pad_id), {**meta, "texts": [t for _, ts in got for t in ts]}
 
@@ -423,7 +428,8 @@ def run_worker(cfg) -> int:
         batch = source.next(sampler.version)
         if cfg.debug_samples:
             show_samples(batch, f"worker {me} v{sampler.version}", cfg.debug_samples)
-        post(client, fetcher, encode(batch.wire(), {"worker": me, "apply_s": sampler.apply_s, "texts": batch.texts}))
+        meta = {"worker": me, "apply_s": sampler.apply_s, "texts": batch.texts, "metrics": source.metrics()}
+        post(client, fetcher, encode(batch.wire(), meta))
     return 0
 
 

