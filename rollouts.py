@@ -450,5 +450,8 @@ def show_samples(batch: Batch, label: str, n: int) -> None:
 
 
 CONTROL = {"cartpole": ControlRollouts}
-SOURCES: dict[str, type[BatchSource]] = {**CONTROL, **{name: TaskRollouts for name in tasks.TASKS},
-                                         **{name: EnvRollouts for name in TEXT_ENVS}}
+
+
+def sources() -> dict[str, type[BatchSource]]:
+    """--task name -> its source; read at call time, so a task or env registered after import counts."""
+    return {**CONTROL, **dict.fromkeys(tasks.TASKS, TaskRollouts), **dict.fromkeys(TEXT_ENVS, EnvRollouts)}

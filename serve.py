@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import utils
 from transport import Client, PayloadError, Request, ServeError, Server, decode, encode, views
 from model import HFGenerator, LLMPolicy, Sample, VLLMGenerator, resolve_model
-from rollouts import SOURCES, Batch, BatchSource, from_wire, show_samples
+from rollouts import Batch, BatchSource, from_wire, show_samples, sources
 
 # ================================================================ disaggregated training
 FINGERPRINT = ("task", "seed", "eval_size", "data", "model", "lora", "lora_rank", "lora_alpha", "lora_targets",
@@ -409,7 +409,7 @@ class _Sampler:
 
 
 def run_worker(cfg) -> int:
-    """A rollout worker: the trainer's own batch source (rollouts.SOURCES) over a sampler that
+    """A rollout worker: the trainer's own batch source (rollouts.sources()) over a sampler that
     holds the newest adapter, one version per batch; POSTs each batch. Returns the exit code."""
     client = Client(cfg.trainer_url, timeout=30 + LONG_POLL, retries=1)
     if (reply := hello(client, cfg)) is None:  # before loading any model: a mismatched worker fails in seconds
@@ -421,7 +421,7 @@ def run_worker(cfg) -> int:
     fetcher = AdapterFetcher(client, me, cfg.worker_patience)
     fetcher.start()
     sampler = _Sampler(policy, gen, fetcher, cfg.gen_batch)
-    source = SOURCES[cfg.task](cfg, sampler)  # every rollout option behaves as in a sync run
+    source = sources()[cfg.task](cfg, sampler)  # every rollout option behaves as in a sync run
     source.load_state({"position": me * STRIDE})  # worker w draws problems w*STRIDE, w*STRIDE+1, ...
     utils.stderr(f"worker {me}: generating for {cfg.trainer_url} with {'vLLM' if cfg.vllm else 'the policy'}")
     while sampler.newest():  # the newest adapter, waiting for the first

@@ -28,7 +28,7 @@ from algos import (AGGREGATIONS, ALGOS, EPS, GROUPED, IS_LEVELS, KL, LOSSES, gro
                    loss_weights, masked_mean, policy_loss, value_loss)
 from envs import CartPole
 from model import LLMPolicy, MLPPolicy
-from rollouts import CONTROL, SOURCES, Batch, BatchSource, TaskRollouts, live_weights, show_samples
+from rollouts import CONTROL, Batch, BatchSource, TaskRollouts, live_weights, show_samples, sources
 
 
 @dataclass
@@ -122,7 +122,7 @@ class Config:
 def validate(cfg: Config) -> None:
     """Rejects impossible combinations up front, naming the fix."""
     err = utils.ConfigError
-    for name, value, valid in (("algo", cfg.algo, ALGOS), ("task", cfg.task, SOURCES), ("loss", cfg.loss, LOSSES),
+    for name, value, valid in (("algo", cfg.algo, ALGOS), ("task", cfg.task, sources()), ("loss", cfg.loss, LOSSES),
                                ("loss-agg", cfg.loss_agg, AGGREGATIONS), ("kl-estimator", cfg.kl_estimator, KL),
                                ("tis", cfg.tis, IS_LEVELS), ("mis", cfg.mis, IS_LEVELS)):
         if value not in valid:
@@ -167,7 +167,7 @@ def validate(cfg: Config) -> None:
 
 def validate_task(cfg: Config) -> None:
     """Options that only some kinds of task have."""
-    err, single = utils.ConfigError, SOURCES[cfg.task] is TaskRollouts
+    err, single = utils.ConfigError, sources()[cfg.task] is TaskRollouts
     if cfg.dynamic_sampling and (cfg.algo not in GROUPED or not single or cfg.max_gen_batches < 1):
         raise utils.ConfigError(f"--dynamic-sampling needs a grouped --algo ({', '.join(sorted(GROUPED))}), a "
                                 "single-turn LLM task and --max-gen-batches >= 1")
@@ -215,7 +215,7 @@ def build(cfg: Config) -> tuple[torch.nn.Module, torch.optim.Optimizer, BatchSou
         policy = LLMPolicy(cfg)
     utils.broadcast_weights(policy)  # torchrun: every rank starts from rank 0's weights
     opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)
-    source = SOURCES[cfg.task](cfg, policy)
+    source = sources()[cfg.task](cfg, policy)
     return policy, opt, serve.AsyncRollouts(cfg, policy, source) if cfg.role == "trainer" else source
 
 

@@ -3,7 +3,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import rollouts
 import tasks
 import train
 import utils
@@ -22,7 +21,6 @@ class Digits(tasks.Arith):
 @pytest.fixture(autouse=True)
 def digits_task(monkeypatch):
     monkeypatch.setitem(tasks.TASKS, "digits", Digits)
-    monkeypatch.setitem(rollouts.SOURCES, "digits", rollouts.TaskRollouts)
 
 
 @pytest.fixture(scope="module")
