@@ -141,7 +141,8 @@ def loss_weights(mask: torch.Tensor, mode: str = "token_mean", total_tokens=None
       seq_mean:   token-mean inside each row, then mean over rows (the GRPO paper): mask / (len_i * rows).
       constant:   mask / (rows * constant) (Dr. GRPO): no length bias; constant = the token budget."""
     tokens = mask.sum() if total_tokens is None else torch.as_tensor(float(total_tokens))
-    rows = float((mask.sum(1) > 0).sum()) if total_rows is None else float(total_rows)  # a fully masked row is not counted
+    # a fully masked row is not counted
+    rows = float((mask.sum(1) > 0).sum()) if total_rows is None else float(total_rows)
     if mode == "token_mean":
         return mask / tokens.clamp(min=1)
     if mode == "seq_mean":  # a row's length is its own: no collective needed
@@ -171,7 +172,8 @@ def policy_loss(logp, old_logp, adv, weights, mask, loss: str = "ppo", eps_low: 
     Returns (loss, per-token stats [n, T] to be averaged by the caller)."""
     ratio = torch.exp(logp - old_logp)  # [n, T]
     if loss == "gspo":
-        seq = ((logp - old_logp) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # [n, 1]
+        # [n, 1]
+        seq = ((logp - old_logp) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
         ratio = torch.exp(seq).detach() * torch.exp(logp - logp.detach())  # [n, T]: value s_i, grad d logp_t
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     if loss == "cispo":
@@ -182,7 +184,8 @@ def policy_loss(logp, old_logp, adv, weights, mask, loss: str = "ppo", eps_low: 
             surr = torch.where(adv < 0, torch.min(surr, -dual_clip * adv), surr)
     r = ratio.detach()
     stats = {"ratio": r, "clip_frac_low": (r < 1 - eps_low).float(), "clip_frac_high": (r > 1 + eps_high).float(),
-             "approx_kl": kl_k3(old_logp, logp.detach())}  # k3 of KL(old || new) per token, on the old policy's samples
+             # k3 of KL(old || new) per token, on the old policy's samples
+             "approx_kl": kl_k3(old_logp, logp.detach())}
     return (surr * weights).sum(), stats
 
 

@@ -44,7 +44,8 @@ class CartPole:
         `group_size` start from the same state, so GRPO/RLOO compare like with like."""
         env = CartPoleVectorEnv(num_envs=n, max_episode_steps=self.max_steps)
         env.reset(seed=seed)
-        env.state = env.state[:, np.arange(n) // group_size * group_size]  # [4, n]: every member copies its leader
+        # [4, n]: every member copies its leader
+        env.state = env.state[:, np.arange(n) // group_size * group_size]
         return env
 
 
@@ -211,7 +212,8 @@ def _sql_tables(db: str) -> dict[str, tuple[str, list[tuple]]]:
     if db == "shop":
         adjectives = "Red Blue Tiny Grand Smart Quiet".split()
         goods = rng.sample([(f"{adj} {noun}", cat) for adj in adjectives for noun, cat in _GOODS.items()], 30)
-        prices = [p / 100 for p in rng.sample(range(199, 9999), 30)]  # distinct, so "most expensive" has no ties
+        # distinct, so "most expensive" has no ties
+        prices = [p / 100 for p in rng.sample(range(199, 9999), 30)]
         return {"customers": ("id INTEGER PRIMARY KEY, name TEXT, city TEXT, signup_year INTEGER",
                               [(i + 1, n, rng.choice(_CITIES), rng.randint(2018, 2024)) for i, n in enumerate(people)]),
                 "products": ("id INTEGER PRIMARY KEY, name TEXT, category TEXT, price REAL",

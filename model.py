@@ -77,7 +77,8 @@ class MLPPolicy(nn.Module):
 # start-up, and CartPole runs never touch it.
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>"]  # `|` is not in the vocabulary, so no text spells them
+# `|` is not in the vocabulary, so no text spells them
+SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>"]
 LOAD_HINT = "check the model id, or pass a local directory holding config.json, the weights and the tokenizer files"
 CHARS = "0123456789+-*/=() abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ<>.,:?!_\n"
 
@@ -247,7 +248,8 @@ class LLMPolicy(nn.Module):
                 pass
         self.model = add_lora(lm, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, 0.0) if lora else lm
         if lora and self.bf16:  # autocast feeds the adapter bf16 already: PEFT's cast of every input to
-            for m in self.model.modules():  # the fp32 adapter dtype is a copy autocast undoes (~8% of a step)
+            # the fp32 adapter dtype is a copy autocast undoes (~8% of a step)
+            for m in self.model.modules():
                 if hasattr(m, "cast_input_dtype_enabled"):
                     m.cast_input_dtype_enabled = False
         # PPO's critic: a linear head on the last hidden state, trained through the same adapter (or
@@ -261,7 +263,8 @@ class LLMPolicy(nn.Module):
         if not lora and cfg.kl_coef > 0:
             warnings.warn("full fine-tuning with kl_coef > 0 keeps a frozen copy of the whole model as the KL "
                           "reference (2x weight memory); LoRA gets its reference for free by disabling the adapter")
-            self.ref_model = copy.deepcopy(lm).requires_grad_(False)  # same dtype as the policy: KL is exactly 0 at step 0
+            # same dtype as the policy: KL is exactly 0 at step 0
+            self.ref_model = copy.deepcopy(lm).requires_grad_(False)
         self.eos_ids = end_tokens(self.tokenizer, lm.generation_config)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
         self.use_template = cfg.chat_template and self.tokenizer.chat_template is not None
@@ -320,13 +323,16 @@ class LLMPolicy(nn.Module):
         logps = torch.zeros(B, max_new, device=dev)  # [B, max_new]
         length = torch.full((B,), max_new, device=dev)  # [B]: completion length, eos included
         done = torch.zeros(B, dtype=torch.bool, device=dev)  # [B]
-        with self.autocast():  # once per chunk: full fine-tuning's fp32 weights are cast to bf16 once, not per token
+        # once per chunk: full fine-tuning's fp32 weights are cast to bf16 once, not per token
+        with self.autocast():
             out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
             cache, logits, attn, pos = out.past_key_values, out.logits[rows, -1], attn[rows], pos[rows, -1:]
-            cache.reorder_cache(rows)  # [U, ...] -> [B, ...]: beam search's index_select, which every cache type has
+            # [U, ...] -> [B, ...]: beam search's index_select, which every cache type has
+            cache.reorder_cache(rows)
             for t in range(max_new):
                 logp_all = F.log_softmax(logits.float() / self.temperature, -1)  # [B, V], fp32 like score()
-                nxt = logp_all.argmax(-1) if greedy else torch.multinomial(self._sampling_probs(logp_all), 1)[:, 0]  # [B]
+                # [B]
+                nxt = logp_all.argmax(-1) if greedy else torch.multinomial(self._sampling_probs(logp_all), 1)[:, 0]
                 tokens[:, t], logps[:, t] = nxt, logp_all.gather(1, nxt[:, None]).squeeze(1)
                 ended = ~done & torch.isin(nxt, eos)  # [B]
                 length[ended], done = t + 1, done | ended
@@ -377,17 +383,20 @@ class LLMPolicy(nn.Module):
         n, L = mask.shape
         end = int(batch.attn[rows].sum(1).max())  # the micro-batch trimmed to its longest row
         cols = mask[:, 1:end].any(0).nonzero() + 1
-        first = int(cols[0]) if len(cols) else max(end - 1, 1)  # nothing masked: an empty slice keeps backward() legal
+        # nothing masked: an empty slice keeps backward() legal
+        first = int(cols[0]) if len(cols) else max(end - 1, 1)
         tokens = batch.tokens[rows, :end].to(dev)  # [n, end]
         attn = batch.attn[rows, :end].to(dev).long()  # [n, end]
         sel = mask[:, first:end] > 0  # [n, end-first]
         hidden = None
         with self.autocast():
             shared = self._shared_prompt_logits(lm, tokens, attn, mask[:, :end]) if head is None else None
-            if shared is None:  # logits for positions first-1 .. end-1 only: they predict tokens first .. end
+            # logits for positions first-1 .. end-1 only: they predict tokens first .. end
+            if shared is None:
                 fwd = lm(input_ids=tokens, attention_mask=attn, logits_to_keep=end - first + 1,
                          output_hidden_states=head is not None)
-                lg, hidden = fwd.logits[:, :-1][sel], fwd.hidden_states[-1] if head is not None else None  # [k, V]
+                # [k, V]
+                lg, hidden = fwd.logits[:, :-1][sel], fwd.hidden_states[-1] if head is not None else None
             else:
                 lg = shared  # [k, V], the same k rows in the same (row-major) order
         lg = lg.float() / self.temperature  # [k, V], fp32 like the sampler
@@ -400,7 +409,8 @@ class LLMPolicy(nn.Module):
         if head is None:
             return logp.to(out), entropy.to(out), None
         values = torch.zeros(n, L, device=dev)  # [n, L]
-        values[:, first:end][sel] = head(hidden[:, first - 1 : end - 1][sel].float()).squeeze(-1)  # states predicting first .. end-1
+        # states predicting first .. end-1
+        values[:, first:end][sel] = head(hidden[:, first - 1 : end - 1][sel].float()).squeeze(-1)
         return logp.to(out), entropy.to(out), values.to(out)
 
     def _shared_prompt_logits(self, lm: nn.Module, tokens, attn, mask):
@@ -422,10 +432,12 @@ class LLMPolicy(nn.Module):
         # The last prompt position predicts each row's first token; the suffix runs on the indexed cache
         # ([U, ...] -> [n, ...]: indexing, so the backward sums each prompt's gradient over its group).
         pre_out = lm(input_ids=pre, attention_mask=pre_attn, position_ids=pre_pos, use_cache=True, logits_to_keep=1)
-        pre_out.past_key_values.reorder_cache(g)  # index_select, as beam search does: every cache type has it
+        # index_select, as beam search does: every cache type has it
+        pre_out.past_key_values.reorder_cache(g)
         body = lm(input_ids=suffix, attention_mask=torch.cat([pre_attn[g], suf_attn], 1), position_ids=cols,
                   past_key_values=pre_out.past_key_values, use_cache=True)
-        logits = torch.cat([pre_out.logits[g], body.logits[:, :-1]], 1)  # [n, S, V]: position j predicts suffix token j
+        # [n, S, V]: position j predicts suffix token j
+        logits = torch.cat([pre_out.logits[g], body.logits[:, :-1]], 1)
         return logits[suf_mask]
 
     # ------------------------------------------------------------ weights
@@ -519,7 +531,8 @@ class VLLMGenerator:
         cpu = {} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 1 << 30}
         self.llm = LLM(model=model, enable_lora=True, max_lora_rank=cfg.lora_rank, seed=seed,
                        dtype={"fp32": "float32", "bf16": "bfloat16"}[cfg.dtype], logprobs_mode="processed_logprobs",
-                       generation_config="vllm", **cpu)  # "vllm": the model's generation_config.json (top_k, ...) stays out
+                       # "vllm": the model's generation_config.json (top_k, ...) stays out
+                       generation_config="vllm", **cpu)
         self.cfg, self.eos, self.request, self.dir = cfg, sorted(eos_ids), None, Path(tempfile.mkdtemp(prefix="nanorl-vllm-"))
 
     def load(self, version: int, tensors: dict, meta: dict, payload: bytearray) -> None:
@@ -538,4 +551,5 @@ class VLLMGenerator:
         outs = self.llm.generate([self.TokensPrompt(prompt_token_ids=p) for p in prefixes], params,
                                  lora_request=self.request, use_tqdm=False)  # in prompt order
         return [Sample(list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)],
-                       c.finish_reason == "length") for c in (o.outputs[0] for o in outs)]  # logprobs=0: the sampled token's
+                       # logprobs=0: the sampled token's
+                       c.finish_reason == "length") for c in (o.outputs[0] for o in outs)]

@@ -41,13 +41,15 @@ class Batch:
     truncated: Tensor  # [N] bool: cut by the token budget or the time limit, not ended by policy or env
     group: Tensor  # [N] int64: rows with one id share a prompt (or start state): GRPO/RLOO's groups
     version: Tensor  # [N] int64: the weights version that sampled the row (sync: the step)
-    stats: dict[str, Tensor]  # [N] float32 each, logged as batch means: reward_<fn> per reward, solved, turns
+    # [N] float32 each, logged as batch means: reward_<fn> per reward, solved, turns
+    stats: dict[str, Tensor]
     texts: list[tuple[str, str, str]]  # [N] (prompt, completion, answer) as text; control: ("", "", "")
     # ---- stage 2 (train.prepare)
     old_logp: Tensor | None = None  # [N, T] under the weights that sampled each row; not filled in one
-    #                                 on-policy pass (train.on_policy), where the update's forward is the old policy
+    # on-policy pass (train.on_policy), where the update's forward is the old policy
     values: Tensor | None = None  # [N, T] the critic's, before the update (PPO only)
-    last_value: Tensor | None = None  # [N] the critic's value of last_obs; 0 for completions (nothing follows)
+    # [N] the critic's value of last_obs; 0 for completions (nothing follows)
+    last_value: Tensor | None = None
     ref_logp: Tensor | None = None  # [N, T] under the KL reference (kl_coef > 0 only)
     adv: Tensor | None = None  # [N, T] ALGOS[cfg.algo]
     returns: Tensor | None = None  # [N, T] the critic's targets (PPO only)
@@ -103,12 +105,14 @@ def make_batch(prefixes: list[list[int]], samples: list, rewards: list[float], p
 
 
 # ================================================================ the three rollouts
-def rollout_control(env: CartPole, policy, n: int, seed: int, group_size: int = 1, greedy: bool = False) -> Batch:
+def rollout_control(env: CartPole, policy, n: int, seed: int, group_size: int = 1,
+                    greedy: bool = False) -> Batch:
     """n episodes in lockstep from `seed`, one policy forward per time step for all of them.
     Episodes in the same group of `group_size` start from the same state, so GRPO/RLOO compare
     like with like. The time limit truncates (bootstrapped by PPO); a fallen pole terminates."""
     vec = env.reset(n, seed, group_size)
-    obs, alive, truncated = vec.state.T.astype("float32"), torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)
+    obs = vec.state.T.astype("float32")
+    alive, truncated = torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)
     obs_t, act_t, logp_t, alive_t, last_obs = [], [], [], [], torch.zeros(n, env.obs_dim)
     for _ in range(env.max_steps):
         actions, logp, _ = policy.act(torch.from_numpy(obs), greedy=greedy)
@@ -125,8 +129,10 @@ def rollout_control(env: CartPole, policy, n: int, seed: int, group_size: int = 
             break
     mask = torch.stack(alive_t, 1)  # [N, T]
     leader = torch.arange(n) // group_size * group_size  # [N]
-    return Batch(torch.stack(act_t, 1), mask, torch.stack(obs_t, 1), last_obs, mask, torch.stack(logp_t, 1) * mask,
-                 mask.clone(), truncated, leader, torch.zeros(n, dtype=torch.long), {}, [("", "", "")] * n)  # +1 a step
+    logp = torch.stack(logp_t, 1) * mask  # [N, T]
+    return Batch(torch.stack(act_t, 1), mask, torch.stack(obs_t, 1), last_obs, mask, logp,
+                 # +1 a step
+                 mask.clone(), truncated, leader, torch.zeros(n, dtype=torch.long), {}, [("", "", "")] * n)
 
 
 class Row(NamedTuple):
@@ -143,8 +149,8 @@ def rollout_single(policy, task: tasks.Task, problems: list[Problem], group_size
                    gen_batch: int, greedy: bool = False) -> list[list[Row]]:
     """group_size completions per problem, scored by the task's reward functions: a group per problem."""
     prefixes = [policy.encode_prompt(p.prompt) for p in problems]
-    samples = iter(policy.generate([x for x in prefixes for _ in range(group_size)], max_new_tokens, gen_batch,
-                                   greedy=greedy))
+    rows = [x for x in prefixes for _ in range(group_size)]
+    samples = iter(policy.generate(rows, max_new_tokens, gen_batch, greedy=greedy))
     groups = []
     for p, x in zip(problems, prefixes):
         texts = [(s, policy.decode(s.ids)) for s in (next(samples) for _ in range(group_size))]
@@ -168,6 +174,7 @@ class Episode:
     replies in order. Has the `ids`, `logps` and `truncated` that make_batch reads."""
 
     env: TextEnv
+    problem: Problem
     prompt: list[int]
     ids: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)  # 0.0 on environment tokens
@@ -194,7 +201,8 @@ def encode_reply(policy, messages: list[dict], eos_id: int) -> list[int]:
         text = "\n" + "\n\n".join(m["content"] for m in messages) + "\n"
     else:  # render after a stand-in turn, and keep what follows that turn's end token
         mark, eos = "NANORL-TURN-MARK", policy.tokenizer.decode([eos_id])
-        text = _chat(policy, [{"role": "user", "content": "?"}, {"role": "assistant", "content": mark}] + messages)
+        stand_in = [{"role": "user", "content": "?"}, {"role": "assistant", "content": mark}]
+        text = _chat(policy, stand_in + messages)
         start = text.index(mark) + len(mark)
         end = text.find(eos, start)
         text = text[end + len(eos) :] if end >= 0 else text[start:]
@@ -205,8 +213,8 @@ def _start(policy, env_factory, problem: Problem) -> Episode:
     env = env_factory()
     messages, _ = env.reset(problem)
     if len(messages) == 1 or not policy.use_template:  # as single-turn tasks encode their prompts
-        return Episode(env, policy.encode_prompt("\n\n".join(m["content"] for m in messages)))
-    return Episode(env, policy.tokenizer.encode(_chat(policy, messages), add_special_tokens=False))
+        return Episode(env, problem, policy.encode_prompt("\n\n".join(m["content"] for m in messages)))
+    return Episode(env, problem, policy.tokenizer.encode(_chat(policy, messages), add_special_tokens=False))
 
 
 def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: int, max_turns: int,
@@ -218,7 +226,8 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
     turn would pass max_len ends there, marked truncated."""
     eps = [_start(policy, env_factory, p) for p in problems for _ in range(group_size)]
     if (longest := max(len(e.prompt) for e in eps)) >= max_len:
-        raise utils.ConfigError(f"a prompt has {longest} tokens, not fewer than max_len={max_len}; raise max_len (--max-len)")
+        raise utils.ConfigError(f"a prompt has {longest} tokens, not fewer than max_len={max_len}; "
+                                "raise max_len (--max-len)")
     with ThreadPoolExecutor(workers) as pool:
         for _ in range(max_turns):
             if not (live := [e for e in eps if not e.done]):
@@ -226,11 +235,14 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
             room = [min(max_new_tokens, max_len - len(e.prompt) - len(e.ids)) for e in live]
             samples = policy.generate([e.prompt + e.ids for e in live], max(room), greedy=greedy)
             for e, s, r in zip(live, samples, room):  # a smaller budget cuts the sample: still token-exact
-                e.ids, e.logps, e.mask = e.ids + s.ids[:r], e.logps + s.logps[:r], e.mask + [1] * len(s.ids[:r])
+                e.ids, e.logps = e.ids + s.ids[:r], e.logps + s.logps[:r]
+                e.mask += [1] * len(s.ids[:r])
                 e.truncated = s.truncated or len(s.ids) > r
             texts = [policy.decode(s.ids[:r]) for s, r in zip(samples, room)]
-            for e, t, (obs, reward, done, info) in zip(live, texts, pool.map(lambda e, t: e.env.step(t), live, texts)):
-                e.reward, e.turns, e.solved_at_turn = e.reward + reward, e.turns + 1, info.get("solved_at_turn", 0)
+            steps = pool.map(lambda e, t: e.env.step(t), live, texts)
+            for e, t, (obs, reward, done, info) in zip(live, texts, steps):
+                e.reward, e.turns = e.reward + reward, e.turns + 1
+                e.solved_at_turn = info.get("solved_at_turn", 0)
                 e.text += t
                 # A turn cut off mid-way ends the episode: a reply must follow the turn's end token.
                 e.done = done or e.truncated or e.turns == max_turns
@@ -239,14 +251,16 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
                     if len(e.prompt) + len(e.ids) + len(reply) >= max_len:
                         e.done = e.truncated = True
                     else:
-                        e.ids, e.logps, e.mask = e.ids + reply, e.logps + [0.0] * len(reply), e.mask + [0] * len(reply)
+                        e.ids, e.logps = e.ids + reply, e.logps + [0.0] * len(reply)
+                        e.mask += [0] * len(reply)
                         e.text += policy.decode(reply)
-    batch = make_batch([e.prompt for e in eps], eps, [e.reward for e in eps], policy.pad_id, [e.mask for e in eps])
+    rewards, masks = [e.reward for e in eps], [e.mask for e in eps]
+    batch = make_batch([e.prompt for e in eps], eps, rewards, policy.pad_id, masks)
     batch.group = torch.arange(len(problems)).repeat_interleave(group_size)  # [N]
     at = torch.tensor([float(e.solved_at_turn) for e in eps])  # [N], 0 = never
     batch.stats = {"solved": (at > 0).float(), "solved_first_turn": (at == 1).float(),
                    "turns": torch.tensor([float(e.turns) for e in eps])}
-    batch.texts = [(p.prompt, e.text, p.answer) for p, e in zip([p for p in problems for _ in range(group_size)], eps)]
+    batch.texts = [(e.problem.prompt, e.text, e.problem.answer) for e in eps]
     return batch
 
 
@@ -304,9 +318,11 @@ class ControlRollouts(BatchSource):
 
     def next(self, step: int) -> Batch:
         """This rank's batch / W episodes, from its own seed (rank r of W uses position + r)."""
-        seed = (self.cfg.seed * 100_003 + self.position + utils.rank()) % EVAL_SEED  # always below the eval seeds
+        # always below the eval seeds
+        seed = (self.cfg.seed * 100_003 + self.position + utils.rank()) % EVAL_SEED
         self.position += utils.world()
-        batch = rollout_control(self.env, self.policy, self.cfg.batch // utils.world(), seed, self.cfg.group_size)
+        n = self.cfg.batch // utils.world()
+        batch = rollout_control(self.env, self.policy, n, seed, self.cfg.group_size)
         batch.version.fill_(step)
         return batch
 
@@ -333,7 +349,8 @@ class TaskRollouts(BatchSource):
         except (ValueError, OSError) as e:  # bad --data rows, a missing file, too small a split
             raise utils.ConfigError(f"--task {cfg.task}: {e}") from None
         self.position = 0  # training problems drawn so far, by all ranks together
-        self.spread: list = []  # recent problems whose groups had reward spread (prompt_reweight replays them)
+        # recent problems whose groups had reward spread (prompt_reweight replays them)
+        self.spread: list = []
         self.last: dict[str, float] = {}
 
     def make_task(self, cfg) -> tasks.Task:
@@ -341,12 +358,14 @@ class TaskRollouts(BatchSource):
                                bad_rows=cfg.bad_rows)
         if cfg.overlong_buffer:
             count = lambda text: len(self.policy.tokenizer.encode(text, add_special_tokens=False))
-            task.rewards.append((tasks.overlong_penalty(cfg.max_new_tokens, cfg.overlong_buffer, count), 1.0))
+            penalty = tasks.overlong_penalty(cfg.max_new_tokens, cfg.overlong_buffer, count)
+            task.rewards.append((penalty, 1.0))
         return task
 
     def draw(self, n: int) -> list[Problem]:
         """This rank's share of the next n problems: indices position + r, + r + W, ... (disjoint)."""
-        problems = [self.task.train_problem(self.position + i) for i in range(utils.rank(), n, utils.world())]
+        indices = range(self.position + utils.rank(), self.position + n, utils.world())
+        problems = [self.task.train_problem(i) for i in indices]
         self.position += n
         return problems
 
@@ -384,10 +403,12 @@ class TaskRollouts(BatchSource):
     def evaluate(self) -> dict:
         """Rank r of W scores eval problems r, r + W, ...; summed over ranks, as one process would."""
         problems, cfg = self.task.eval_problems()[utils.rank() :: utils.world()], self.cfg
-        greedy = rollout_single(self.policy, self.task, problems, 1, cfg.max_new_tokens, cfg.gen_batch, greedy=True)
-        sums = {"n": len(problems), "eval_accuracy": sum(self.task.correct(g[0].problem, g[0].text) for g in greedy)}
+        greedy = rollout_single(self.policy, self.task, problems, 1, cfg.max_new_tokens, cfg.gen_batch, True)
+        hits = sum(self.task.correct(p, g[0].text) for p, g in zip(problems, greedy))
+        sums = {"n": len(problems), "eval_accuracy": hits}
         if cfg.pass_k:
-            groups = rollout_single(self.policy, self.task, problems, cfg.pass_k, cfg.max_new_tokens, cfg.gen_batch)
+            k = cfg.pass_k
+            groups = rollout_single(self.policy, self.task, problems, k, cfg.max_new_tokens, cfg.gen_batch)
             c = [sum(self.task.correct(r.problem, r.text) for r in g) for g in groups]
             sums["eval_pass@1"] = sum(c) / cfg.pass_k
             sums[f"eval_pass@{cfg.pass_k}"] = sum(tasks.pass_at_k(cfg.pass_k, ci, cfg.pass_k) for ci in c)
@@ -400,13 +421,16 @@ class TaskRollouts(BatchSource):
     def demonstrations(self, n: int) -> Batch:
         problems = self.draw(n)
         eos = self.policy.tokenizer.eos_token_id
-        demos = [self.policy.tokenizer.encode(self.task.solve(p), add_special_tokens=False) + [eos] for p in problems]
+        encode = lambda text: self.policy.tokenizer.encode(text, add_special_tokens=False)
+        ids = [encode(self.task.solve(p)) + [eos] for p in problems]
+        demos = [Sample(d, [0.0] * len(d), False) for d in ids]
         prefixes = [self.policy.encode_prompt(p.prompt) for p in problems]
-        return make_batch(prefixes, [Sample(d, [0.0] * len(d), False) for d in demos], [0.0] * n, self.policy.pad_id)
+        return make_batch(prefixes, demos, [0.0] * n, self.policy.pad_id)
 
     def state(self) -> dict:
-        replay = {"spread": [dataclasses.astuple(p) for p in self.spread]} if self.cfg.prompt_reweight else {}
-        return {"position": self.position, **replay}
+        if not self.cfg.prompt_reweight:
+            return {"position": self.position}
+        return {"position": self.position, "spread": [dataclasses.astuple(p) for p in self.spread]}
 
     def load_state(self, state: dict) -> None:
         self.position = state["position"]
@@ -423,8 +447,8 @@ class EnvRollouts(TaskRollouts):
 
     def episodes(self, problems: list[Problem], k: int, greedy: bool = False) -> Batch:
         cfg = self.cfg
-        return rollout_multiturn(self.policy, self.env, problems, k, cfg.max_turns, cfg.max_new_tokens, cfg.max_len,
-                                 greedy)
+        return rollout_multiturn(self.policy, self.env, problems, k, cfg.max_turns, cfg.max_new_tokens,
+                                 cfg.max_len, greedy)
 
     def next(self, step: int) -> Batch:
         batch = self.episodes(self.draw(self.cfg.batch // self.cfg.group_size), self.cfg.group_size)
@@ -435,10 +459,11 @@ class EnvRollouts(TaskRollouts):
         """Rank r plays eval problems r, r + W, ...; per-rank sums are added over ranks."""
         problems = self.task.eval_problems()[utils.rank() :: utils.world()]
         stats = self.episodes(problems, 1, greedy=True).stats if problems else {}
-        sums = {k: float(stats[k].sum()) if problems else 0.0 for k in ("solved", "solved_first_turn", "turns")}
-        s = utils.reduce_dict({"n": len(problems), **sums})
-        return {"eval_accuracy": s["solved"] / s["n"], "eval_accuracy_first_turn": s["solved_first_turn"] / s["n"],
-                "eval_turns": s["turns"] / s["n"]}
+        names = {"solved": "eval_accuracy", "solved_first_turn": "eval_accuracy_first_turn",
+                 "turns": "eval_turns"}
+        sums = {k: float(stats[k].sum()) if problems else 0.0 for k in names}
+        sums = utils.reduce_dict({"n": len(problems), **sums})
+        return {name: sums[k] / sums["n"] for k, name in names.items()}
 
 
 def show_samples(batch: Batch, label: str, n: int) -> None:

@@ -88,7 +88,8 @@ class Inbox:
     def __init__(self, cfg, vocab: int, pad_id: int):
         self.cfg, self.vocab, self.pad_id, self.groups = cfg, vocab, pad_id, cfg.batch // cfg.group_size
         # Groups. A batch ages a step while it is generated and one per batch ahead of it here, so a queue of
-        # max_staleness - 1 batches keeps most inside the bound (bench/async.py's workload: ~10% of the groups
+        # max_staleness - 1 batches keeps most inside the bound (bench/async.py's workload: ~10% of the
+        # groups
         # dropped as stale, against ~25% with max_staleness batches, at the same trained sequences/s).
         self.capacity = max(1, cfg.max_staleness - 1) * self.groups
         self.cond = threading.Condition()
@@ -195,7 +196,8 @@ class Inbox:
             for k in {k for m in self.rollout_metrics for k in m}:  # the workers' source.metrics(), averaged
                 meta[k] = statistics.mean(m[k] for m in self.rollout_metrics if k in m)
             self.apply_s, self.rollout_metrics = [], []
-        got.sort(key=lambda g: int(g[0]["version"].min()))  # rows of one version share micro-batches: fewer swaps
+        # rows of one version share micro-batches: fewer swaps
+        got.sort(key=lambda g: int(g[0]["version"].min()))
         return collate([g for g, _ in got], self.pad_id), {**meta, "texts": [t for _, ts in got for t in ts]}
 
     def live(self) -> set[int]:
@@ -259,7 +261,8 @@ class AsyncRollouts(BatchSource):
     def next(self, step: int) -> Batch:
         if self.version < step:
             self.publish(step)  # the first call: after any resume or SFT warm-start, so v0 is what trains
-        k, share = self.cfg.group_size, self.cfg.batch // self.cfg.group_size // utils.world()  # groups per rank
+        # groups per rank
+        k, share = self.cfg.group_size, self.cfg.batch // self.cfg.group_size // utils.world()
         rows, meta = self.inbox.take(step, set(self.snapshots)) if self.inbox else ({}, {})
         rows, meta = shard(rows, meta, share, k)
         batch = from_wire(rows, [tuple(t) for t in meta.pop("texts")])
@@ -288,7 +291,8 @@ class AsyncRollouts(BatchSource):
         t = time.perf_counter()
         payload = encode(self.policy.wire_state(), {"version": step, "adapter_config": self.config_json})
         self.snapshots = {v: s for v, s in self.snapshots.items() if v >= step - self.cfg.max_staleness}
-        self.snapshots[step], self.version = views(payload), step  # named as on the wire, like what workers load
+        # named as on the wire, like what workers load
+        self.snapshots[step], self.version = views(payload), step
         if self.inbox:
             self.inbox.serve(step, payload, time.perf_counter() - t)
 
@@ -412,7 +416,8 @@ def run_worker(cfg) -> int:
     """A rollout worker: the trainer's own batch source (rollouts.sources()) over a sampler that
     holds the newest adapter, one version per batch; POSTs each batch. Returns the exit code."""
     client = Client(cfg.trainer_url, timeout=30 + LONG_POLL, retries=1)
-    if (reply := hello(client, cfg)) is None:  # before loading any model: a mismatched worker fails in seconds
+    # before loading any model: a mismatched worker fails in seconds
+    if (reply := hello(client, cfg)) is None:
         return 0
     me = reply["worker"]
     policy = LLMPolicy(cfg)  # --vllm: the tokenizer side only, vLLM holds the weights

@@ -24,8 +24,8 @@ from tqdm import tqdm
 
 import serve
 import utils
-from algos import (AGGREGATIONS, ALGOS, EPS, GROUPED, IS_LEVELS, KL, LOSSES, group_baseline, importance_correction,
-                   loss_weights, masked_mean, policy_loss, value_loss)
+from algos import (AGGREGATIONS, ALGOS, EPS, GROUPED, IS_LEVELS, KL, LOSSES, group_baseline,
+                   importance_correction, loss_weights, masked_mean, policy_loss, value_loss)
 from envs import CartPole
 from model import LLMPolicy, MLPPolicy
 from rollouts import CONTROL, Batch, BatchSource, TaskRollouts, live_weights, show_samples, sources
@@ -44,12 +44,15 @@ class Config:
     lr: float = 0.005  # CartPole REINFORCE, 8 seeds: 5e-3 solved all (median 33k env steps); 1e-2 left one
     gamma: float = 0.99  # CartPole's 500-step horizon wants a long (~100-step) credit window
     lam: float = 0.95  # GAE bias/variance trade-off; 0.95 is the PPO paper's value and rarely worth tuning
-    # ppo (token ratio), gspo (sequence ratio: use eps ~3e-4/4e-4) or cispo (clipped IS weight: no token loses its grad)
+    # ppo (token ratio), gspo (sequence ratio: eps ~3e-4/4e-4) or cispo (clipped IS weight: every token keeps
+    # a grad)
     loss: str = "ppo"
-    eps_low: float = 0.2  # ratio clip below 1; irrelevant while the ratio is exactly 1 (one epoch and minibatch)
-    eps_high: float = 0.2  # ratio clip above 1; DAPO's clip-higher (0.28) lets unlikely tokens grow (entropy stays up)
-    dual_clip: float = 0.0  # caps a negative-advantage token's loss at c*|A| (c > 1, e.g. 3) when r explodes; 0 = off
-    # token_mean (DAPO), seq_mean (GRPO paper: long answers weigh less) or constant (Dr. GRPO: no length bias)
+    # ratio clip below 1; irrelevant while the ratio is exactly 1 (one epoch, minibatch)
+    eps_low: float = 0.2
+    # ratio clip above 1; DAPO's clip-higher (0.28) lets unlikely tokens grow (entropy)
+    eps_high: float = 0.2
+    dual_clip: float = 0.0  # caps a negative-advantage token's loss at c*|A| (c > 1, e.g. 3); 0 = off
+    # token_mean (DAPO), seq_mean (GRPO paper: long answers weigh less), constant (Dr. GRPO: no length bias)
     loss_agg: str = "token_mean"
     loss_agg_constant: int = 0  # the constant mode's tokens per row; 0 = max_new_tokens
     inner_epochs: int = 1  # passes over each batch; >1 makes the update off-policy (PPO uses 4)
@@ -59,12 +62,12 @@ class Config:
     ent_coef: float = 0.0  # entropy bonus; CartPole solves without it
     vf_coef: float = 0.5  # value-loss weight for PPO's critic (separate trunk, so it rarely matters)
     vf_clip: float = 0.0  # keeps new values within this distance of the pre-update ones (PPO); 0 = off
-    critic_max_grad_norm: float = 0.0  # > 0 clips the critic's gradient on its own (the actor keeps max_grad_norm)
+    critic_max_grad_norm: float = 0.0  # > 0 clips the critic's gradient on its own (actor: max_grad_norm)
     dr_grpo: bool = False  # GRPO without std scaling (Dr. GRPO): no up-weighting of near-uniform groups
     hidden: int = 64  # MLP width: CartPole needs little, and small is fast
     eval_every: int = 5  # steps between greedy evals; one 10-episode eval costs about one step
     eval_episodes: int = 10  # held-out greedy episodes per eval (the solve criterion uses 10)
-    target: float = 0.0  # stop once the headline eval metric (eval_return / eval_accuracy) reaches it; 0 = never
+    target: float = 0.0  # stop once the headline eval (eval_return / eval_accuracy) reaches it; 0 = never
     out: str = ""  # run directory; empty = runs/<task>-<algo>-<timestamp>
     resume: str = ""  # a run directory to continue from its newest checkpoint
     ckpt_every: int = 50  # steps between checkpoints (a final one is always written)
@@ -77,24 +80,27 @@ class Config:
     lora_alpha: int = 32  # alpha = 2 x rank keeps the update scale stable when the rank changes
     lora_targets: str = "all-linear"  # every linear projection the model has, found from the model
     dtype: str = "fp32"  # bf16 on GPUs halves memory; trained parameters stay fp32 either way
-    # sdpa, eager, flash_attention_2, ...; auto: eager for bf16 on a CPU (faster to 512 tokens; holds T x T), else sdpa
+    # sdpa, eager, flash_attention_2, ...; auto: eager for bf16 on a CPU (faster up to 512 tokens), else sdpa
     attn: str = "auto"
     temperature: float = 1.0  # applied to the logits of both sampling and scoring, so ratios stay exact
     top_p: float = 1.0  # < 1 samples from a distribution the loss does not model (warned)
     max_new_tokens: int = 256  # completion budget; a truncated completion gets no end token
     gen_batch: int = 64  # sequences per generation call; bigger is faster until memory runs out
     kl_coef: float = 0.0  # KL to the reference; RL-from-verifiable-rewards usually needs none
-    kl_estimator: str = "k3"  # k1 (unbiased, may go negative), k2 (low variance, biased) or k3 (unbiased, >= 0)
-    kl_in_reward: bool = False  # kl_coef * KL leaves each token's reward before the advantage, not a loss term
-    tis: str = "off"  # truncated IS against sampler/trainer mismatch: token or sequence ratio, capped at tis_cap
+    # k1 (unbiased, may go negative), k2 (low variance, biased), k3 (unbiased, >= 0)
+    kl_estimator: str = "k3"
+    # kl_coef * KL comes off each token's reward (before the advantage), no loss term
+    kl_in_reward: bool = False
+    tis: str = "off"  # truncated IS against sampler/trainer mismatch: token or sequence ratio, capped
     tis_cap: float = 2.0  # 2 keeps the variance bounded while correcting typical vLLM-vs-trainer gaps
     mis: str = "off"  # masked IS: a token or sequence whose ratio leaves [mis_low, mis_high] is dropped
-    mis_low: float = 0.5  # masked IS keeps ratios in [0.5, 2]: only tokens the engines disagree on 2x or more go
+    mis_low: float = 0.5  # masked IS keeps [0.5, 2]: only tokens the engines disagree on 2x or more go
     mis_high: float = 2.0  # the upper end, symmetric to mis_low in log space
-    dynamic_sampling: bool = False  # drop groups whose rewards all agree (no GRPO/RLOO gradient), draw more (DAPO)
-    max_gen_batches: int = 3  # dynamic sampling: generation rounds per step at most; then a short batch trains
-    prompt_reweight: float = 0.0  # share of each step's prompts replayed from recent ones whose groups had spread
-    mask_truncated: bool = False  # completions that hit max_new_tokens leave the loss (DAPO overlong filtering)
+    dynamic_sampling: bool = False  # drop groups whose rewards all agree (no gradient), draw more (DAPO)
+    max_gen_batches: int = 3  # dynamic sampling: generation rounds per step at most; then a short batch
+    # share of a step's prompts replayed from recent ones whose groups had spread
+    prompt_reweight: float = 0.0
+    mask_truncated: bool = False  # completions that hit max_new_tokens leave the loss (DAPO overlong filter)
     chat_template: bool = True  # use the tokenizer's chat template when it has one
     thinking: bool = False  # enable_thinking for hybrid-thinking templates (Qwen3): long, slow answers
     eval_size: int = 100  # held-out problems; 100 gives a +-5% accuracy estimate
@@ -108,12 +114,14 @@ class Config:
     max_turns: int = 4  # multi-turn envs: model turns per episode; each one is a chance to fix an error
     max_len: int = 2048  # multi-turn envs: an episode longer than this (tokens) ends early, cleanly
     # ---- torchrun (`torchrun --nproc_per_node=N train.py ...`: --batch stays the global batch)
-    dist_timeout: float = 1800.0  # seconds a rank waits in a collective before failing: > the longest checkpoint
+    # seconds a rank waits in a collective before failing: > any checkpoint write
+    dist_timeout: float = 1800.0
     # ---- disaggregated training (serve.py): a trainer process and any number of rollout workers
     role: str = "sync"  # sync: one process; trainer + rollout: generation moves to workers that come and go
-    trainer_url: str = ""  # rollout: the trainer's url; trainer: where to listen (empty: 127.0.0.1, a free port)
+    # rollout: the trainer's url; trainer: where to listen (empty: a free loopback port)
+    trainer_url: str = ""
     vllm: bool = False  # rollout workers generate with vLLM (LoRA only: a full model per sync is too slow)
-    max_staleness: int = 2  # steps a sample may lag the weights it trains; 2 keeps workers busy, ratios near 1
+    max_staleness: int = 2  # steps a sample may lag the weights it trains; 2 keeps workers busy, ratio ~1
     workers: int = 0  # rollout workers the trainer starts on its own machine (others may join)
     worker_patience: float = 60.0  # seconds a worker waits for an unreachable trainer before exiting 0
 
@@ -122,11 +130,12 @@ class Config:
 def validate(cfg: Config) -> None:
     """Rejects impossible combinations up front, naming the fix."""
     err = utils.ConfigError
-    for name, value, valid in (("algo", cfg.algo, ALGOS), ("task", cfg.task, sources()), ("loss", cfg.loss, LOSSES),
-                               ("loss-agg", cfg.loss_agg, AGGREGATIONS), ("kl-estimator", cfg.kl_estimator, KL),
-                               ("tis", cfg.tis, IS_LEVELS), ("mis", cfg.mis, IS_LEVELS)):
-        if value not in valid:
-            raise err(f"unknown --{name} '{value}'{utils.closest(value, valid)} (choices: {', '.join(valid)})")
+    choices = {"algo": ALGOS, "task": sources(), "loss": LOSSES, "loss_agg": AGGREGATIONS,
+               "kl_estimator": KL, "tis": IS_LEVELS, "mis": IS_LEVELS}
+    for name, valid in choices.items():
+        if (value := getattr(cfg, name)) not in valid:
+            raise err(f"unknown --{name.replace('_', '-')} '{value}'{utils.closest(value, valid)} "
+                      f"(choices: {', '.join(valid)})")
     for name in ("steps", "sft_steps", "micro_batch", "max_staleness", "workers", "pass_k", "debug_samples"):
         if getattr(cfg, name) < 0:
             raise err(f"need --{name.replace('_', '-')} >= 0 (got {getattr(cfg, name)})")
@@ -140,23 +149,25 @@ def validate(cfg: Config) -> None:
         raise err(f"--batch {cfg.batch} must be a positive multiple of --group-size {cfg.group_size}")
     if cfg.batch % cfg.minibatches:
         raise err(f"--minibatches {cfg.minibatches} must divide --batch {cfg.batch}")
-    # torchrun: each rank takes batch / W rows of whole groups (an async trainer splits its queue's batch alike)
+    # torchrun: each rank takes batch / W rows of whole groups (an async trainer splits its batch alike)
     unit = utils.world() * math.lcm(cfg.group_size, cfg.minibatches)
     if cfg.batch % unit:
-        raise err(f"--batch {cfg.batch} is the global batch: {utils.world()} ranks need a multiple of {unit} (ranks "
-                  f"x whole groups of --group-size x --minibatches); try --batch {unit * -(-cfg.batch // unit)}")
+        raise err(f"--batch {cfg.batch} is the global batch: {utils.world()} ranks need a multiple of "
+                  f"{unit} (ranks x whole groups of --group-size x --minibatches); "
+                  f"try --batch {unit * -(-cfg.batch // unit)}")
     if not (0 < cfg.gamma <= 1 and 0 <= cfg.lam <= 1 and cfg.lr > 0 and cfg.sft_lr > 0):
         raise err("need 0 < gamma <= 1, 0 <= lam <= 1, lr > 0 and sft_lr > 0")
     if not (0 < cfg.eps_low <= 1 and cfg.eps_high > 0) or 0 < cfg.dual_clip <= 1:
         raise err(f"need 0 < eps_low <= 1, eps_high > 0 and dual_clip 0 (off) or > 1 "
                   f"(got {cfg.eps_low}, {cfg.eps_high}, {cfg.dual_clip})")
     if cfg.tis_cap < 1 or not 0 < cfg.mis_low <= 1 <= cfg.mis_high:
-        raise err("need tis_cap >= 1 and mis_low <= 1 <= mis_high, so that agreeing sampler and trainer get weight 1")
+        raise err("need tis_cap >= 1 and mis_low <= 1 <= mis_high, so that agreeing sampler and trainer get "
+                  "weight 1")
     if cfg.kl_in_reward and not cfg.kl_coef:
         raise err("--kl-in-reward needs --kl-coef > 0 (e.g. 0.01)")
     if (cfg.vf_clip or cfg.critic_max_grad_norm) and cfg.algo != "ppo":
-        raise err(f"--vf-clip and --critic-max-grad-norm tune PPO's critic, and the --algo {cfg.algo} policy has "
-                  "none; use --algo ppo or drop them")
+        raise err(f"--vf-clip and --critic-max-grad-norm tune PPO's critic, and the --algo {cfg.algo} "
+                  "policy has none; use --algo ppo or drop them")
     if cfg.bad_rows not in ("skip", "error"):
         raise err(f"--bad-rows must be skip or error (got {cfg.bad_rows})")
     if cfg.resume and not Path(cfg.resume).is_dir():
@@ -169,18 +180,20 @@ def validate_task(cfg: Config) -> None:
     """Options that only some kinds of task have."""
     err, single = utils.ConfigError, sources()[cfg.task] is TaskRollouts
     if cfg.dynamic_sampling and (cfg.algo not in GROUPED or not single or cfg.max_gen_batches < 1):
-        raise utils.ConfigError(f"--dynamic-sampling needs a grouped --algo ({', '.join(sorted(GROUPED))}), a "
-                                "single-turn LLM task and --max-gen-batches >= 1")
+        raise err(f"--dynamic-sampling needs a grouped --algo ({', '.join(sorted(GROUPED))}), a single-turn "
+                  "LLM task and --max-gen-batches >= 1")
     if not 0 <= cfg.prompt_reweight <= 1 or (cfg.prompt_reweight and not single):
-        raise err(f"--prompt-reweight is a share in [0, 1] for single-turn LLM tasks (got {cfg.prompt_reweight})")
+        raise err(f"--prompt-reweight is a share in [0, 1] for single-turn LLM tasks "
+                  f"(got {cfg.prompt_reweight})")
     if cfg.overlong_buffer and (not single or not 0 < cfg.overlong_buffer <= cfg.max_new_tokens):
-        raise err(f"--overlong-buffer is for single-turn LLM tasks, in 1..--max-new-tokens (got {cfg.overlong_buffer})")
+        raise err(f"--overlong-buffer is for single-turn LLM tasks, in 1..--max-new-tokens "
+                  f"(got {cfg.overlong_buffer})")
     if cfg.task in CONTROL:  # the text and token options mean nothing there
         llm = [f for f in ("sft_steps", "mask_truncated", "dynamic_sampling", "prompt_reweight", "kl_coef",
                            "overlong_buffer", "pass_k", "debug_samples") if getattr(cfg, f)]
         if llm:
-            raise err(f"--{llm[0].replace('_', '-')} is for LLM tasks; {cfg.task} has no text (CartPole's time "
-                      "limit is handled by bootstrapping); drop it or pick an LLM --task")
+            raise err(f"--{llm[0].replace('_', '-')} is for LLM tasks; {cfg.task} has no text (CartPole's "
+                      "time limit is handled by bootstrapping); drop it or pick an LLM --task")
 
 
 def validate_roles(cfg: Config) -> None:
@@ -191,15 +204,15 @@ def validate_roles(cfg: Config) -> None:
     if cfg.role != "sync" and cfg.task in CONTROL:
         raise err(f"--role {cfg.role} is for LLM tasks; {cfg.task} runs in one process (--role sync)")
     if cfg.role != "sync" and cfg.algo == "ppo":
-        raise err("--algo ppo trains a critic the workers cannot score with; use --role sync, or a critic-free "
-                  "--algo (grpo, rloo, reinforce_pp) with workers")
+        raise err("--algo ppo trains a critic the workers cannot score with; use --role sync, or a "
+                  "critic-free --algo (grpo, rloo, reinforce_pp) with workers")
     if cfg.role == "rollout" and not cfg.trainer_url:
-        raise err("--role rollout needs --trainer-url http://HOST:PORT (the trainer prints it when it starts)")
+        raise err("--role rollout needs --trainer-url http://HOST:PORT (the trainer prints it at start)")
     if cfg.role == "sync" and (cfg.workers or cfg.trainer_url):
-        raise err("--workers and --trainer-url are for --role trainer (or rollout); drop them for a sync run")
+        raise err("--workers and --trainer-url are for --role trainer (or rollout); drop them in a sync run")
     if cfg.vllm and (cfg.role != "rollout" or not cfg.lora):
-        raise err("--vllm is for --role rollout with --lora: with full fine-tuning every sync would ship the whole "
-                  "model; drop --vllm to let the worker generate with its own copy of the policy")
+        raise err("--vllm is for --role rollout with --lora: with full fine-tuning every sync would ship "
+                  "the whole model; drop --vllm to let the worker generate with its own copy of the policy")
     if cfg.worker_patience <= 0:
         raise err("need --worker-patience > 0")
 
@@ -273,10 +286,12 @@ def rollout_metrics(batch: Batch, rewards: torch.Tensor, cfg: Config) -> dict:
     `reward_mean` are both the task's reward, before any KL penalty (--kl-in-reward)."""
     mask, adv = batch.mask, batch.adv
     score, length = (rewards * mask).sum(1), mask.sum(1)  # [N] task reward, [N] steps
+    adv_mean = masked_mean(adv, mask)
     out = {"reward": score.mean(), "reward_mean": score.mean(), "reward_std": score.std(correction=0),
-           "adv_mean": masked_mean(adv, mask), "adv_std": masked_mean((adv - masked_mean(adv, mask)) ** 2, mask).sqrt(),
-           "length_mean": length.mean(), "length_max": length.max(), "truncated_frac": batch.truncated.float().mean(),
-           "steps_env": mask.sum() * utils.world(), **{k: v.mean() for k, v in batch.stats.items()}}
+           "adv_mean": adv_mean, "adv_std": masked_mean((adv - adv_mean) ** 2, mask).sqrt(),
+           "length_mean": length.mean(), "length_max": length.max(),
+           "truncated_frac": batch.truncated.float().mean(), "steps_env": mask.sum() * utils.world(),
+           **{k: v.mean() for k, v in batch.stats.items()}}
     if cfg.group_size > 1:  # a group whose rewards all agree gives GRPO/RLOO nothing to learn from
         out["frac_zero_std"] = (group_baseline(score, batch.group)[1] < EPS).float().mean()
     return {k: float(v) for k, v in out.items()}
@@ -298,21 +313,23 @@ def prepare(policy, batch: Batch, cfg: Config, weights=live_weights) -> Batch:
         batch.ref_logp = torch.cat([policy.ref_logp(batch, r) for r in rows])
     rewards = batch.rewards
     if cfg.kl_in_reward:  # the penalty becomes part of the return, so every estimator sees it
-        old = batch.logp if on_policy(policy, cfg) else batch.old_logp  # on-policy: the sampler is this policy
+        # on-policy: the sampler is the policy
+        old = batch.logp if on_policy(policy, cfg) else batch.old_logp
         kl = KL[cfg.kl_estimator](old, batch.ref_logp) * mask  # [N, T]
         batch.rewards, metrics["kl"] = rewards - cfg.kl_coef * kl, masked_mean(kl, mask).item()
     batch.adv = ALGOS[cfg.algo](batch, cfg)
     keep = mask * ~batch.truncated[:, None] if cfg.mask_truncated else mask  # [N, T]
     batch.is_weight = torch.ones_like(mask)
     if cfg.tis != "off" or cfg.mis != "off":
-        batch.is_weight, kept, s = importance_correction(batch.old_logp, batch.logp, mask, cfg.tis, cfg.tis_cap,
-                                                         cfg.mis, cfg.mis_low, cfg.mis_high)
+        batch.is_weight, kept, s = importance_correction(batch.old_logp, batch.logp, mask, cfg.tis,
+                                                         cfg.tis_cap, cfg.mis, cfg.mis_low, cfg.mis_high)
         keep, metrics = keep * kept, {**metrics, **s}
     batch.loss_mask = keep
     # Global denominators: under torchrun the totals are every rank's (utils.batch_totals).
     batch.weights = loss_weights(keep, cfg.loss_agg, **utils.batch_totals(keep),
                                  constant=cfg.loss_agg_constant or cfg.max_new_tokens)
-    # Means over ranks (equal rows per rank): exact for means and fractions, a per-rank average for std and max.
+    # Means over ranks (equal rows per rank): exact for means and fractions, per-rank averages for std and
+    # max.
     batch.metrics = utils.reduce_dict({**rollout_metrics(batch, rewards, cfg), **metrics}, mean=True)
     return batch
 
@@ -331,8 +348,8 @@ def update(policy, opt, batch: Batch, cfg: Config) -> dict:
         order = torch.randperm(n) if cfg.minibatches > 1 else torch.arange(n)
         for mb in order.chunk(cfg.minibatches):
             # A minibatch is weighted as if it were the batch: by its share of the tokens (token_mean)
-            # or of the rows (seq_mean, constant), over all ranks. One minibatch keeps the weights as they are.
-            share = 1.0 if cfg.minibatches == 1 else utils.all_sum(unit[mb].sum()) / utils.all_sum(unit.sum())
+            # or of the rows (seq_mean, constant), over all ranks. One minibatch keeps the weights.
+            share = utils.all_sum(unit[mb].sum()) / utils.all_sum(unit.sum()) if cfg.minibatches > 1 else 1.0
             tokens = utils.all_sum(batch.loss_mask[mb].sum()).clamp(min=1)  # logged stats are token means
             opt.zero_grad(set_to_none=True)
             total = torch.zeros(())
@@ -346,7 +363,9 @@ def update(policy, opt, batch: Batch, cfg: Config) -> dict:
             total = utils.all_sum(total)  # so that all ranks agree on skipping a non-finite step
             norm = torch.nn.utils.clip_grad_norm_(actor, cfg.max_grad_norm)
             # The critic may get its own clip, so that neither gradient's scale crowds out the other.
-            critic_norm = torch.nn.utils.clip_grad_norm_(critic, cfg.critic_max_grad_norm) if critic else torch.zeros(())
+            critic_norm = torch.zeros(())
+            if critic:
+                critic_norm = torch.nn.utils.clip_grad_norm_(critic, cfg.critic_max_grad_norm)
             if not (torch.isfinite(total) and torch.isfinite(norm) and torch.isfinite(critic_norm)):
                 opt.zero_grad(set_to_none=True)  # a NaN/inf never reaches the weights
                 stats["skipped"] += 1
@@ -367,11 +386,12 @@ def micro_loss(policy, batch: Batch, rows: torch.Tensor, share, fresh: bool, cfg
     w = batch.weights[rows] / share  # [n, T]
     old = logp.detach() if fresh else batch.old_logp[rows]  # on-policy: the ratio is exactly 1
     loss, s = policy_loss(logp, old, batch.adv[rows], w * batch.is_weight[rows], batch.mask[rows], cfg.loss,
-                          cfg.eps_low, cfg.eps_high, cfg.dual_clip)  # the IS weight scales the policy term only
+                          cfg.eps_low, cfg.eps_high, cfg.dual_clip)  # IS weights scale the policy term only
     loss = loss - cfg.ent_coef * (entropy * w).sum()
     s["entropy"] = entropy.detach()
     if values is not None:
-        loss = loss + cfg.vf_coef * value_loss(values, batch.returns[rows], w, batch.values[rows], cfg.vf_clip)
+        v_loss = value_loss(values, batch.returns[rows], w, batch.values[rows], cfg.vf_clip)
+        loss = loss + cfg.vf_coef * v_loss
     if cfg.kl_coef and not cfg.kl_in_reward:
         kl = KL[cfg.kl_estimator](logp, batch.ref_logp[rows])  # [n, T]
         loss, s["kl"] = loss + cfg.kl_coef * (kl * w).sum(), kl.detach()
@@ -392,7 +412,7 @@ def train(cfg: Config) -> Path:
         if interrupted:  # the second stops at once, e.g. a trainer waiting for workers that never come
             raise KeyboardInterrupt
         interrupted.append(True)
-        utils.stderr("Ctrl-C: finishing this step, then saving a checkpoint; press Ctrl-C again to stop at once")
+        utils.stderr("Ctrl-C: finishing this step, then saving a checkpoint; press Ctrl-C again to stop now")
 
     previous = signal.signal(signal.SIGINT, on_ctrl_c)
     try:
@@ -409,8 +429,9 @@ def train(cfg: Config) -> Path:
                 last_eval = source.evaluate()
                 log.log(step + 1, last_eval)
             bar.set_postfix(reward=f"{stats['reward']:.1f}", **{k: f"{v:.3g}" for k, v in last_eval.items()})
-            solved = cfg.target and max(last_eval.get(k, -math.inf) for k in ("eval_return", "eval_accuracy")) >= cfg.target
-            if utils.reduce_dict({"stop": bool(interrupted)})["stop"]:  # a Ctrl-C seen by one rank stops all here
+            headline = max(last_eval.get(k, -math.inf) for k in ("eval_return", "eval_accuracy"))
+            solved = cfg.target and headline >= cfg.target
+            if utils.reduce_dict({"stop": bool(interrupted)})["stop"]:  # a Ctrl-C seen by one rank stops all
                 interrupted.append(True)
             if (step + 1) % cfg.ckpt_every == 0 or solved or interrupted or step + 1 == cfg.steps:
                 checkpoint(cfg, out, step + 1, policy, opt, source, log)
@@ -419,8 +440,8 @@ def train(cfg: Config) -> Path:
         if interrupted:
             utils.stderr(f"interrupted: checkpoint saved; continue with --resume {out}")
     except KeyboardInterrupt:
-        utils.stderr(f"stopped during step {step + 1}, which is not saved; the checkpoints in {out} are intact "
-                     f"(--resume {out})")
+        utils.stderr(f"stopped during step {step + 1}, which is not saved; the checkpoints in {out} are "
+                     f"intact (--resume {out})")
         raise
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -462,7 +483,8 @@ def start_run(cfg: Config, policy, opt, source: BatchSource):
 
 def checkpoint(cfg: Config, out: Path, step: int, policy, opt, source: BatchSource, log) -> None:
     if utils.rank() == 0:
-        utils.save_checkpoint(out, step, policy, opt, {"wall_s": log.wall(), "source": source.state()}, cfg.keep_ckpts)
+        meta = {"wall_s": log.wall(), "source": source.state()}
+        utils.save_checkpoint(out, step, policy, opt, meta, cfg.keep_ckpts)
 
 
 def main(argv: list[str]) -> int:
