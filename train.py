@@ -44,13 +44,10 @@ class Config:
     lr: float = 0.005  # CartPole REINFORCE, 8 seeds: 5e-3 solved all (median 33k env steps); 1e-2 left one
     gamma: float = 0.99  # CartPole's 500-step horizon wants a long (~100-step) credit window
     lam: float = 0.95  # GAE bias/variance trade-off; 0.95 is the PPO paper's value and rarely worth tuning
-    # ppo (token ratio), gspo (sequence ratio: eps ~3e-4/4e-4) or cispo (clipped IS weight: every token keeps
-    # a grad)
+    # ppo (token ratio), gspo (sequence ratio: eps ~3e-4/4e-4), cispo (clipped IS weight: every token learns)
     loss: str = "ppo"
-    # ratio clip below 1; irrelevant while the ratio is exactly 1 (one epoch, minibatch)
-    eps_low: float = 0.2
-    # ratio clip above 1; DAPO's clip-higher (0.28) lets unlikely tokens grow (entropy)
-    eps_high: float = 0.2
+    eps_low: float = 0.2  # ratio clip below 1; moot while the ratio is exactly 1 (one epoch, minibatch)
+    eps_high: float = 0.2  # ratio clip above 1; DAPO's clip-higher (0.28) lets unlikely tokens grow
     dual_clip: float = 0.0  # caps a negative-advantage token's loss at c*|A| (c > 1, e.g. 3); 0 = off
     # token_mean (DAPO), seq_mean (GRPO paper: long answers weigh less), constant (Dr. GRPO: no length bias)
     loss_agg: str = "token_mean"
@@ -87,10 +84,8 @@ class Config:
     max_new_tokens: int = 256  # completion budget; a truncated completion gets no end token
     gen_batch: int = 64  # sequences per generation call; bigger is faster until memory runs out
     kl_coef: float = 0.0  # KL to the reference; RL-from-verifiable-rewards usually needs none
-    # k1 (unbiased, may go negative), k2 (low variance, biased), k3 (unbiased, >= 0)
-    kl_estimator: str = "k3"
-    # kl_coef * KL comes off each token's reward (before the advantage), no loss term
-    kl_in_reward: bool = False
+    kl_estimator: str = "k3"  # k1 (unbiased, may go < 0), k2 (low variance, biased), k3 (unbiased, >= 0)
+    kl_in_reward: bool = False  # kl_coef * KL comes off each token's reward, instead of a loss term
     tis: str = "off"  # truncated IS against sampler/trainer mismatch: token or sequence ratio, capped
     tis_cap: float = 2.0  # 2 keeps the variance bounded while correcting typical vLLM-vs-trainer gaps
     mis: str = "off"  # masked IS: a token or sequence whose ratio leaves [mis_low, mis_high] is dropped
@@ -98,8 +93,7 @@ class Config:
     mis_high: float = 2.0  # the upper end, symmetric to mis_low in log space
     dynamic_sampling: bool = False  # drop groups whose rewards all agree (no gradient), draw more (DAPO)
     max_gen_batches: int = 3  # dynamic sampling: generation rounds per step at most; then a short batch
-    # share of a step's prompts replayed from recent ones whose groups had spread
-    prompt_reweight: float = 0.0
+    prompt_reweight: float = 0.0  # share of a step's prompts replayed from recent ones with reward spread
     mask_truncated: bool = False  # completions that hit max_new_tokens leave the loss (DAPO overlong filter)
     chat_template: bool = True  # use the tokenizer's chat template when it has one
     thinking: bool = False  # enable_thinking for hybrid-thinking templates (Qwen3): long, slow answers
@@ -114,12 +108,10 @@ class Config:
     max_turns: int = 4  # multi-turn envs: model turns per episode; each one is a chance to fix an error
     max_len: int = 2048  # multi-turn envs: an episode longer than this (tokens) ends early, cleanly
     # ---- torchrun (`torchrun --nproc_per_node=N train.py ...`: --batch stays the global batch)
-    # seconds a rank waits in a collective before failing: > any checkpoint write
-    dist_timeout: float = 1800.0
+    dist_timeout: float = 1800.0  # seconds a rank waits in a collective before failing: > any checkpoint
     # ---- disaggregated training (serve.py): a trainer process and any number of rollout workers
     role: str = "sync"  # sync: one process; trainer + rollout: generation moves to workers that come and go
-    # rollout: the trainer's url; trainer: where to listen (empty: a free loopback port)
-    trainer_url: str = ""
+    trainer_url: str = ""  # rollout: the trainer's url; trainer: where to listen (empty: a free port)
     vllm: bool = False  # rollout workers generate with vLLM (LoRA only: a full model per sync is too slow)
     max_staleness: int = 2  # steps a sample may lag the weights it trains; 2 keeps workers busy, ratio ~1
     workers: int = 0  # rollout workers the trainer starts on its own machine (others may join)
