@@ -194,6 +194,32 @@ def end_tokens(tokenizer, generation_config) -> set[int]:
     return {int(i) for i in ids}
 
 
+def load_lm(path: str, cfg, device: torch.device) -> nn.Module:
+    """The causal LM at `path` on `device`; on the meta device only its config and generation
+    config (no weights, no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    if device.type == "meta":
+        with device:
+            lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        try:  # from_pretrained reads generation_config.json too: its eos ids stop completions
+            lm.generation_config = GenerationConfig.from_pretrained(path)
+        except OSError:  # the model has none; the defaults from its config stand, as in from_pretrained
+            pass
+        return lm
+    # "auto": sdpa, except plain matmul attention for bf16 on a CPU, where PyTorch's flash-attention
+    # backward makes a training step ~25% slower at every length measured (21 to 512 tokens). Matmul
+    # attention keeps the T x T scores for the backward: for long contexts pass attn="sdpa".
+    slow_flash = cfg.dtype == "bf16" and device.type == "cpu"
+    attn = cfg.attn if cfg.attn != "auto" else "eager" if slow_flash else "sdpa"
+    # A frozen LoRA base may live in bf16; anything trained stays fp32 (autocast does the bf16 compute).
+    dtype = DTYPES[cfg.dtype] if cfg.lora else torch.float32
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn).to(device)
+    except (ValueError, ImportError) as e:  # an unknown or uninstalled attention kernel
+        raise utils.ConfigError(f"--attn {attn}: {str(e).splitlines()[0]} (try --attn sdpa)") from None
+
+
 class LLMPolicy(nn.Module):
     """A causal LM as a policy over tokens. Sampling is exactly softmax(logits / temperature):
     the loop below applies no other warper, so whatever the model's generation_config.json
@@ -205,47 +231,31 @@ class LLMPolicy(nn.Module):
     def __init__(self, cfg, device: str | None = None):
         """cfg: a train.Config (model, lora*, dtype, attn, temperature, top_p, chat_template, thinking,
         kl_coef; algo ppo adds the critic; --vllm builds no weights)."""
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers import AutoTokenizer
 
         super().__init__()
         if cfg.dtype not in DTYPES:
-            raise utils.ConfigError(f"--dtype {cfg.dtype}{utils.closest(cfg.dtype, DTYPES)} (choices: {', '.join(DTYPES)})")
+            raise utils.ConfigError(f"--dtype {cfg.dtype}{utils.closest(cfg.dtype, DTYPES)} "
+                                    f"(choices: {', '.join(DTYPES)})")
         if cfg.temperature <= 0 or not 0 < cfg.top_p <= 1:
-            raise utils.ConfigError(f"need temperature > 0 and 0 < top_p <= 1 (got {cfg.temperature}, {cfg.top_p}); "
-                                    "greedy decoding is generate(greedy=True)")
+            raise utils.ConfigError(f"need temperature > 0 and 0 < top_p <= 1 (got {cfg.temperature}, "
+                                    f"{cfg.top_p}); greedy decoding is generate(greedy=True)")
         if cfg.top_p < 1:
-            warnings.warn(f"top_p={cfg.top_p}: samples come from a truncated distribution the loss does not model, "
-                          "so the importance ratio is only approximate; top_p=1 keeps it exact")
+            warnings.warn(f"top_p={cfg.top_p}: samples come from a truncated distribution the loss does not "
+                          "model, so the importance ratio is only approximate; top_p=1 keeps it exact")
         path, lora = resolve_model(cfg.model), cfg.lora
         # --vllm: the network is built on the meta device, without memory: a --vllm worker samples
         # with vLLM's copy and needs only the tokenizer side (and two copies may not fit a GPU).
-        weights = not cfg.vllm
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu") if weights else "meta")
+        self.device = torch.device("meta" if cfg.vllm else device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.lora, self.bf16 = lora, cfg.dtype == "bf16"
         self.temperature, self.top_p, self.thinking = cfg.temperature, cfg.top_p, cfg.thinking
         self.share_prompts = True  # score each group's prompt once; exact either way (tests compare the two)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError) as e:
-            raise utils.ConfigError(f"--model {cfg.model}: cannot load its tokenizer ({str(e).splitlines()[0]}); {LOAD_HINT}") from None
-        # A frozen LoRA base may live in bf16; anything trained stays fp32 (autocast does the bf16 compute).
-        if weights:
-            # "auto": sdpa, except plain matmul attention for bf16 on a CPU, where PyTorch's flash-attention
-            # backward makes a training step ~25% slower at every length measured (21 to 512 tokens). Matmul
-            # attention keeps the T x T scores for the backward: for long contexts pass attn="sdpa".
-            attn = cfg.attn if cfg.attn != "auto" else "eager" if self.bf16 and self.device.type == "cpu" else "sdpa"
-            try:
-                lm = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype] if lora else torch.float32,
-                                                          attn_implementation=attn).to(self.device)
-            except (ValueError, ImportError) as e:  # an unknown or uninstalled attention kernel
-                raise utils.ConfigError(f"--attn {attn}: {str(e).splitlines()[0]} (try --attn sdpa)") from None
-        else:
-            with self.device:
-                lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-            try:  # from_pretrained reads generation_config.json too: its eos ids stop completions
-                lm.generation_config = GenerationConfig.from_pretrained(path)
-            except OSError:  # the model has none; the defaults from its config stand, as in from_pretrained
-                pass
+            raise utils.ConfigError(f"--model {cfg.model}: cannot load its tokenizer ({str(e).splitlines()[0]}); "
+                                    f"{LOAD_HINT}") from None
+        lm = load_lm(path, cfg, self.device)
         self.model = add_lora(lm, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, 0.0) if lora else lm
         if lora and self.bf16:  # autocast feeds the adapter bf16 already: PEFT's cast of every input to
             # the fp32 adapter dtype is a copy autocast undoes (~8% of a step)

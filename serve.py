@@ -5,7 +5,8 @@
 
 Routes: POST /hello (fingerprint check, worker id), GET /adapter?have=V (long-polls for a newer
 adapter), POST /batch (scored groups). Standard library HTTP only; everything on the wire is a
-safetensors blob from `transport.encode` (tensors, the caller's meta, a SHA-256 of the tensors), never unpickled.
+safetensors blob from `transport.encode` (tensors, the caller's meta, a SHA-256 of the tensors), never
+unpickled. A worker runs the trainer's own batch source (rollouts.py) over its sampler.
 
 Security: every request carries the shared secret NANORL_TOKEN as `Authorization: Bearer <token>`,
 checked in constant time. A loopback bind without one generates it (`Server.token`) for the workers
@@ -37,7 +38,8 @@ from rollouts import Batch, BatchSource, from_wire, show_samples, sources
 
 # ================================================================ disaggregated training
 FINGERPRINT = ("task", "seed", "eval_size", "data", "model", "lora", "lora_rank", "lora_alpha", "lora_targets",
-               "max_new_tokens", "group_size", "temperature", "top_p", "chat_template", "thinking", "overlong_buffer")
+               "max_new_tokens", "group_size", "temperature", "top_p", "chat_template", "thinking",
+               "overlong_buffer")
 ROWS = {"tokens": torch.int64, "attn": torch.float32, "mask": torch.float32, "logp": torch.float32,
         "rewards": torch.float32, "truncated": torch.bool, "group": torch.int64, "version": torch.int64}
 STATS = r"reward_\w{1,64}|solved|solved_first_turn|turns"  # [N] float32 per-row stats (rollouts.Batch.stats)
@@ -100,9 +102,9 @@ class Inbox:
         url = urlsplit(cfg.trainer_url)  # "" (the usual case) binds an ephemeral loopback port
         self.server = Server({("POST", "/hello"): self.hello, ("GET", "/adapter"): self.adapter,
                               ("POST", "/batch"): self.receive}, url.hostname or "127.0.0.1", url.port or 0)
-        utils.stderr(f"trainer listening on {self.server.url}; start workers with --role rollout --trainer-url "
-                     f"{self.server.url} and the same NANORL_TOKEN" + ("" if os.environ.get("NANORL_TOKEN") else
-                     " (none is set, so only --workers started here can join)"))
+        alone = "" if os.environ.get("NANORL_TOKEN") else " (none is set: only --workers started here can join)"
+        utils.stderr(f"trainer listening on {self.server.url}; start workers with --role rollout "
+                     f"--trainer-url {self.server.url} and the same NANORL_TOKEN{alone}")
 
     def _heard(self, worker) -> bool:
         """Heartbeat; True once the run is over (the route answers 410 and the worker exits)."""
@@ -117,10 +119,11 @@ class Inbox:
             theirs = dict(json.loads(req.body)["fingerprint"])
         except (ValueError, KeyError, TypeError):
             return 400, {"error": 'POST /hello needs JSON {"fingerprint": {...}}'}
-        if diff := [f"{k} (trainer {v!r}, worker {theirs.get(k)!r})" for k, v in fingerprint(self.cfg).items()
+        ours = fingerprint(self.cfg)
+        if diff := [f"{k} (trainer {v!r}, worker {theirs.get(k)!r})" for k, v in ours.items()
                     if theirs.get(k) != v]:
-            return 409, {"error": f"worker and trainer disagree on {'; '.join(diff)}: start the worker with the "
-                                  "trainer's config"}
+            return 409, {"error": f"worker and trainer disagree on {'; '.join(diff)}: start the worker with "
+                                  "the trainer's config"}
         with self.cond:
             worker, self.next_worker = self.next_worker, self.next_worker + 1
             return (410, {"finished": True}) if self._heard(worker) else (200, {"worker": worker})
@@ -142,7 +145,8 @@ class Inbox:
         with self.cond:
             if self._heard(meta.get("worker")):
                 return 410, {"finished": True}
-            why = check_batch(tensors, self.cfg.group_size, self.version, self.vocab) or check_texts(meta, tensors)
+            why = check_batch(tensors, self.cfg.group_size, self.version, self.vocab)
+            why = why or check_texts(meta, tensors)
             if why:
                 self.counts["batches_rejected"] += 1
                 return 400, {"error": why}
@@ -157,7 +161,7 @@ class Inbox:
                 return 429, {"error": f"queue full ({len(self.queue)} groups); retry shortly"}
             if self.finished:
                 return 410, {"finished": True}
-            fresh = [g for g in groups if self.version - int(g[0]["version"].min()) <= self.cfg.max_staleness]
+            fresh = [g for g in groups if self.fresh(g[0], self.version)]
             self.counts.update(groups_received=len(groups), dropped_stale=len(groups) - len(fresh))
             self.apply_s += [float(meta["apply_s"])] if isinstance(meta.get("apply_s"), (int, float)) else []
             theirs = meta.get("metrics") if isinstance(meta.get("metrics"), dict) else {}  # e.g. gen_rounds
@@ -180,25 +184,29 @@ class Inbox:
         with self.cond:  # wait_for releases it while the HTTP threads fill the queue
             while len(got) < self.groups:
                 if not self.cond.wait_for(lambda: self.queue, timeout=60):
-                    utils.stderr(f"step {step}: waiting for rollout batches ({len(self.live())} live workers)")
+                    utils.stderr(f"step {step}: waiting for rollout batches ({len(self.live())} live "
+                                 "workers)")
                 taken, self.queue = self.queue[: self.groups - len(got)], self.queue[self.groups - len(got):]
                 self.cond.notify_all()  # room for a worker whose POST is waiting
                 for g in taken:
-                    if step - int(g[0]["version"].min()) > self.cfg.max_staleness:
+                    if not self.fresh(g[0], step):
                         self.counts["dropped_stale"] += 1
                     elif any(int(v) not in scorable for v in g[0]["version"].unique()):
                         self.counts["dropped_no_snapshot"] += 1
                     else:
                         got.append(g)
-            meta = dict(queue_depth=len(self.queue), live_workers=len(self.live()), sync_bytes=len(self.payload),
-                        sync_publish_s=self.publish_s, sync_apply_s=statistics.median(self.apply_s or [0.0]),
-                        **self.counts)
+            meta = dict(queue_depth=len(self.queue), live_workers=len(self.live()),
+                        sync_bytes=len(self.payload), sync_publish_s=self.publish_s,
+                        sync_apply_s=statistics.median(self.apply_s or [0.0]), **self.counts)
             for k in {k for m in self.rollout_metrics for k in m}:  # the workers' source.metrics(), averaged
                 meta[k] = statistics.mean(m[k] for m in self.rollout_metrics if k in m)
             self.apply_s, self.rollout_metrics = [], []
         # rows of one version share micro-batches: fewer swaps
         got.sort(key=lambda g: int(g[0]["version"].min()))
         return collate([g for g, _ in got], self.pad_id), {**meta, "texts": [t for _, ts in got for t in ts]}
+
+    def fresh(self, group: dict, step: int) -> bool:
+        return step - int(group["version"].min()) <= self.cfg.max_staleness
 
     def live(self) -> set[int]:
         return {w for w, t in self.seen.items() if time.time() - t < HEARTBEAT}
@@ -227,11 +235,12 @@ def check_texts(meta: dict, tensors: dict) -> str | None:
 def spawn_workers(cfg, url: str, token: str) -> list[subprocess.Popen]:
     """--workers N: local rollout workers with exactly this run's config (so the fingerprints
     match) and the token, without torchrun's rank variables."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    ranks = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in ranks}
     path = Path(tempfile.mkdtemp(prefix="nanorl-worker-")) / "config.yaml"
     utils.save_config(replace(cfg, role="rollout", trainer_url=url, workers=0, out="", resume=""), path)
-    return [subprocess.Popen([sys.executable, str(Path(__file__).with_name("train.py")), "--config", str(path)],
-                             env=env | {"NANORL_TOKEN": token}) for _ in range(cfg.workers)]
+    argv = [sys.executable, str(Path(__file__).with_name("train.py")), "--config", str(path)]
+    return [subprocess.Popen(argv, env=env | {"NANORL_TOKEN": token}) for _ in range(cfg.workers)]
 
 
 def shard(rows: dict, meta: dict, groups: int, k: int) -> tuple[dict, dict]:
@@ -422,13 +431,16 @@ def run_worker(cfg) -> int:
     me = reply["worker"]
     policy = LLMPolicy(cfg)  # --vllm: the tokenizer side only, vLLM holds the weights
     torch.manual_seed(seed := cfg.seed * STRIDE + me)  # workers share cfg.seed, not their sampling noise
-    gen = VLLMGenerator(resolve_model(cfg.model), cfg, policy.eos_ids, seed) if cfg.vllm else HFGenerator(policy)
+    if cfg.vllm:
+        gen = VLLMGenerator(resolve_model(cfg.model), cfg, policy.eos_ids, seed)
+    else:
+        gen = HFGenerator(policy)
     fetcher = AdapterFetcher(client, me, cfg.worker_patience)
     fetcher.start()
     sampler = _Sampler(policy, gen, fetcher, cfg.gen_batch)
     source = sources()[cfg.task](cfg, sampler)  # every rollout option behaves as in a sync run
     source.load_state({"position": me * STRIDE})  # worker w draws problems w*STRIDE, w*STRIDE+1, ...
-    utils.stderr(f"worker {me}: generating for {cfg.trainer_url} with {'vLLM' if cfg.vllm else 'the policy'}")
+    utils.stderr(f"worker {me}: generating for {cfg.trainer_url} with {'vLLM' if cfg.vllm else 'HF'}")
     while sampler.newest():  # the newest adapter, waiting for the first
         batch = source.next(sampler.version)
         if cfg.debug_samples:
