@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import utils
 from transport import Client, PayloadError, Request, ServeError, Server, decode, encode, views
 from model import HFGenerator, LLMPolicy, Sample, VLLMGenerator, resolve_model
-from rollouts import Batch, BatchSource, from_wire, show_samples, sources
+from rollouts import Batch, BatchSource, from_wire, sources
 
 # ================================================================ disaggregated training
 FINGERPRINT = ("task", "seed", "eval_size", "data", "model", "lora", "lora_rank", "lora_alpha", "lora_targets",
@@ -442,9 +442,7 @@ def run_worker(cfg) -> int:
     source.load_state({"position": me * STRIDE})  # worker w draws problems w*STRIDE, w*STRIDE+1, ...
     utils.stderr(f"worker {me}: generating for {cfg.trainer_url} with {'vLLM' if cfg.vllm else 'HF'}")
     while sampler.newest():  # the newest adapter, waiting for the first
-        batch = source.next(sampler.version)
-        if cfg.debug_samples:
-            show_samples(batch, f"worker {me} v{sampler.version}", cfg.debug_samples)
+        batch = source.next(sampler.version)  # --debug-samples: the trainer prints these rows' texts
         meta = {"worker": me, "apply_s": sampler.apply_s, "texts": batch.texts, "metrics": source.metrics()}
         post(client, fetcher, encode(batch.wire(), meta))
     return 0
