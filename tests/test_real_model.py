@@ -11,9 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import train
 import utils
-from envs import TextEnv, rollout_multiturn
+from envs import TextEnv
 from model import LLMPolicy, VLLMGenerator, resolve_model
+from rollouts import make_batch, rollout_multiturn
 from tasks import Problem, ProceduralTask, completion_number
 from transport import decode, encode
 
@@ -33,7 +35,7 @@ def converted() -> str:
 @pytest.fixture(scope="module")
 def pol(converted) -> LLMPolicy:
     torch.manual_seed(0)
-    return LLMPolicy("smollm2-135m", lora_rank=8, device="cpu")
+    return LLMPolicy(train.Config(model="smollm2-135m", lora_rank=8), device="cpu")
 
 
 # ---------------------------------------------------------------- GGUF conversion
@@ -141,8 +143,8 @@ def test_sampled_logps_equal_recomputed_ones_with_and_without_shared_prompts(pol
         prefixes = [pol.encode_prompt(q) for q in ("What is 2 + 3?", "Name a colour.") for _ in range(3)]
         torch.manual_seed(0)
         samples = pol.generate(prefixes, 12)
-        batch = pol.make_batch(prefixes, samples, [0.0] * len(samples))
-        mask = batch["mask"] > 0
+        batch = make_batch(prefixes, samples, [0.0] * len(samples), pol.pad_id)
+        mask = batch.mask > 0
         with torch.no_grad():
             shared = pol.score(batch, slice(None))[0]
             pol.share_prompts = False
@@ -150,7 +152,7 @@ def test_sampled_logps_equal_recomputed_ones_with_and_without_shared_prompts(pol
     finally:
         pol.share_prompts = True
         pol.load_trainable(fresh)
-    gaps = [(x[mask] - batch["logp"][mask]).abs().max().item() for x in (shared, separate)]
+    gaps = [(x[mask] - batch.logp[mask]).abs().max().item() for x in (shared, separate)]
     print(f"sampled vs rescored logp, max |gap|: shared prompts {gaps[0]:.2e}, separate {gaps[1]:.2e}")
     # 1e-4, not the tiny model's 1e-5: 30 fp32 layers, token-by-token with a cache against one pass over
     # the sequence, round differently (measured up to 3.6e-5); a real mismatch (a shifted token, the
@@ -191,25 +193,25 @@ def test_multiturn_episode_with_the_bpe_tokenizer_trains_exactly_the_sampled_tok
                                   max_new_tokens=24, max_len=400)
     finally:
         del pol.generate  # back to the class's method
-    assert batch["turns"].max() >= 2  # environment replies really sit inside trained rows
-    rows = [batch["tokens"][r, : int(batch["attn"][r].sum())].tolist() for r in range(4)]
+    assert batch.stats["turns"].max() >= 2  # environment replies really sit inside trained rows
+    rows = [batch.tokens[r, : int(batch.attn[r].sum())].tolist() for r in range(4)]
     trained = [0] * 4
     for call in sampled:
         for prefix, s in call:
             (r,) = [r for r, row in enumerate(rows) if row[: len(prefix)] == prefix]
             end = len(prefix) + len(s.ids)
-            assert rows[r][len(prefix) : end] == s.ids and batch["mask"][r, len(prefix) : end].sum() == len(s.ids)
+            assert rows[r][len(prefix) : end] == s.ids and batch.mask[r, len(prefix) : end].sum() == len(s.ids)
             trained[r] += len(s.ids)
-    assert batch["mask"].sum(1).tolist() == trained  # the rest (prompt, replies, padding) is masked out
+    assert batch.mask.sum(1).tolist() == trained  # the rest (prompt, replies, padding) is masked out
     for r in range(4):  # what is masked after the first model turn is the environment's replies, templated
-        first = int(batch["mask"][r].nonzero()[0])
-        masked = pol.tokenizer.decode([t for i, t in enumerate(rows[r]) if i > first and batch["mask"][r, i] == 0])
-        assert masked.count("<|im_start|>user\n") == batch["turns"][r] - 1
-        assert masked.count("Higher.") + masked.count("Lower.") == batch["turns"][r] - 1
+        first = int(batch.mask[r].nonzero()[0])
+        masked = pol.tokenizer.decode([t for i, t in enumerate(rows[r]) if i > first and batch.mask[r, i] == 0])
+        assert masked.count("<|im_start|>user\n") == batch.stats["turns"][r] - 1
+        assert masked.count("Higher.") + masked.count("Lower.") == batch.stats["turns"][r] - 1
     with torch.no_grad():
         logp = pol.score(batch, slice(None))[0]
-    mask = batch["mask"] > 0
-    assert (logp[mask] - batch["logp"][mask]).abs().max() < 1e-4  # as in the single-turn test above
+    mask = batch.mask > 0
+    assert (logp[mask] - batch.logp[mask]).abs().max() < 1e-4  # as in the single-turn test above
 
 
 # ---------------------------------------------------------------- a vLLM-CPU worker's engine
@@ -227,11 +229,11 @@ def engine(converted):
 
 def gap(pol: LLMPolicy, prefixes, samples) -> torch.Tensor:
     """|vLLM's log-prob - the trainer's| for every sampled token."""
-    batch = pol.make_batch(prefixes, samples, [0.0] * len(samples))
+    batch = make_batch(prefixes, samples, [0.0] * len(samples), pol.pad_id)
     with torch.no_grad():
         logp = pol.score(batch, slice(None))[0]
-    mask = batch["mask"] > 0
-    return (logp[mask] - batch["logp"][mask]).abs()
+    mask = batch.mask > 0
+    return (logp[mask] - batch.logp[mask]).abs()
 
 
 def test_vllm_logps_agree_with_the_trainer_and_a_published_adapter_changes_the_samples(pol, engine):
