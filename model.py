@@ -172,14 +172,12 @@ def gguf_to_hf(file: Path) -> str:
     final = cache_root() / f"gguf-{file.stem}-{digest.hexdigest()[:16]}"
     if (final / "config.json").exists():
         return str(final)
-    try:  # transformers reads GGUF through the optional gguf package; only .gguf models need it
-        import gguf  # noqa: F401
-    except ImportError:
-        raise utils.ConfigError(f'--model {file}: reading GGUF needs the gguf package: pip install gguf '
-                                '(or pip install -e ".[demo]")') from None
     try:
         lm = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    except ImportError:  # transformers reads GGUF through the optional gguf package
+        raise utils.ConfigError(f'--model {file}: reading GGUF needs the gguf package: pip install gguf '
+                                '(or pip install -e ".[demo]")') from None
     except (ValueError, struct.error) as e:  # what a truncated, corrupt or foreign file raises
         why = str(e).splitlines()[0]
         fix = ("transformers reads GGUF for " + ", ".join(GGUF_SUPPORTED_ARCHITECTURES[1:]) if "not supported" in why
