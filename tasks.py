@@ -26,9 +26,12 @@ import operator
 import random
 import re
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable, Iterable, Iterator, Sequence
+
+from judge import JudgeUnavailable
 
 Reward = Callable[[str, str, str], float]  # (prompt, completion, answer) -> reward
 
@@ -247,6 +250,21 @@ class Task:
             parts[name if name not in parts else f"{name}_{i}"] = r
             total += weight * r
         return total, parts
+
+    def score_many(self, rows: list[tuple[str, str, str]], drop: bool = False) -> list:
+        """`score` of each (prompt, completion, answer) row, as many at once as the widest reward's
+        `concurrency` allows (a judge's round trips overlap; other rewards run one at a time). A row
+        whose judge gave no score raises JudgeUnavailable, or with drop=True comes back as it."""
+        def one(row: tuple[str, str, str]):
+            try:
+                return self.score(*row)
+            except JudgeUnavailable as e:
+                if not drop:
+                    raise
+                return e
+
+        with ThreadPoolExecutor(max(getattr(fn, "concurrency", 1) for fn, _ in self.rewards)) as pool:
+            return list(pool.map(one, rows))
 
     def correct(self, problem: Problem, completion: str) -> bool:
         return self.rewards[0][0](problem.prompt, completion, problem.answer) >= 1.0

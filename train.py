@@ -13,7 +13,6 @@ batches in stage 1.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import signal
 import sys
@@ -30,6 +29,7 @@ from algos import (AGGREGATIONS, ALGOS, GROUPED, IS_LEVELS, KL, LOSSES, EPS, gro
 import serve
 import tasks
 from envs import EVAL_SEED, TEXT_ENVS, CartPole, multiturn_metrics, rollout_multiturn
+from judge import JudgeUnavailable
 from model import LLMPolicy, MLPPolicy, Sample
 
 
@@ -100,6 +100,7 @@ class Config:
     pass_k: int = 0  # samples per eval problem for pass@k (0 = greedy accuracy only)
     data: str = ""  # local JSONL for gsm8k/math; empty = the datasets hub
     bad_rows: str = "skip"  # malformed data rows: skip (counted, reported with file:line) or error
+    judge_down: str = "fail"  # a judge reward without a score: fail (stop, one line) or drop (its group is masked out, counted)
     debug_samples: int = 0  # print this many (prompt, completion, reward breakdown) triples per eval
     sft_steps: int = 0  # supervised warm-start steps on the task's own solver's demos, before RL
     sft_lr: float = 1e-3  # warm-start learning rate (separate: supervised steps tolerate more)
@@ -158,6 +159,8 @@ def validate(cfg: Config) -> None:
     if (cfg.vf_clip or cfg.critic_max_grad_norm) and cfg.algo != "ppo":
         raise err(f"--vf-clip and --critic-max-grad-norm tune PPO's critic, and the --algo {cfg.algo} policy has none; "
                   "use --algo ppo or drop them")
+    if cfg.judge_down not in ("fail", "drop"):
+        raise err(f"--judge-down must be fail or drop (got {cfg.judge_down})")
     if cfg.bad_rows not in ("skip", "error"):
         raise err(f"--bad-rows must be skip or error (got {cfg.bad_rows})")
     if cfg.resume and not Path(cfg.resume).is_dir():
@@ -240,31 +243,45 @@ class TaskRollouts:
     def next(self, step: int) -> dict:
         cfg, k, want = self.cfg, self.cfg.group_size, self.cfg.batch // self.cfg.group_size
         need = want // utils.world()  # this rank's groups
-        kept, flat, rounds = [], [], 0  # groups of k rows (problem, prefix, sample, text, (total, parts))
+        kept, flat, dropped, rounds = [], [], [], 0  # groups of k rows (problem, prefix, sample, text, (total, parts))
         # Dynamic sampling (DAPO): a group whose rewards all agree has zero advantage under GRPO and
         # RLOO, so it is set aside and fresh prompts are generated, at most max_gen_batches rounds.
         while len(kept) < need and rounds < (cfg.max_gen_batches if cfg.dynamic_sampling else 1):
             rounds += 1
             problems = self.pick(want)
             prefixes = [self.policy.encode_prompt(p.prompt) for p in problems]
-            samples = iter(self.policy.generate([x for x in prefixes for _ in range(k)], cfg.max_new_tokens, cfg.gen_batch))
-            for p, x in zip(problems, prefixes):
-                texts = [(s, self.policy.decode(s.ids)) for s in itertools.islice(samples, k)]
-                group = [(p, x, s, t, self.task.score(p.prompt, t, p.answer)) for s, t in texts]
+            samples = self.policy.generate([x for x in prefixes for _ in range(k)], cfg.max_new_tokens, cfg.gen_batch)
+            rows = [(p, x) for p, x in zip(problems, prefixes) for _ in range(k)]
+            rows = [(p, x, s, self.policy.decode(s.ids)) for (p, x), s in zip(rows, samples)]
+            scores = self.task.score_many([(p.prompt, t, p.answer) for p, _, _, t in rows], cfg.judge_down == "drop")
+            for i in range(0, len(rows), k):
+                group = [(*row, score) for row, score in zip(rows[i : i + k], scores[i : i + k])]
+                if any(isinstance(score, JudgeUnavailable) for *_, score in group):  # --judge-down drop
+                    dropped.append(group)
+                    continue
                 spread = len({total for *_, (total, _) in group}) > 1
-                self.spread += [p] if spread and cfg.prompt_reweight else []
+                self.spread += [group[0][0]] if spread and cfg.prompt_reweight else []
                 (kept if spread or not cfg.dynamic_sampling else flat).append(group)
         self.spread = self.spread[-cfg.batch :]  # "recent": the last batch-many prompts with spread
-        # Nothing informative within the bound: train on what there is (no GRPO/RLOO gradient).
-        problems, prefixes, samples, texts, scored = zip(*[row for g in kept[:need] or flat[:need] for row in g])
-        batch = self.policy.make_batch(list(prefixes), list(samples), [total for total, _ in scored])
+        # Nothing informative within the bound: train on what there is (no GRPO/RLOO gradient). Dropped
+        # groups keep the batch's shape (ranks stay equal) with mask 0: no advantage, no loss, no tokens.
+        groups = kept[:need] or flat[:need]
+        problems, prefixes, samples, texts, scored = zip(*[row for g in groups + dropped[: need - len(groups)] for row in g])
+        lost = [isinstance(r, JudgeUnavailable) for r in scored]
+        batch = self.policy.make_batch(list(prefixes), list(samples), [0.0 if x else r[0] for x, r in zip(lost, scored)],
+                                       [[int(not x)] * len(s.ids) for x, s in zip(lost, samples)])
         batch["group"] = torch.arange(len(problems)) // k  # [N]
         batch["version"] = torch.full((len(problems),), step)  # [N]
-        self.breakdown = {f"reward_{name}": sum(b[name] for _, b in scored) / len(scored) for name in scored[0][1]}
+        ok = [r for x, r in zip(lost, scored) if not x]  # (total, parts) of the scored rows
+        self.breakdown = {f"reward_{name}": sum(b[name] for _, b in ok) / len(ok) for name in (ok[0][1] if ok else [])}
+        if dropped:  # counted, and the first cause said once per step
+            self.breakdown["judge_dropped"] = sum(len(g) for g in dropped)
+            cause = next(r for g in dropped for *_, r in g if isinstance(r, JudgeUnavailable))
+            tqdm.write(f"step {step + 1}: {self.breakdown['judge_dropped']} samples' groups dropped ({cause})")
         if cfg.dynamic_sampling:
             self.breakdown.update(gen_rounds=rounds, gen_frac_zero_std=len(flat) / (len(flat) + len(kept)))
         if step % cfg.eval_every == 0:
-            for p, t, (total, parts) in list(zip(problems, texts, scored))[: cfg.debug_samples]:
+            for p, t, (total, parts) in [(p, t, r) for p, t, x, r in zip(problems, texts, lost, scored) if not x][: cfg.debug_samples]:
                 tqdm.write(f"--- step {step} prompt: {p.prompt!r}\n    completion: {t!r}\n    answer: {p.answer!r} reward {total:.3g}: {parts}")
         return batch
 
@@ -449,7 +466,7 @@ def update(policy, opt, batch: dict, cfg: Config) -> dict:
             # A minibatch is weighted as if it were the batch: by its share of the tokens (token_mean)
             # or of the rows (seq_mean, constant), over all ranks. One minibatch keeps the weights as they are.
             share = 1.0 if cfg.minibatches == 1 else utils.all_sum(unit[mb].sum()) / utils.all_sum(unit.sum())
-            tokens = utils.all_sum(batch["loss_mask"][mb].sum()).clamp(min=1)  # logged stats are token means in every mode
+            tokens = utils.all_sum(batch["loss_mask"][mb].sum())  # logged stats are token means in every mode
             opt.zero_grad(set_to_none=True)
             total = torch.zeros(())
             for rows in micro_slices(mb, cfg.micro_batch):
@@ -469,14 +486,16 @@ def update(policy, opt, batch: dict, cfg: Config) -> dict:
                 loss.backward()
                 total += loss.detach()
                 for k, v in s.items():  # this rank's share of the minibatch's token means
-                    means[k] = means.get(k, 0.0) + ((v * batch["loss_mask"][rows]).sum() / tokens).item()
+                    means[k] = means.get(k, 0.0) + ((v * batch["loss_mask"][rows]).sum() / tokens.clamp(min=1)).item()
             utils.sum_grads(policy)  # torchrun: every rank now holds the whole batch's gradient
             total = utils.all_sum(total)  # so that all ranks agree on skipping a non-finite step
             norm = torch.nn.utils.clip_grad_norm_(actor, cfg.max_grad_norm)
             # The critic may get its own clip, so that neither gradient's scale crowds out the other.
             critic_norm = torch.nn.utils.clip_grad_norm_(critic, cfg.critic_max_grad_norm) if critic else torch.zeros(())
-            if not (torch.isfinite(total) and torch.isfinite(norm) and torch.isfinite(critic_norm)):
-                opt.zero_grad(set_to_none=True)  # a NaN/inf never reaches the weights
+            # A NaN/inf never reaches the weights; nor does a step without tokens (every sample dropped), which
+            # would still move them by Adam's momentum.
+            if not (torch.isfinite(total) and torch.isfinite(norm) and torch.isfinite(critic_norm)) or not tokens:
+                opt.zero_grad(set_to_none=True)
                 stats["skipped"] += 1
             else:
                 opt.step()
@@ -582,6 +601,9 @@ def main(argv: list[str]) -> int:
     except utils.ConfigError as e:
         utils.stderr(f"error: {e}")
         return 2
+    except JudgeUnavailable as e:  # --judge-down fail: the checkpoints written so far stay intact for --resume
+        utils.stderr(f"error: {e}")
+        return 1
     except KeyboardInterrupt:
         return 130  # the shell's code for a run stopped by Ctrl-C
     except Exception as e:
