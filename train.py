@@ -82,6 +82,8 @@ class Config:
     top_p: float = 1.0  # < 1 samples from a distribution the loss does not model (warned)
     max_new_tokens: int = 256  # completion budget; a truncated completion gets no end token
     gen_batch: int = 64  # sequences per generation call; bigger is faster until memory runs out
+    teacher: str = ""  # --algo opd: the model (as --model) whose log-probs the student learns; must share its tokenizer
+    opd_reward_coef: float = 0.0  # --algo opd: weight of the task's return added to the distillation advantage; 0 = pure distillation
     kl_coef: float = 0.0  # KL to the reference; RL-from-verifiable-rewards usually needs none
     kl_estimator: str = "k3"  # k1 (unbiased, can go negative), k2 (low variance, biased) or k3 (unbiased, >= 0)
     kl_in_reward: bool = False  # subtract kl_coef * KL from each token's reward before the advantage, instead of a loss term
@@ -159,6 +161,8 @@ def validate(cfg: Config) -> None:
     if (cfg.vf_clip or cfg.critic_max_grad_norm) and cfg.algo != "ppo":
         raise err(f"--vf-clip and --critic-max-grad-norm tune PPO's critic, and the --algo {cfg.algo} policy has none; "
                   "use --algo ppo or drop them")
+    if (cfg.algo == "opd") != bool(cfg.teacher) or (cfg.teacher and cfg.task in CONTROL):
+        raise err("--algo opd and --teacher MODEL go together, on LLM tasks: the teacher scores the student's samples")
     if cfg.judge_down not in ("fail", "drop"):
         raise err(f"--judge-down must be fail or drop (got {cfg.judge_down})")
     if cfg.bad_rows not in ("skip", "error"):
@@ -366,6 +370,17 @@ def build(cfg: Config):
     return policy, opt, serve.AsyncRollouts(cfg, policy, source) if cfg.role == "trainer" else source
 
 
+def load_teacher(cfg: Config, student):
+    """--algo opd: the frozen teacher, after checking it reads the student's token ids as the student does."""
+    teacher = LLMPolicy(cfg.teacher, lora=False, temperature=cfg.temperature, chat_template=cfg.chat_template,
+                        thinking=cfg.thinking, dtype=cfg.dtype, attn=cfg.attn).requires_grad_(False)
+    a, b = student.tokenizer, teacher.tokenizer
+    if a.get_vocab() != b.get_vocab() or student.eos_ids != teacher.eos_ids:
+        raise utils.ConfigError(f"--teacher {cfg.teacher}: its tokenizer differs from the student's ({len(b)} vs {len(a)} "
+                                "tokens, or other ids); the teacher scores the student's own token ids, so pick one of its family")
+    return teacher.to(torch.bfloat16) if cfg.dtype == "bf16" else teacher  # frozen: bf16 storage halves its memory
+
+
 def warm_start(policy, source: TaskRollouts, cfg: Config, log: utils.Metrics) -> None:
     """Optional supervised stage before RL: cross-entropy on demonstrations written by the
     task's own solver (never by a model), so the RL gain on top can be reported separately."""
@@ -413,7 +428,7 @@ def rollout_metrics(batch: dict, rewards: torch.Tensor, cfg: Config) -> dict:
 
 
 @torch.no_grad()
-def prepare(policy, batch: dict, cfg: Config) -> dict:
+def prepare(policy, batch: dict, cfg: Config, teacher=None) -> dict:
     """Stage 2: old log-probs and values under the weights before this update, then advantages,
     loss weights and batch["metrics"] (floats for the log). Old log-probs are recomputed here
     rather than trusted from the sampler, with the same micro-batches the update uses, so the first
@@ -421,7 +436,7 @@ def prepare(policy, batch: dict, cfg: Config) -> dict:
     enter the mismatch corrections (tis / mis)."""
     n, mask = len(batch["mask"]), batch["mask"]
     correct = cfg.tis != "off" or cfg.mis != "off"
-    if policy.has_critic or ((not single_pass(cfg) or correct) and "old_logp" not in batch):
+    if policy.has_critic or ((not single_pass(cfg) or correct or teacher is not None) and "old_logp" not in batch):
         parts = [policy.score(batch, rows) for rows in micro_slices(torch.arange(n), cfg.micro_batch)]
         # An async source already scored each row under the version that sampled it: keep that.
         batch.setdefault("old_logp", torch.cat([p[0] for p in parts]) * mask)
@@ -434,6 +449,9 @@ def prepare(policy, batch: dict, cfg: Config) -> dict:
     if cfg.kl_coef:
         batch["ref_logp"] = torch.cat([policy.ref_logp(batch, rows) for rows in micro_slices(torch.arange(n), cfg.micro_batch)])
     rewards, metrics = batch["rewards"], {}
+    if teacher is not None:  # on-policy distillation: the teacher scores the student's tokens, in the update's micro-batches
+        batch["teacher_logp"] = torch.cat([teacher.score(batch, rows)[0] for rows in micro_slices(torch.arange(n), cfg.micro_batch)])
+        metrics["opd_reverse_kl"] = masked_mean(batch["old_logp"] - batch["teacher_logp"], mask).item()  # per token
     if cfg.kl_in_reward:  # the penalty becomes part of the return, so every estimator sees it
         kl = KL[cfg.kl_estimator](batch.get("old_logp", batch["logp"]), batch["ref_logp"]) * mask  # [N, T]
         batch["rewards"], metrics["kl"] = rewards - cfg.kl_coef * kl, masked_mean(kl, mask).item()
@@ -518,6 +536,7 @@ def run_dir(cfg: Config) -> Path:
 def train(cfg: Config) -> Path:
     validate(cfg)
     policy, opt, source = build(cfg)
+    teacher = load_teacher(cfg, policy) if cfg.teacher else None
     lead = utils.rank() == 0  # under torchrun only rank 0 writes: logs, checkpoints, the plot
     out = run_dir(cfg)
     start, wall = 0, 0.0
@@ -553,7 +572,7 @@ def train(cfg: Config) -> Path:
     try:
         for step in bar:
             batch = source.next(step)  # 1. rollout
-            batch = prepare(policy, batch, cfg)  # 2. advantage
+            batch = prepare(policy, batch, cfg, teacher)  # 2. advantage
             stats = update(policy, opt, batch, cfg)  # 3. update
             source.publish(step + 1)  # 4. publish
             rollout = {"reward": (batch["rewards"] * batch["mask"]).sum(1).mean().item(),  # 5. log
