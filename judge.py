@@ -1,11 +1,8 @@
-"""Rewards from a judge model: `Judge(rubric=..., endpoint=..., model=...)` is a reward function
-`(prompt, completion, answer) -> score in [0, 1]` that asks any OpenAI-compatible chat-completions
-endpoint (`vllm serve`, a hosted API) to grade the completion against the rubric. The API key comes
-from $NANORL_JUDGE_KEY (or the variable `key_env` names), never from a config file or the logs.
-A judge that is down or answers without a score never becomes a reward (a silent 0 would train the
-policy toward whatever makes the judge fail): the call raises JudgeUnavailable, and `--judge-down`
-decides: `fail` stops the run with one line, `drop` drops the sample's group and counts it.
-"""
+"""Rewards from a judge model: `Judge(rubric, endpoint, model)` is a reward function that asks any
+OpenAI-compatible chat-completions endpoint (`vllm serve`, a hosted API) to grade a completion. Its
+API key comes from $NANORL_JUDGE_KEY (or `key_env`), never from a config file or the logs. A judge
+that is down or answers garbage never becomes a reward (a silent 0 would train the policy toward
+whatever makes it fail): the call raises JudgeUnavailable, and `--judge-down` fails or drops."""
 from __future__ import annotations
 
 import json
@@ -43,8 +40,8 @@ class Judge:
     def __init__(self, rubric: str, endpoint: str, model: str, *, high: int = 10, concurrency: int = 8,
                  timeout: float = 60.0, retries: int = 3, backoff: float = 1.0,
                  key_env: str = "NANORL_JUDGE_KEY", extra: dict | None = None):
-        path = "/chat/completions"
-        self.url = endpoint if endpoint.endswith(path) else endpoint.rstrip("/") + path
+        path = "" if endpoint.endswith("/chat/completions") else "/chat/completions"  # a base url, as clients take
+        self.url = endpoint.rstrip("/") + path
         self.rubric, self.model, self.high, self.concurrency = rubric, model, high, concurrency
         self.timeout, self.retries, self.backoff, self.key_env = timeout, retries, backoff, key_env
         self.extra, self.cache, self.slots = extra or {}, {}, threading.Semaphore(concurrency)
@@ -64,7 +61,7 @@ class Judge:
         key = os.environ.get(self.key_env)
         headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
         request = urllib.request.Request(self.url, json.dumps(body).encode(), headers)
-        fix = f"check that it is up, serves {self.model!r} and (if it needs a key) that ${self.key_env} holds it"
+        fix = f"check that it is up, serves {self.model!r} and (if it needs a key) ${self.key_env} holds it"
         for attempt in range(self.retries + 1):
             time.sleep(self.backoff * 2 ** (attempt - 1) if attempt else 0)
             try:
@@ -79,7 +76,7 @@ class Judge:
             else:
                 if (score := parse_score(reply, self.high)) is not None:
                     return score
-                cause, fix = f"no score in its reply {reply[:60]!r}", "constrain its reply (see Judge's `extra`)"
+                cause, fix = f"no score in its reply {reply[:60]!r}", "constrain its reply (Judge's `extra`)"
                 break  # at temperature 0, asking again gets the same reply
         raise JudgeUnavailable(f"judge {self.url} gave no score after {attempt + 1} tries ({cause}); {fix}, "
                                "or pass --judge-down drop to drop such samples and count them")

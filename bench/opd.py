@@ -2,7 +2,7 @@
 real-model comparison). The teacher is a checkpoint of an RL run (full fine-tuning), exported as a
 model directory that --teacher loads:
 
-    python bench/opd.py RUN OUT_DIR    # the newest checkpoint of RUN -> a model directory at OUT_DIR
+    python bench/opd.py RUN_OR_CKPT OUT_DIR    # a checkpoint (a run: its newest) -> a model directory
 """
 import shutil
 import sys
@@ -16,8 +16,9 @@ from model import build_tiny_model  # noqa: E402
 
 
 def export(run: str, out: str) -> str:
-    """The tiny model's directory with its weights replaced by the run's newest checkpoint."""
-    weights = load_file(str(utils.latest_checkpoint(Path(run)) / "weights.safetensors"))
+    """The tiny model's directory with its weights replaced by a checkpoint's (a run's newest)."""
+    ckpt = Path(run) if (Path(run) / "weights.safetensors").exists() else utils.latest_checkpoint(Path(run))
+    weights = load_file(str(ckpt / "weights.safetensors"))
     if not all(k.startswith("model.") for k in weights) or any("lora_" in k for k in weights):
         raise SystemExit(f"{run}: not a full fine-tuning run of the tiny model (--no-lora)")
     shutil.copytree(build_tiny_model(), out, dirs_exist_ok=True)
