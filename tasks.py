@@ -241,30 +241,28 @@ class Task:
     def eval_problems(self) -> list[Problem]:
         return list(self._eval)
 
-    def score(self, prompt: str, completion: str, answer: str) -> tuple[float, dict[str, float]]:
-        """Weighted total, and each reward's unweighted value keyed by its function's name."""
+    def score(self, prompt: str, completion: str, answer: str, drop: bool = False) -> tuple[float, dict[str, float]]:
+        """Weighted total, and each reward's unweighted value keyed by its function's name. A judge
+        without a score raises JudgeUnavailable, or with drop=True scores NaN (and so does the total)."""
         total, parts = 0.0, {}
         for i, (fn, weight) in enumerate(self.rewards):
             name = getattr(fn, "__name__", f"reward{i}")
-            r = float(fn(prompt, completion, answer))
+            try:
+                r = float(fn(prompt, completion, answer))
+            except JudgeUnavailable as e:
+                if not drop:
+                    raise
+                warnings.warn(f"a sample is dropped: {e}")  # said once per distinct cause; the loop counts them
+                r = math.nan
             parts[name if name not in parts else f"{name}_{i}"] = r
             total += weight * r
         return total, parts
 
-    def score_many(self, rows: list[tuple[str, str, str]], drop: bool = False) -> list:
+    def score_many(self, rows: list[tuple[str, str, str]], drop: bool = False) -> list[tuple[float, dict[str, float]]]:
         """`score` of each (prompt, completion, answer) row, as many at once as the widest reward's
-        `concurrency` allows (a judge's round trips overlap; other rewards run one at a time). A row
-        whose judge gave no score raises JudgeUnavailable, or with drop=True comes back as it."""
-        def one(row: tuple[str, str, str]):
-            try:
-                return self.score(*row)
-            except JudgeUnavailable as e:
-                if not drop:
-                    raise
-                return e
-
+        `concurrency` allows (a judge's round trips overlap; other rewards run one at a time)."""
         with ThreadPoolExecutor(max(getattr(fn, "concurrency", 1) for fn, _ in self.rewards)) as pool:
-            return list(pool.map(one, rows))
+            return list(pool.map(lambda row: self.score(*row, drop=drop), rows))
 
     def correct(self, problem: Problem, completion: str) -> bool:
         return self.rewards[0][0](problem.prompt, completion, problem.answer) >= 1.0

@@ -260,7 +260,7 @@ class TaskRollouts:
             scores = self.task.score_many([(p.prompt, t, p.answer) for p, _, _, t in rows], cfg.judge_down == "drop")
             for i in range(0, len(rows), k):
                 group = [(*row, score) for row, score in zip(rows[i : i + k], scores[i : i + k])]
-                if any(isinstance(score, JudgeUnavailable) for *_, score in group):  # --judge-down drop
+                if any(math.isnan(total) for *_, (total, _) in group):  # an unscored sample (--judge-down drop)
                     dropped.append(group)
                     continue
                 spread = len({total for *_, (total, _) in group}) > 1
@@ -269,23 +269,22 @@ class TaskRollouts:
         self.spread = self.spread[-cfg.batch :]  # "recent": the last batch-many prompts with spread
         # Nothing informative within the bound: train on what there is (no GRPO/RLOO gradient). Dropped
         # groups keep the batch's shape (ranks stay equal) with mask 0: no advantage, no loss, no tokens.
-        groups = kept[:need] or flat[:need]
-        problems, prefixes, samples, texts, scored = zip(*[row for g in groups + dropped[: need - len(groups)] for row in g])
-        lost = [isinstance(r, JudgeUnavailable) for r in scored]
-        batch = self.policy.make_batch(list(prefixes), list(samples), [0.0 if x else r[0] for x, r in zip(lost, scored)],
+        groups = [(g, False) for g in kept[:need] or flat[:need]]
+        groups += [(g, True) for g in dropped[: need - len(groups)]]
+        rows = [(row, lost) for g, lost in groups for row in g]
+        (problems, prefixes, samples, texts, scored), lost = zip(*[row for row, _ in rows]), [x for _, x in rows]
+        batch = self.policy.make_batch(list(prefixes), list(samples), [0.0 if x else t for x, (t, _) in zip(lost, scored)],
                                        [[int(not x)] * len(s.ids) for x, s in zip(lost, samples)])
         batch["group"] = torch.arange(len(problems)) // k  # [N]
         batch["version"] = torch.full((len(problems),), step)  # [N]
-        ok = [r for x, r in zip(lost, scored) if not x]  # (total, parts) of the scored rows
-        self.breakdown = {f"reward_{name}": sum(b[name] for _, b in ok) / len(ok) for name in (ok[0][1] if ok else [])}
-        if dropped:  # counted, and the first cause said once per step
+        # NaN: a judge gave no score; the averages are over the scored samples
+        self.breakdown = {f"reward_{n}": torch.tensor([b[n] for _, b in scored]).nanmean().item() for n in scored[0][1]}
+        if cfg.judge_down == "drop":
             self.breakdown["judge_dropped"] = sum(len(g) for g in dropped)
-            cause = next(r for g in dropped for *_, r in g if isinstance(r, JudgeUnavailable))
-            tqdm.write(f"step {step + 1}: {self.breakdown['judge_dropped']} samples' groups dropped ({cause})")
         if cfg.dynamic_sampling:
             self.breakdown.update(gen_rounds=rounds, gen_frac_zero_std=len(flat) / (len(flat) + len(kept)))
         if step % cfg.eval_every == 0:
-            for p, t, (total, parts) in [(p, t, r) for p, t, x, r in zip(problems, texts, lost, scored) if not x][: cfg.debug_samples]:
+            for p, t, (total, parts) in list(zip(problems, texts, scored))[: cfg.debug_samples]:
                 tqdm.write(f"--- step {step} prompt: {p.prompt!r}\n    completion: {t!r}\n    answer: {p.answer!r} reward {total:.3g}: {parts}")
         return batch
 

@@ -1,6 +1,7 @@
 """The judge client against a real local HTTP server (stdlib, loopback) that answers as a
 chat-completions endpoint would, fails on purpose, or answers garbage."""
 import json
+import math
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -213,9 +214,10 @@ def test_judge_down_mid_run_with_fail_stops_with_one_line_and_keeps_checkpoints(
 def test_judge_down_mid_run_with_drop_runs_on_and_counts(server, tmp_path, tiny, monkeypatch, capfd):
     import utils
     reward = dies_at_call(server, 2 * 8 + 1, Judge("r", server.url, "m", retries=1, backoff=0.01))
-    assert judged_run(monkeypatch, tmp_path, tiny, reward, "--judge-down", "drop") == 0
+    with pytest.warns(UserWarning, match=r"a sample is dropped: judge http://127.0.0.1.*refused"):
+        assert judged_run(monkeypatch, tmp_path, tiny, reward, "--judge-down", "drop") == 0
     m = utils.read_metrics(tmp_path / "run" / "metrics.csv")
-    assert [(s, v) for s, _, v in m["judge_dropped"]] == [(3, 8), (4, 8)]
-    assert [v for _, _, v in m["skipped"]] == [0, 0, 1, 1]
-    assert [v for _, _, v in m["reward_judge"]] == [0.6, 0.6]  # the fake judge's "Score: 6", scored rows only
-    assert capfd.readouterr().out.count("samples' groups dropped (judge http") == 2
+    assert [(s, v) for s, _, v in m["judge_dropped"]] == [(1, 0), (2, 0), (3, 8), (4, 8)]
+    assert [v for _, _, v in m["skipped"]] == [0, 0, 1, 1]  # nothing left to train on: no optimizer step
+    judged = [v for _, _, v in m["reward_judge"]]  # the fake judge's "Score: 6"; NaN: no score
+    assert judged[:2] == [0.6, 0.6] and all(math.isnan(v) for v in judged[2:])
