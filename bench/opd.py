@@ -3,6 +3,7 @@ real-model comparison). The teacher is a checkpoint of an RL run (full fine-tuni
 model directory that --teacher loads:
 
     python bench/opd.py RUN_OR_CKPT OUT_DIR    # a checkpoint (a run: its newest) -> a model directory
+    python bench/opd.py plot OUT label=RUN ...  # accuracy against steps and wall time, metrics copied
 """
 import shutil
 import sys
@@ -27,5 +28,32 @@ def export(run: str, out: str) -> str:
     return out
 
 
+
+
+def plot(out: str, runs: dict[str, str]) -> None:
+    """Held-out accuracy against RL/OPD steps and against wall seconds since step 0, one line per run
+    (label -> run directory); each run's metrics.csv is copied to OUT/<label>.csv."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    fig, (by_step, by_wall) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for label, run in runs.items():
+        shutil.copy(Path(run) / "metrics.csv", Path(out) / f"{label}.csv")
+        acc = [(s, w, v) for s, w, v in utils.read_metrics(Path(run) / "metrics.csv")["eval_accuracy"] if s >= 0]
+        start = acc[0][1]
+        by_step.plot([s for s, _, _ in acc], [v for *_, v in acc], marker=".", label=label)
+        by_wall.plot([w - start for _, w, _ in acc], [v for *_, v in acc], marker=".", label=label)
+    by_step.set(xlabel="step (after the shared start)", ylabel="held-out greedy accuracy")
+    by_wall.set(xlabel="wall seconds since step 0")
+    by_step.legend()
+    fig.tight_layout()
+    fig.savefig(Path(out) / "curve.png", dpi=100)
+
+
 if __name__ == "__main__":
-    print(export(*sys.argv[1:3]))
+    if sys.argv[1] == "plot":  # python bench/opd.py plot OUT label=RUN ...
+        plot(sys.argv[2], dict(a.split("=", 1) for a in sys.argv[3:]))
+    else:
+        print(export(*sys.argv[1:3]))
