@@ -173,14 +173,14 @@ def judged_run(monkeypatch, tmp_path, tiny, reward, *argv):
         name, rewards = "arith_judged", [(tasks.int_correct, 1.0), (reward, 1.0)]
 
     monkeypatch.setitem(tasks.TASKS, "arith_judged", Judged)
-    monkeypatch.setitem(train.TASKS, "arith_judged", train.TaskRollouts)
     return train.main(["--task", "arith_judged", "--model", tiny, "--out", str(tmp_path / "run"), "--no-progress",
                        "--algo", "grpo", "--batch", "8", "--group-size", "4", "--eval-size", "4",
                        "--max-new-tokens", "3", "--steps", "4", "--ckpt-every", "1", *argv])
 
 
 def dies_at_call(server, n, judge):
-    """The judge reward, whose server goes away (connections refused) before call n."""
+    """The judge reward, whose server goes away (connections refused) before call n. Calls come
+    one at a time (a plain function has no `concurrency`): 4 for the eval at step 0, then 8 a step."""
     calls = []
 
     def reward(prompt, completion, answer):
@@ -198,7 +198,7 @@ def dies_at_call(server, n, judge):
 def test_judge_down_mid_run_with_fail_stops_with_one_line_and_keeps_checkpoints(server, tmp_path, tiny, monkeypatch,
                                                                                  capfd):
     import utils
-    reward = dies_at_call(server, 2 * 8 + 1, Judge("r", server.url, "m", retries=1, backoff=0.01))
+    reward = dies_at_call(server, 4 + 2 * 8 + 1, Judge("r", server.url, "m", retries=1, backoff=0.01))
     assert judged_run(monkeypatch, tmp_path, tiny, reward) == 1  # the default: --judge-down fail
     err = capfd.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: judge http://127.0.0.1") and "refused" in err[-1] and "--judge-down drop" in err[-1]
@@ -213,11 +213,11 @@ def test_judge_down_mid_run_with_fail_stops_with_one_line_and_keeps_checkpoints(
 @pytest.mark.usefixtures("one_thread")
 def test_judge_down_mid_run_with_drop_runs_on_and_counts(server, tmp_path, tiny, monkeypatch, capfd):
     import utils
-    reward = dies_at_call(server, 2 * 8 + 1, Judge("r", server.url, "m", retries=1, backoff=0.01))
+    reward = dies_at_call(server, 4 + 2 * 8 + 1, Judge("r", server.url, "m", retries=1, backoff=0.01))
     with pytest.warns(UserWarning, match=r"a sample is dropped: judge http://127.0.0.1.*refused"):
         assert judged_run(monkeypatch, tmp_path, tiny, reward, "--judge-down", "drop") == 0
     m = utils.read_metrics(tmp_path / "run" / "metrics.csv")
-    assert [(s, v) for s, _, v in m["judge_dropped"]] == [(1, 0), (2, 0), (3, 8), (4, 8)]
+    assert [(s, v) for s, _, v in m["judge_dropped_frac"]] == [(1, 0), (2, 0), (3, 1), (4, 1)]
     assert [v for _, _, v in m["skipped"]] == [0, 0, 1, 1]  # nothing left to train on: no optimizer step
     judged = [v for _, _, v in m["reward_judge"]]  # the fake judge's "Score: 6"; NaN: no score
     assert judged[:2] == [0.6, 0.6] and all(math.isnan(v) for v in judged[2:])

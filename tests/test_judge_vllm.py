@@ -28,6 +28,7 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reaso
               pytest.mark.usefixtures("one_thread")]
 RUBRIC = "Grade whether the response is the correct result of the arithmetic in the prompt."
 B = 4  # rows per step: 2 prompts x 2 completions (a request takes seconds on a busy 2-core CPU)
+E = 4  # eval problems: each evaluation asks the judge about its 4 greedy completions too
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,6 @@ def judged_task(monkeypatch, reward):
         name, rewards = "arith_judged", [(tasks.int_correct, 1.0), (reward, 1.0)]  # eval asks only int_correct
 
     monkeypatch.setitem(tasks.TASKS, "arith_judged", Judged)
-    monkeypatch.setitem(train.TASKS, "arith_judged", train.TaskRollouts)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def tiny(tmp_path_factory):
 def config(tiny, tmp_path, *argv):
     return utils.load_config(train.Config, ["--task", "arith_judged", "--model", tiny, "--out", str(tmp_path / "run"),
                                             "--no-progress", "--algo", "grpo", "--batch", str(B), "--group-size", "2",
-                                            "--eval-size", "4", "--max-new-tokens", "4", "--lr", "1e-2", *argv])
+                                            "--eval-size", str(E), "--max-new-tokens", "4", "--lr", "1e-2", *argv])
 
 
 def judge(url, **options):
@@ -122,20 +122,20 @@ def test_judge_scores_reach_the_advantage_and_the_loss(judge_url, tiny, tmp_path
     assert len(reward.scores) == B and all(0 <= s <= 1 and abs(s * 10 - round(s * 10)) < 1e-9 for s in reward.scores)
     rows = []
     for r in range(B):  # the reward of each row, recomputed from the judge's cache and the checker
-        a = batch["mask"][r].nonzero().min().item()
-        completion = policy.decode(batch["tokens"][r, a:][batch["mask"][r, a:] > 0].tolist())
-        prompt = policy.tokenizer.decode(batch["tokens"][r, 1:a].tolist())  # the prompt after <|bos|>
+        a = batch.mask[r].nonzero().min().item()
+        completion = policy.decode(batch.tokens[r, a:][batch.mask[r, a:] > 0].tolist())
+        prompt = policy.tokenizer.decode(batch.tokens[r, 1:a].tolist())  # the prompt after <|bos|>
         problem = next(p for p in (source.task.train_problem(i) for i in range(2)) if p.prompt == prompt)
         rows.append(tasks.int_correct(prompt, completion, problem.answer)
                     + reward.judge.cache[(prompt, completion, RUBRIC)])
     expected = torch.tensor(rows)
-    assert torch.allclose((batch["rewards"] * batch["mask"]).sum(1), expected, atol=1e-6)
+    assert torch.allclose((batch.rewards * batch.mask).sum(1), expected, atol=1e-6)
     g = expected.view(2, 2)
     adv = ((g - g.mean(1, keepdim=True)) / (g.std(1, correction=0, keepdim=True) + 1e-6)).view(B, 1)
-    assert torch.allclose(batch["adv"], adv * batch["mask"], atol=1e-5)
+    assert torch.allclose(batch.adv, adv * batch.mask, atol=1e-5)
     stats = train.update(policy, opt, batch, cfg)
     # One epoch, ratio 1: the clipped surrogate is -sum(adv * weights), token-mean weights.
-    assert stats["loss"] == pytest.approx(-(batch["adv"] * batch["mask"]).sum().item() / batch["mask"].sum().item(),
+    assert stats["loss"] == pytest.approx(-(batch.adv * batch.mask).sum().item() / batch.mask.sum().item(),
                                           abs=1e-6)
     assert len(reward.scores) == B  # no second request: the loop reads the scores it was given
 
@@ -145,16 +145,16 @@ def test_logged_judge_reward_is_the_mean_of_the_judges_scores(judge_url, tiny, t
     judged_task(monkeypatch, reward)
     out = train.train(config(tiny, tmp_path, "--steps", "2"))
     m = utils.read_metrics(out / "metrics.csv")
-    assert len(reward.scores) == 2 * B
+    assert len(reward.scores) == E + 2 * B + E  # eval at step 0, two steps, the final eval
     for step in range(2):
-        scores = reward.scores[step * B : (step + 1) * B]
+        scores = reward.scores[E + step * B : E + (step + 1) * B]
         assert m["reward_judge"][step][2] == pytest.approx(sum(scores) / B, abs=1e-6)
         assert m["reward"][step][2] == pytest.approx(m["reward_int_correct"][step][2] + sum(scores) / B, abs=1e-6)
 
 
 def test_judge_killed_mid_run_with_drop_masks_out_and_counts_the_rest(judge_url, tiny, tmp_path, monkeypatch):
     def kill(call):
-        if call == B + 1:  # the judge dies as step 2 is scored
+        if call == E + B + 1:  # the judge dies as step 2 is scored
             proc = url_proc[judge_url]
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -165,7 +165,7 @@ def test_judge_killed_mid_run_with_drop_masks_out_and_counts_the_rest(judge_url,
         out = train.train(config(tiny, tmp_path, "--steps", "3", "--judge-down", "drop", "--ckpt-every", "1"))
     m = utils.read_metrics(out / "metrics.csv")
     assert [v for _, _, v in m["skipped"]] == [0, 1, 1]  # no token left to train on: no optimizer step
-    assert [(s, v) for s, _, v in m["judge_dropped"]] == [(1, 0), (2, B), (3, B)]
+    assert [(s, v) for s, _, v in m["judge_dropped_frac"]] == [(1, 0), (2, 1), (3, 1)]
     assert [math.isnan(v) for _, _, v in m["reward_judge"]] == [False, True, True]  # NaN: no score
     a, b = (load_file(str(out / f"ckpt-{s:07d}" / "weights.safetensors")) for s in (1, 3))
     assert all(torch.equal(a[k], b[k]) for k in a)  # the dropped steps left the weights alone

@@ -32,24 +32,24 @@ def reference_logp(model_dir, batch):
     from transformers import AutoModelForCausalLM
     lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
-        logits = lm(input_ids=batch["tokens"], attention_mask=batch["attn"].long()).logits  # [N, L, V]
-    out = torch.zeros_like(batch["mask"])
-    out[:, 1:] = F.log_softmax(logits[:, :-1].float(), -1).gather(-1, batch["tokens"][:, 1:, None]).squeeze(-1)
-    return out * batch["mask"]  # [N, L]
+        logits = lm(input_ids=batch.tokens, attention_mask=batch.attn.long()).logits  # [N, L, V]
+    out = torch.zeros_like(batch.mask)
+    out[:, 1:] = F.log_softmax(logits[:, :-1].float(), -1).gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
+    return out * batch.mask  # [N, L]
 
 
 @pytest.mark.parametrize("micro_batch", ["0", "3"])
 def test_opd_advantage_is_teacher_minus_student_logp_token_by_token(models, micro_batch):
     student, teacher = models
     cfg, policy, _, source, t = setup(student, teacher, "--micro-batch", micro_batch)
-    batch = train.prepare(policy, source.next(0), cfg, t)
-    mask = batch["mask"]
+    batch = train.prepare(policy, source.next(0), cfg, teacher=t)
+    mask = batch.mask
     expected = reference_logp(teacher, batch) - reference_logp(student, batch)  # LoRA B = 0: the student is its base
-    assert mask.sum() > 8 and (batch["adv"][mask == 0] == 0).all()  # masked like the loss
-    assert torch.allclose(batch["adv"], expected, atol=1e-5)
+    assert mask.sum() > 8 and (batch.adv[mask == 0] == 0).all()  # masked like the loss
+    assert torch.allclose(batch.adv, expected, atol=1e-5)
     assert expected.abs().max() > 0.1  # two different models: the test can fail
     kl = ((reference_logp(student, batch) - reference_logp(teacher, batch)) * mask).sum() / mask.sum()
-    assert batch["metrics"]["opd_reverse_kl"] == pytest.approx(kl.item(), abs=1e-5)
+    assert batch.metrics["opd_reverse_kl"] == pytest.approx(kl.item(), abs=1e-5)
 
 
 @pytest.mark.parametrize("lora", ["--lora", "--no-lora"])
@@ -58,12 +58,12 @@ def test_teacher_equal_to_student_gives_zero_advantage_and_leaves_the_weights_bi
     cfg, policy, opt, source, t = setup(student, student, lora, "--lr", "0.1")
     before = {k: v.clone() for k, v in policy.trainable_state().items()}
     for step in range(2):
-        batch = train.prepare(policy, source.next(step), cfg, t)
+        batch = train.prepare(policy, source.next(step), cfg, teacher=t)
         # The same weights through the same code: equal bit for bit, so the advantage is exactly 0
         # (LoRA's zero-initialised B adds exact zeros). Zero advantage gives exactly zero gradients,
         # and Adam's first steps from zero moments move nothing: the update is a no-op, bitwise.
-        assert torch.equal(batch["adv"], torch.zeros_like(batch["adv"])) and batch["mask"].sum() > 0
-        assert batch["metrics"]["opd_reverse_kl"] == 0.0
+        assert torch.equal(batch.adv, torch.zeros_like(batch.adv)) and batch.mask.sum() > 0
+        assert batch.metrics["opd_reverse_kl"] == 0.0
         stats = train.update(policy, opt, batch, cfg)
         assert stats["grad_norm"] == 0.0
     after = policy.trainable_state()
@@ -74,14 +74,14 @@ def test_reward_coef_mixes_the_task_return_in(models):
     student, teacher = models
     cfg, policy, _, source, t = setup(student, teacher, "--opd-reward-coef", "0.5")
     batch = source.next(0)
-    batch["rewards"] = torch.rand(batch["rewards"].shape) * batch["mask"]  # dense, so that the mix is visible
-    batch = train.prepare(policy, batch, cfg, t)
-    m, r = batch["mask"], batch["rewards"]
+    batch.rewards = torch.rand(batch.rewards.shape) * batch.mask  # dense, so that the mix is visible
+    batch = train.prepare(policy, batch, cfg, teacher=t)
+    m, r = batch.mask, batch.rewards
     g = r.clone()  # the discounted return, written out: G_t = r_t + gamma G_{t+1} within the completion
     for t in reversed(range(r.shape[1] - 1)):
         g[:, t] += cfg.gamma * g[:, t + 1] * m[:, t + 1]
-    expected = (batch["teacher_logp"] - batch["old_logp"]) * m + 0.5 * g * m
-    assert torch.allclose(batch["adv"], expected, atol=1e-6)
+    expected = (batch.teacher_logp - batch.old_logp) * m + 0.5 * g * m
+    assert torch.allclose(batch.adv, expected, atol=1e-6)
 
 
 @pytest.mark.parametrize("argv, message", [
