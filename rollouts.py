@@ -150,12 +150,16 @@ class Row(NamedTuple):
 def rollout_single(policy, task: tasks.Task, problems: list[Problem], group_size: int, max_new_tokens: int,
                    gen_batch: int, greedy: bool = False, drop: bool = False) -> list[list[Row]]:
     """group_size completions per problem, scored by the task's reward functions: a group per problem.
-    All rows are scored at once, so a judge's round trips overlap; drop: see Task.score."""
+    All rows are scored at once, `concurrency` at a time, so a judge's round trips overlap; drop:
+    see Task.score."""
     prefixes = [policy.encode_prompt(p.prompt) for p in problems]
     rows = [(p, x) for p, x in zip(problems, prefixes) for _ in range(group_size)]
     samples = policy.generate([x for _, x in rows], max_new_tokens, gen_batch, greedy=greedy)
     texts = [policy.decode(s.ids) for s in samples]
-    scores = task.score_many([(p.prompt, t, p.answer) for (p, _), t in zip(rows, texts)], drop)
+    width = max(getattr(fn, "concurrency", 1) for fn, _ in task.rewards)  # only a judge scores in parallel
+    with ThreadPoolExecutor(width) as pool:
+        scores = list(pool.map(lambda p, t: task.score(p.prompt, t, p.answer, drop), [p for p, _ in rows],
+                                texts))
     out = [Row(p, x, s, t, *score) for (p, x), s, t, score in zip(rows, samples, texts, scores)]
     return [out[i : i + group_size] for i in range(0, len(out), group_size)]
 

@@ -26,7 +26,6 @@ import operator
 import random
 import re
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -241,7 +240,8 @@ class Task:
     def eval_problems(self) -> list[Problem]:
         return list(self._eval)
 
-    def score(self, prompt: str, completion: str, answer: str, drop: bool = False) -> tuple[float, dict[str, float]]:
+    def score(self, prompt: str, completion: str, answer: str,
+              drop: bool = False) -> tuple[float, dict[str, float]]:
         """Weighted total, and each reward's unweighted value keyed by its function's name. A judge
         without a score raises JudgeUnavailable, or with drop=True scores NaN (and so does the total)."""
         total, parts = 0.0, {}
@@ -252,17 +252,11 @@ class Task:
             except JudgeUnavailable as e:
                 if not drop:
                     raise
-                warnings.warn(f"a sample is dropped: {e}")  # said once per distinct cause; the loop counts them
+                warnings.warn(f"a sample is dropped: {e}")  # once per distinct cause; the loop counts them
                 r = math.nan
             parts[name if name not in parts else f"{name}_{i}"] = r
             total += weight * r
         return total, parts
-
-    def score_many(self, rows: list[tuple[str, str, str]], drop: bool = False) -> list[tuple[float, dict[str, float]]]:
-        """`score` of each (prompt, completion, answer) row, as many at once as the widest reward's
-        `concurrency` allows (a judge's round trips overlap; other rewards run one at a time)."""
-        with ThreadPoolExecutor(max(getattr(fn, "concurrency", 1) for fn, _ in self.rewards)) as pool:
-            return list(pool.map(lambda row: self.score(*row, drop=drop), rows))
 
     def correct(self, problem: Problem, completion: str) -> bool:
         return self.rewards[0][0](problem.prompt, completion, problem.answer) >= 1.0
