@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
+from judge import JudgeUnavailable
+
 Reward = Callable[[str, str, str], float]  # (prompt, completion, answer) -> reward
 
 
@@ -244,12 +246,20 @@ class Task:
     def eval_problems(self) -> list[Problem]:
         return list(self._eval)
 
-    def score(self, prompt: str, completion: str, answer: str) -> tuple[float, dict[str, float]]:
-        """Weighted total, and each reward's unweighted value keyed by its function's name."""
+    def score(self, prompt: str, completion: str, answer: str,
+              drop: bool = False) -> tuple[float, dict[str, float]]:
+        """Weighted total, and each reward's unweighted value keyed by its function's name. A judge
+        without a score raises JudgeUnavailable, or with drop=True scores NaN (and so does the total)."""
         total, parts = 0.0, {}
         for i, (fn, weight) in enumerate(self.rewards):
             name = getattr(fn, "__name__", f"reward{i}")
-            r = float(fn(prompt, completion, answer))
+            try:
+                r = float(fn(prompt, completion, answer))
+            except JudgeUnavailable as e:
+                if not drop:
+                    raise
+                warnings.warn(f"a sample is dropped: {e}")  # once per distinct cause; the loop counts them
+                r = math.nan
             parts[name if name not in parts else f"{name}_{i}"] = r
             total += weight * r
         return total, parts
