@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
+import json
 import os
 import selectors
 import shutil
@@ -218,23 +218,49 @@ def _read_all(files, cap: int, deadline: float) -> tuple[list[bytes], bool, bool
 
 
 # ---------------------------------------------------------------- SQL tool on read-only SQLite
-_SQL_ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
+# Runs as a child process: one SQLite call can run for minutes without a progress callback
+# (printf('%.*c', 999999999, x)), and sorts and DISTINCT tables grow without bound, so the wall
+# clock is a kill and memory an rlimit. Temp tables stay in memory (under RLIMIT_AS), never on disk.
+_SQL_CHILD = r"""
+import json, resource, sqlite3, sys
+path, query, max_rows, max_bytes, mem = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
+for r, v in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_FSIZE, 0), (resource.RLIMIT_CORE, 0)):
+    resource.setrlimit(r, (v, v))
+ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
+try:
+    con = sqlite3.connect(path, uri=True)
+    con.execute("PRAGMA temp_store = MEMORY")
+    con.set_authorizer(lambda action, *_: sqlite3.SQLITE_OK if action in ALLOWED else sqlite3.SQLITE_DENY)
+    con.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 1_000_000)  # no string or blob over 1 MB
+    cur, rows, size = con.execute(query), [], 0
+    while len(rows) <= max_rows and (row := cur.fetchone()) is not None:
+        rows.append([{"blob": v.hex()} if isinstance(v, bytes) else v for v in row])
+        if (size := size + len(repr(row))) > max_bytes:
+            raise sqlite3.DataError(f"result over {max_bytes} bytes: select fewer or shorter rows")
+    out = {"columns": [d[0] for d in cur.description or []], "rows": rows}
+except (sqlite3.Error, MemoryError) as e:
+    out = {"error": type(e).__name__, "message": str(e) or "out of memory"}
+sys.stdout.write(json.dumps(out))
+"""
 
 
-def run_sql(path: str, query: str, *, max_rows: int = 1000, max_steps: int = 10_000_000,
+def run_sql(path: str, query: str, *, max_rows: int = 1000, max_bytes: int = 8 << 20, mem_mb: int = 256,
             timeout_s: float = 2.0) -> tuple[list[str], list[tuple], bool]:
     """(column names, at most max_rows rows, whether more exist) of one query on a read-only
-    connection whose authorizer allows only reading (no ATTACH, PRAGMA, writes or DDL); a query
-    past `max_steps` VM steps or `timeout_s` seconds is interrupted. Raises sqlite3.Error ("not
-    authorized", "interrupted", syntax errors, more than one statement)."""
-    con = sqlite3.connect(Path(path).resolve().as_uri() + "?mode=ro", uri=True)
+    connection whose authorizer allows only reading (no ATTACH, PRAGMA, writes or DDL), in a child
+    process killed after `timeout_s` and limited to mem_mb of address space, strings and blobs of
+    1 MB and max_bytes of results. Raises sqlite3.Error ("not authorized", "interrupted", syntax
+    errors, more than one statement, out of memory)."""
+    uri = Path(path).resolve().as_uri() + "?mode=ro"
+    args = [sys.executable, "-I", "-S", "-c", _SQL_CHILD, uri, query, str(max_rows), str(max_bytes), str(mem_mb << 20)]
     try:
-        con.set_authorizer(lambda action, *_: sqlite3.SQLITE_OK if action in _SQL_ALLOWED else sqlite3.SQLITE_DENY)
-        con.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 1_000_000)  # zeroblob(1e9) cannot fill the trainer's memory
-        deadline, calls = time.monotonic() + timeout_s, itertools.count(1)
-        con.set_progress_handler(lambda: next(calls) * 1000 > max_steps or time.monotonic() > deadline, 1000)
-        cur = con.execute(query)
-        rows = cur.fetchmany(max_rows + 1)
-        return [d[0] for d in cur.description or []], rows[:max_rows], len(rows) > max_rows
-    finally:
-        con.close()
+        r = subprocess.run(args, capture_output=True, timeout=timeout_s + 0.5, env={}, stdin=subprocess.DEVNULL)
+        out = json.loads(r.stdout, object_hook=lambda d: bytes.fromhex(d["blob"]) if "blob" in d else d)
+    except subprocess.TimeoutExpired:  # run() has killed it
+        raise sqlite3.OperationalError(f"interrupted: the query ran over {timeout_s} s") from None
+    except ValueError:  # no JSON: the child died
+        raise sqlite3.OperationalError(f"query process failed ({r.returncode}): {r.stderr[-200:]!r}") from None
+    if "error" in out:
+        raise getattr(sqlite3, out["error"], sqlite3.OperationalError)(out["message"])
+    rows = [tuple(r) for r in out["rows"]]
+    return out["columns"], rows[:max_rows], len(rows) > max_rows

@@ -5,6 +5,7 @@ import os
 import random
 import signal
 import socket
+import sqlite3
 import tempfile
 import time
 from pathlib import Path
@@ -238,3 +239,45 @@ def test_without_user_namespaces_an_ordinary_user_is_refused_in_one_line_unless_
     assert refused.startswith("sandbox: cannot isolate model code here (sandbox setup failed: unshare:")
     assert "NANORL_SANDBOX=weak" in refused and "\n" not in refused
     assert escape_suite_as("nanorl-tester", "--plan", "--no-userns", "--weak")[1:] == [0, 0]
+
+
+# ---------------------------------------------------------------- SQL: limits a query cannot call its way out of
+SORT_BLOBS = ("WITH RECURSIVE r(i, b) AS (SELECT 1, zeroblob(900000) UNION ALL SELECT i + 1, zeroblob(900000) FROM r "
+              "LIMIT 3000) SELECT i, length(b) FROM r ORDER BY b DESC LIMIT 1")  # a 2.7 GB sort
+
+
+def peak_rss_mb(reset: bool = False) -> int:
+    if reset:  # "5" resets the peak (VmHWM) to the current RSS
+        Path("/proc/self/clear_refs").write_text("5")
+    return int(Path("/proc/self/status").read_text().split("VmHWM:")[1].split()[0]) >> 10
+
+
+def test_sql_one_function_call_cannot_outrun_the_wall_clock():
+    from envs import sql_database
+
+    start = time.monotonic()
+    with pytest.raises(sqlite3.OperationalError, match="interrupted"):  # ran 25 s in one printf call in-process
+        sandbox.run_sql(sql_database("shop"), "SELECT length(printf('%.*c', 999999999, name)) FROM customers",
+                        timeout_s=1.0)
+    assert time.monotonic() - start < 2.5
+
+
+def test_eight_concurrent_runaway_queries_leave_the_callers_memory_flat():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from envs import sql_database
+
+    path, errors = sql_database("shop"), []
+    before = peak_rss_mb(reset=True)
+
+    def attack(query):
+        with pytest.raises(sqlite3.Error) as e:
+            sandbox.run_sql(path, query, timeout_s=3.0)
+        errors.append(str(e.value))
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(attack, [SORT_BLOBS] * 4 + [SORT_BLOBS.replace("UNION ALL", "UNION")] * 4))
+    assert len(errors) == 8 and peak_rss_mb() - before < 50, (errors, before, peak_rss_mb())
+    with pytest.raises(sqlite3.DataError, match="result over"):  # 1,000 rows of 900 kB: 900 MB of results
+        sandbox.run_sql(path, "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r LIMIT 1000) "
+                              "SELECT zeroblob(900000) FROM r")
