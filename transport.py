@@ -187,7 +187,8 @@ class Server(ThreadingHTTPServer):
     def admit(self, request, seconds: float):
         """An authenticated request gets `seconds` more to send its body and read the reply."""
         with self.lock:
-            self.conns[request] = (time.monotonic() + seconds, True)
+            if request in self.conns:  # not already evicted
+                self.conns[request] = (time.monotonic() + seconds, True)
 
     def hold(self, n: int) -> bool:
         """Accounts n more (or, negative, fewer) bytes of request bodies; False past max_body in all."""
