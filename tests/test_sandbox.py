@@ -241,6 +241,13 @@ def test_without_user_namespaces_an_ordinary_user_is_refused_in_one_line_unless_
     assert escape_suite_as("nanorl-tester", "--plan", "--no-userns", "--weak")[1:] == [0, 0]
 
 
+@as_root
+def test_root_where_unshare_is_denied_is_refused_unless_weak_which_keeps_the_uid_per_run():
+    refused = escape_suite_as("root", "--plan", "--no-unshare")  # a seccomp filter, as Docker's default profile
+    assert refused.startswith("sandbox: cannot isolate model code here (sandbox setup failed: unshare: Operation")
+    assert escape_suite_as("root", "--plan", "--no-unshare", "--weak")[1:] == [0, SANDBOX_UID_BASE]
+
+
 # ---------------------------------------------------------------- SQL: limits a query cannot call its way out of
 SORT_BLOBS = ("WITH RECURSIVE r(i, b) AS (SELECT 1, zeroblob(900000) UNION ALL SELECT i + 1, zeroblob(900000) FROM r "
               "LIMIT 3000) SELECT i, length(b) FROM r ORDER BY b DESC LIMIT 1")  # a 2.7 GB sort
