@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import sandbox
 import serve
 import utils
 from algos import (AGGREGATIONS, ALGOS, EPS, GROUPED, IS_LEVELS, KL, LOSSES, group_baseline,
@@ -180,6 +181,11 @@ def validate_task(cfg: Config) -> None:
     if cfg.overlong_buffer and (not single or not 0 < cfg.overlong_buffer <= cfg.max_new_tokens):
         raise err(f"--overlong-buffer is for single-turn LLM tasks, in 1..--max-new-tokens "
                   f"(got {cfg.overlong_buffer})")
+    if cfg.task == "python_tool":  # model code runs only where the sandbox isolates it, or weakly by name
+        try:
+            sandbox.sandbox_plan()
+        except sandbox.SandboxUnavailable as e:
+            raise err(str(e)) from None
     if cfg.task in CONTROL:  # the text and token options mean nothing there
         llm = [f for f in ("sft_steps", "mask_truncated", "dynamic_sampling", "prompt_reweight", "kl_coef",
                            "overlong_buffer", "pass_k", "debug_samples") if getattr(cfg, f)]
