@@ -44,7 +44,8 @@ class SandboxUnavailable(RuntimeError):
 _LAUNCHER = r"""
 import ctypes, os, resource, select, signal, struct, sys
 status, flags, uid_base, cpu, mem, fsize, nofile, nproc, files = map(int, sys.argv[1:10])
-NEWNS, NEWUSER, NEWPID, NOSUID, NODEV, NOEXEC, BIND, REC_PRIVATE = 0x20000, 0x10000000, 0x20000000, 2, 4, 8, 4096, 0x44000
+NEWNS, NEWUSER, NEWPID = 0x20000, 0x10000000, 0x20000000
+NOSUID, NODEV, NOEXEC, BIND, REC_PRIVATE = 2, 4, 8, 4096, 0x44000
 libc = ctypes.CDLL(None, use_errno=True)
 def check(ok, what):
     if not ok:
@@ -252,7 +253,7 @@ def run_sql(path: str, query: str, *, max_rows: int = 1000, max_bytes: int = 8 <
     1 MB and max_bytes of results. Raises sqlite3.Error ("not authorized", "interrupted", syntax
     errors, more than one statement, out of memory)."""
     uri = Path(path).resolve().as_uri() + "?mode=ro"
-    args = [sys.executable, "-I", "-S", "-c", _SQL_CHILD, uri, query, str(max_rows), str(max_bytes), str(mem_mb << 20)]
+    args = [sys.executable, "-I", "-S", "-c", _SQL_CHILD, uri, query, *map(str, (max_rows, max_bytes, mem_mb << 20))]
     try:
         r = subprocess.run(args, capture_output=True, timeout=timeout_s + 0.5, env={}, stdin=subprocess.DEVNULL)
         out = json.loads(r.stdout, object_hook=lambda d: bytes.fromhex(d["blob"]) if "blob" in d else d)

@@ -64,7 +64,7 @@ def check_batch(t: dict, k: int, newest: int, vocab: int, max_len: int, max_grou
     if missing or extra or t["tokens"].ndim != 2:
         return f"batch keys: missing {missing}, unexpected {extra}" if missing or extra else "tokens must be [N, L]"
     if keys not in (None, set(t)) or len(MULTITURN & set(t)) not in (0, len(MULTITURN)):
-        return f"batch keys {sorted(t)}; this run's are {sorted(keys or [])} ({', '.join(sorted(MULTITURN))}: all or none)"
+        return f"batch keys {sorted(t)}; this run's: {sorted(keys or [])} ({sorted(MULTITURN)}: all or none)"
     N, L = t["tokens"].shape
     if L > max_len or N > max_groups * k:
         return f"{N} rows of {L} tokens; at most {max_groups} groups of {k} rows of at most {max_len} tokens"
@@ -252,11 +252,13 @@ def spawn_workers(cfg, url: str, token: str) -> list[subprocess.Popen]:
     match) and the token, without torchrun's rank variables."""
     ranks = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
     env = {k: v for k, v in os.environ.items() if k not in ranks}
-    with tempfile.TemporaryDirectory(prefix="nanorl-worker-") as tmp:  # the config goes through a pipe: no file stays
-        utils.save_config(replace(cfg, role="rollout", trainer_url=url, workers=0, out="", resume=""), Path(tmp) / "c")
-        config = (Path(tmp) / "c").read_bytes()
+    with tempfile.TemporaryDirectory(prefix="nanorl-worker-") as tmp:  # the config goes by pipe: no file stays
+        path = Path(tmp) / "config.yaml"
+        utils.save_config(replace(cfg, role="rollout", trainer_url=url, workers=0, out="", resume=""), path)
+        config = path.read_bytes()
     argv = [sys.executable, str(Path(__file__).with_name("train.py")), "--config", "/dev/stdin"]
-    procs = [subprocess.Popen(argv, env=env | {"NANORL_TOKEN": token}, stdin=subprocess.PIPE) for _ in range(cfg.workers)]
+    procs = [subprocess.Popen(argv, env=env | {"NANORL_TOKEN": token}, stdin=subprocess.PIPE)
+             for _ in range(cfg.workers)]
     for p in procs:
         p.stdin.write(config)
         p.stdin.close()
