@@ -212,7 +212,8 @@ class Inbox:
                         got.append(g)
             meta = dict(queue_depth=len(self.queue), live_workers=len(self.live()),
                         sync_bytes=len(self.payload), sync_publish_s=self.publish_s,
-                        sync_apply_s=statistics.median(self.apply_s or [0.0]), **self.counts)
+                        sync_apply_s=statistics.median(self.apply_s or [0.0]), **self.counts,
+                        **self.server.counts)  # refused requests (http_401, ...) and dropped connections
             for k in {k for m in self.rollout_metrics for k in m}:  # the workers' source.metrics(), averaged
                 meta[k] = statistics.mean(m[k] for m in self.rollout_metrics if k in m)
             self.apply_s, self.rollout_metrics = [], []
