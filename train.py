@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import sandbox
 import serve
 import tasks
 import utils
@@ -208,6 +209,11 @@ def validate_task(cfg: Config) -> None:
     if (cfg.algo == "opd") != bool(cfg.teacher) or (cfg.teacher and cfg.task in CONTROL):
         raise err("--algo opd and --teacher MODEL go together, on LLM tasks: the teacher scores the "
                   "student's samples")
+    if cfg.task == "python_tool":  # model code runs only where the sandbox isolates it, or weakly by name
+        try:
+            sandbox.sandbox_plan()
+        except sandbox.SandboxUnavailable as e:
+            raise err(str(e)) from None
     if cfg.task in CONTROL:  # the text and token options mean nothing there
         llm = [f for f in ("sft_steps", "mask_truncated", "dynamic_sampling", "prompt_reweight", "kl_coef",
                            "overlong_buffer", "pass_k", "debug_samples") if getattr(cfg, f)]
