@@ -70,6 +70,8 @@ class Config:
     ckpt_every: int = 50  # steps between checkpoints (a final one is always written)
     keep_ckpts: int = 3  # older checkpoints are deleted; 3 survives one corrupt write with margin
     progress: bool = True  # tqdm progress bar; --no-progress for logs and CI
+    log: str = ""  # loggers besides metrics.csv, comma-separated: tensorboard, wandb (offline unless WANDB_MODE is set)
+    samples: int = 4  # training rollouts per step written to samples.jsonl (every eval problem is always written)
     # ---- language-model tasks (everything below is ignored by cartpole)
     model: str = "tiny"  # HF hub id or local dir; "tiny" builds a small Llama locally, no download
     lora: bool = True  # LoRA: ~1% of the weights train and the KL reference costs no memory
@@ -120,10 +122,9 @@ class Config:
 def validate(cfg: Config) -> None:
     """Rejects impossible combinations up front, naming the fix."""
     err = utils.ConfigError
-    if cfg.algo not in ALGOS:
-        raise err(f"unknown --algo '{cfg.algo}'{utils.closest(cfg.algo, ALGOS)} (choices: {', '.join(ALGOS)})")
-    if cfg.task not in TASKS:
-        raise err(f"unknown --task '{cfg.task}'{utils.closest(cfg.task, TASKS)} (choices: {', '.join(TASKS)})")
+    for name, valid in CHOICES.items():
+        if (value := getattr(cfg, name)) not in valid:
+            raise err(f"unknown --{name.replace('_', '-')} '{value}'{utils.closest(value, valid)} (choices: {', '.join(valid)})")
     if cfg.algo in GROUPED and cfg.group_size < 2:
         raise err(f"--algo {cfg.algo} needs --group-size >= 2 (got {cfg.group_size}); try --group-size 8")
     if cfg.batch < 1 or cfg.batch % cfg.group_size:
@@ -139,10 +140,6 @@ def validate(cfg: Config) -> None:
                   f"whole groups of --group-size x --minibatches); try --batch {unit * -(-cfg.batch // unit)}")
     if not (0 < cfg.gamma <= 1 and 0 <= cfg.lam <= 1 and cfg.lr > 0):
         raise err("need 0 < gamma <= 1, 0 <= lam <= 1 and lr > 0")
-    for name, valid in {"loss": LOSSES, "loss_agg": AGGREGATIONS, "kl_estimator": KL, "tis": IS_LEVELS, "mis": IS_LEVELS}.items():
-        if getattr(cfg, name) not in valid:
-            value = getattr(cfg, name)
-            raise err(f"unknown --{name.replace('_', '-')} '{value}'{utils.closest(value, valid)} (choices: {', '.join(valid)})")
     if not (0 < cfg.eps_low <= 1 and cfg.eps_high > 0) or 0 < cfg.dual_clip <= 1:
         raise err(f"need 0 < eps_low <= 1, eps_high > 0 and dual_clip 0 (off) or > 1 (got {cfg.eps_low}, {cfg.eps_high}, {cfg.dual_clip})")
     if cfg.tis_cap < 1 or not 0 < cfg.mis_low <= 1 <= cfg.mis_high:
@@ -158,14 +155,12 @@ def validate(cfg: Config) -> None:
     if (cfg.vf_clip or cfg.critic_max_grad_norm) and cfg.algo != "ppo":
         raise err(f"--vf-clip and --critic-max-grad-norm tune PPO's critic, and the --algo {cfg.algo} policy has none; "
                   "use --algo ppo or drop them")
-    if cfg.bad_rows not in ("skip", "error"):
-        raise err(f"--bad-rows must be skip or error (got {cfg.bad_rows})")
+    if set(filter(None, cfg.log.split(","))) - set(utils.LOGGERS):
+        raise err(f"--log {cfg.log}: choose from {', '.join(utils.LOGGERS)}, comma-separated (metrics.csv is always written)")
     if cfg.resume and not Path(cfg.resume).is_dir():
         raise err(f"--resume {cfg.resume}: no such run directory")
     if cfg.role != "sync" and cfg.task in CONTROL:
         raise err(f"--role {cfg.role} is for LLM tasks; {cfg.task} runs in one process (--role sync)")
-    if cfg.role not in ("sync", "trainer", "rollout"):
-        raise err(f"--role must be sync, trainer or rollout (got {cfg.role!r})")
     if cfg.role == "rollout" and not cfg.trainer_url:
         raise err("--role rollout needs --trainer-url http://HOST:PORT (the trainer prints it when it starts)")
     if cfg.vllm and (cfg.role != "rollout" or not cfg.lora):
@@ -329,6 +324,9 @@ class EnvRollouts(TaskRollouts):
 
 CONTROL = {"cartpole": ControlRollouts}
 TASKS = {**CONTROL, **{name: TaskRollouts for name in tasks.TASKS}, **{name: EnvRollouts for name in TEXT_ENVS}}
+# Fields with a fixed set of values: validate() checks them first, and --help lists them.
+CHOICES = {"task": TASKS, "algo": ALGOS, "loss": LOSSES, "loss_agg": AGGREGATIONS, "kl_estimator": KL, "tis": IS_LEVELS,
+           "mis": IS_LEVELS, "bad_rows": ("skip", "error"), "role": ("sync", "trainer", "rollout")}
 
 
 def build(cfg: Config):
@@ -501,17 +499,21 @@ def train(cfg: Config) -> Path:
     policy, opt, source = build(cfg)
     lead = utils.rank() == 0  # under torchrun only rank 0 writes: logs, checkpoints, the plot
     out = run_dir(cfg)
-    start, wall = 0, 0.0
+    start, wall, meta = 0, 0.0, None
     if cfg.resume:  # every rank reads the checkpoint: multi-node runs need --out on shared storage
-        meta = utils.load_checkpoint(utils.latest_checkpoint(out), policy, opt)
-        start, wall = meta["step"], meta["wall_s"]
-        source.load_state(meta["source"])
+        if meta := utils.resume_checkpoint(out, policy, opt):
+            start, wall = meta["step"], meta["wall_s"]
+            source.load_state(meta["source"])
+        else:
+            utils.stderr(f"--resume {out}: no checkpoint loads; starting the run over")
     utils.split_rng()  # after any restored RNG state: ranks must not sample identical tokens
     if lead:
         out.mkdir(parents=True, exist_ok=True)
         utils.save_config(cfg, out / "config.yaml")
-    log = utils.Metrics(out, wall_offset=wall) if lead else utils.NoMetrics()
-    if cfg.sft_steps and not cfg.resume:
+    # A resumed run rewrites what came after its checkpoint (everything, when there is none).
+    resumed_at = (start if meta else -cfg.sft_steps - 1) if cfg.resume else None
+    log = utils.Metrics(out, cfg.log, wall, resumed_at) if lead else utils.NoMetrics()
+    if cfg.sft_steps and not meta:
         log.log(-cfg.sft_steps, {f"{k}_before_sft": v for k, v in source.evaluate().items()})
         warm_start(policy, source, cfg, log)
     if start == 0:
@@ -571,7 +573,7 @@ def train(cfg: Config) -> Path:
 
 def main(argv: list[str]) -> int:
     try:
-        cfg = utils.load_config(Config, argv)
+        cfg = utils.load_config(Config, argv, CHOICES)
         if cfg.role == "rollout":  # a worker generates and never trains
             validate(cfg)
             return serve.run_worker(cfg, build)

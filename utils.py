@@ -7,8 +7,10 @@ import csv
 import dataclasses
 import datetime
 import difflib
+import inspect
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 import yaml
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: F401 (train.py: torchrun then reports a failed rank's traceback)
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 
@@ -52,17 +55,33 @@ def coerce(field: dataclasses.Field, value, source: str):
     raise ConfigError(f"{source}: '{field.name}' must be {kind}, got {value!r}")
 
 
-def load_config(cls, argv: list[str]):
-    """Defaults <- --config YAML <- command-line flags. Unknown keys stop the run."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    parser = argparse.ArgumentParser(description=cls.__doc__, allow_abbrev=False)
+def field_docs(cls) -> dict[str, tuple[str, str]]:
+    """Field -> (section, trailing comment), read from the class source: the comments are the documentation."""
+    docs, section = {}, "run"
+    for line in inspect.getsource(cls).splitlines():
+        if m := re.match(r"\s*# ---- (.*)", line):
+            section = m[1]
+        elif m := re.match(r"\s*(\w+): [\w\[\], |]+ = .*?  # (.*)", line):
+            docs[m[1]] = (section, m[2])
+    return docs
+
+
+def load_config(cls, argv: list[str], choices: dict | None = None):
+    """Defaults <- --config YAML <- command-line flags. Unknown keys stop the run. --help shows each
+    field's comment, default and choices, grouped by the class's `# ----` sections."""
+    fields, docs, groups = {f.name: f for f in dataclasses.fields(cls)}, field_docs(cls), {}
+    parser = argparse.ArgumentParser(description=cls.__doc__, allow_abbrev=False, usage="%(prog)s [--config YAML] [--FLAG VALUE ...]")
     parser.add_argument("--config", help="YAML preset in configs/; flags override it")
     for f in fields.values():
+        section, comment = docs.get(f.name, ("run", ""))
+        group = groups.get(section) or groups.setdefault(section, parser.add_argument_group(section))
+        listed = f"choices: {', '.join(choices[f.name])}; " if f.name in (choices or {}) else ""
+        text = f"{comment} ({listed}default: {f.default!r})".replace("%", "%%")
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            parser.add_argument(flag, default=None)
+            group.add_argument(flag, default=None, help=text, metavar=f.type.upper() if isinstance(f.type, str) else None)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         bad = unknown[0].split("=")[0]
@@ -97,16 +116,23 @@ def save_config(cfg, path: Path) -> None:
 
 # ---------------------------------------------------------------- metrics
 class Metrics:
-    """metrics.csv in long format (step, wall_s, key, value): any tool can read any metric."""
+    """metrics.csv in long format (step, wall_s, key, value): any tool can read any metric. Samples go to
+    samples.jsonl. The loggers named in --log get the same numbers. A resumed run first drops the lines
+    after its checkpoint's step, which it is about to write again."""
 
-    def __init__(self, out: Path, wall_offset: float = 0.0):
-        self.path = out / "metrics.csv"
+    def __init__(self, out: Path, loggers: str = "", wall_offset: float = 0.0, resumed_at: float | None = None):
+        self.path, self.samples_path = out / "metrics.csv", out / "samples.jsonl"
+        if resumed_at is not None:
+            for path in (self.path, self.samples_path, out / "samples.1.jsonl"):
+                truncate_log(path, resumed_at)
         new = not self.path.exists()
         self.file = open(self.path, "a", newline="")
         self.writer = csv.writer(self.file)
         if new:
             self.writer.writerow(["step", "wall_s", "key", "value"])
+        self.samples_file = open(self.samples_path, "a")
         self.t0 = time.perf_counter() - wall_offset
+        self.loggers = [LOGGERS[name](out, resumed_at) for name in filter(None, loggers.split(","))]
 
     def wall(self) -> float:
         return time.perf_counter() - self.t0
@@ -116,9 +142,95 @@ class Metrics:
         for key, value in values.items():
             self.writer.writerow([step, wall, key, f"{float(value):.6g}"])
         self.file.flush()
+        for logger in self.loggers:
+            logger.log(step, values)
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        """One JSON line per rollout. Past SAMPLES_MAX_BYTES the file becomes samples.1.jsonl (replacing
+        the one before), so a long run keeps at most about twice that on disk."""
+        self.samples_file.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+        self.samples_file.flush()
+        if self.samples_file.tell() > SAMPLES_MAX_BYTES:
+            self.samples_file.close()
+            os.replace(self.samples_path, self.samples_path.with_suffix(".1.jsonl"))
+            self.samples_file = open(self.samples_path, "a")
+        for logger in self.loggers:
+            logger.samples(step, rows)
 
     def close(self) -> None:
         self.file.close()
+        self.samples_file.close()
+        for logger in self.loggers:
+            logger.close()
+
+
+SAMPLES_MAX_BYTES = 32 << 20  # ~100k short completions: the report loads them all in a browser in about a second
+
+
+def truncate_log(path: Path, last_step: float) -> None:
+    """Keeps the lines of metrics.csv / samples.jsonl up to last_step, dropping a last line cut short by a kill."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    csv_file = path.suffix == ".csv"
+    step = (lambda line: float(line.split(",", 1)[0])) if csv_file else (lambda line: json.loads(line)["step"])
+    kept = lines[:1] if csv_file else []  # the header
+    kept += [line for line in lines[len(kept):] if line.endswith("\n") and step(line) <= last_step]
+    fsync_write(path.with_suffix(".tmp"), "".join(kept).encode())
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+class TensorBoard:
+    """--log tensorboard: events under RUN/tensorboard (`tensorboard --logdir runs`)."""
+
+    def __init__(self, out: Path, resumed_at: float | None):
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # optional: only --log tensorboard needs it
+        except ImportError:
+            raise ConfigError("--log tensorboard needs the tensorboard package: pip install tensorboard") from None
+        # purge_step hides the events a killed run wrote past its checkpoint, as truncate_log does for the CSV.
+        self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=None if resumed_at is None else int(resumed_at) + 1)
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        """samples.jsonl and the report show them; TensorBoard's text view would only repeat them."""
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandB:
+    """--log wandb: offline unless WANDB_MODE says otherwise (`wandb sync RUN/wandb/offline-run-*` uploads it).
+    Every key is plotted against the "step" key, so warm-start steps (negative) and resumed steps fit."""
+
+    def __init__(self, out: Path, resumed_at: float | None):
+        os.environ.setdefault("WANDB_MODE", "offline")  # training must not wait on, or need, the network
+        try:
+            import wandb  # optional: only --log wandb needs it
+        except ImportError:
+            raise ConfigError("--log wandb needs the wandb package: pip install wandb") from None
+        config = yaml.safe_load((out / "config.yaml").read_text())
+        self.wandb, self.run = wandb, wandb.init(dir=str(out), name=out.name, config=config, resume="allow",
+                                                  id=re.sub(r"[^\w-]", "_", out.name))
+        self.run.define_metric("*", step_metric="step")
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        self.run.log({"step": step, **values})
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        columns = sorted({k for row in rows for k in row})
+        data = [[json.dumps(row[c]) if isinstance(row.get(c), (dict, list)) else row.get(c) for c in columns] for row in rows]
+        self.run.log({"step": step, "samples": self.wandb.Table(columns=["step", *columns], data=[[step, *d] for d in data])})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+LOGGERS = {"tensorboard": TensorBoard, "wandb": WandB}
 
 
 def read_metrics(path: Path) -> dict[str, list[tuple[int, float, float]]]:
@@ -188,23 +300,41 @@ def save_checkpoint(out: Path, step: int, policy: torch.nn.Module, opt: torch.op
     return final
 
 
+def checkpoints(run: Path) -> list[Path]:
+    """Oldest first, by step (warm-start checkpoints have negative steps)."""
+    return sorted(run.glob("ckpt-*"), key=lambda p: int(p.name[5:]))
+
+
 def latest_checkpoint(run: Path) -> Path:
-    ckpts = sorted(run.glob("ckpt-*"))
+    ckpts = checkpoints(run)
     if not ckpts:
         raise FileNotFoundError(f"--resume {run}: no ckpt-* directory inside; pass a run directory written by train.py")
     return ckpts[-1]
 
 
 def load_checkpoint(ckpt: Path, policy: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """Reads every file before changing anything, so a damaged checkpoint leaves policy and opt as they were."""
     weights = load_file(str(ckpt / "weights.safetensors"))
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    meta = json.loads((ckpt / "meta.json").read_text())
     trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
     if set(weights) != trainable:
         raise ValueError(f"{ckpt}: checkpoint tensors do not match this policy (different model or LoRA settings?)")
     policy.load_state_dict(weights, strict=False)
-    state = torch.load(ckpt / "state.pt", weights_only=True)
     opt.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["torch_rng"])
-    return json.loads((ckpt / "meta.json").read_text())
+    return meta
+
+
+def resume_checkpoint(run: Path, policy: torch.nn.Module, opt: torch.optim.Optimizer) -> dict | None:
+    """The newest checkpoint that loads (None: there is none), naming each damaged one it skips and why
+    (a write cut short by a crash; the atomic rename makes that rare, a full disk or a copy does not)."""
+    for ckpt in reversed(checkpoints(run)):
+        try:
+            return load_checkpoint(ckpt, policy, opt)
+        except (SafetensorError, json.JSONDecodeError, RuntimeError, OSError) as e:  # RuntimeError: torch.load's
+            stderr(f"skipping {ckpt}: {type(e).__name__}: {str(e).splitlines()[0]}")
+    return None
 
 
 def stderr(msg: str) -> None:
@@ -317,5 +447,6 @@ def split_rng() -> None:
 class NoMetrics:
     """What ranks other than 0 log to: rank 0 alone writes the (all-reduced) numbers."""
     def log(self, step: int, values: dict) -> None: pass  # noqa: E301,E704
+    def samples(self, step: int, rows: list) -> None: pass  # noqa: E301,E704
     def wall(self) -> float: return 0.0  # noqa: E301,E704
     def close(self) -> None: pass  # noqa: E301,E704
