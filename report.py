@@ -1,0 +1,58 @@
+"""report.html: one self-contained page per run (every metric as a curve, the config, the samples in a
+filterable table, the first eval beside the last), with no network at view time. train.py rewrites it
+at each eval and at the end; to rebuild it from a run directory:
+
+    python report.py runs/NAME
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+import utils
+
+MAX_POINTS = 400  # per curve: evenly spaced steps plus the last, so a 10,000-step run draws as fast as a short one
+TEMPLATE = Path(__file__).with_name("report.html.template")
+
+
+def thin(points: list) -> list:
+    kept = points[:: -(-len(points) // MAX_POINTS)]
+    return kept if kept[-1] is points[-1] else kept + points[-1:]
+
+
+def read_samples(run: Path) -> list[dict]:
+    """samples.jsonl after its rotated older half; a last line cut short by a kill is left out."""
+    lines = []
+    for path in (run / "samples.1.jsonl", run / "samples.jsonl"):
+        lines += path.read_text().splitlines(keepends=True) if path.exists() else []
+    return [json.loads(line) for line in lines if line.endswith("\n")]
+
+
+def write_report(run: str | Path) -> Path:
+    run = Path(run)
+    series = utils.read_metrics(run / "metrics.csv") if (run / "metrics.csv").exists() else {}
+    data = {"run": run.name, "config": yaml.safe_load((run / "config.yaml").read_text()),
+            "curves": {key: [[s, v] for s, _, v in thin(points)] for key, points in series.items()},
+            "samples": read_samples(run)}
+    # A JavaScript literal (NaN and Infinity included); "</" escaped so no string can close the script.
+    html = TEMPLATE.read_text().replace("/*DATA*/", json.dumps(data).replace("</", "<\\/"))
+    tmp = run / ".report.html.tmp"
+    tmp.write_text(html)
+    os.replace(tmp, run / "report.html")  # a browser refreshing mid-run never reads half a page
+    return run / "report.html"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or not (Path(argv[0]) / "config.yaml").exists():
+        utils.stderr("usage: python report.py RUN_DIR (a run directory written by train.py, with its config.yaml)")
+        return 2
+    print(write_report(argv[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
