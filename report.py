@@ -46,6 +46,17 @@ def write_report(run: str | Path) -> Path:
     return run / "report.html"
 
 
+def summary(run: Path, wall_s: float, export: str) -> str:
+    """What a user wants to know when a run ends: how good, how long, and where everything is."""
+    series, lines = utils.read_metrics(run / "metrics.csv"), [f"run saved to {run} ({wall_s:.1f} s of training)"]
+    for key in [k for k in ("eval_return", "eval_accuracy") if k in series]:
+        best, final = max(series[key], key=lambda p: p[2]), series[key][-1]
+        lines.append(f"  {key}: best {best[2]:.4g} (step {best[0]}), final {final[2]:.4g} (step {final[0]})")
+    ckpts = utils.checkpoints(run)
+    lines += [f"  report: {run / 'report.html'}", f"  checkpoints: {ckpts[-1] if ckpts else 'none'}"]
+    return "\n".join(lines + ([f"  export: {export}"] if export else []))
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1 or not (Path(argv[0]) / "config.yaml").exists():
         utils.stderr("usage: python report.py RUN_DIR (a run directory written by train.py, with its config.yaml)")

@@ -27,6 +27,7 @@ from tqdm import tqdm
 import utils
 from algos import (AGGREGATIONS, ALGOS, GROUPED, IS_LEVELS, KL, LOSSES, EPS, group_baseline, importance_correction,
                    loss_weights, masked_mean, policy_loss, value_loss)
+import report
 import serve
 import tasks
 from envs import EVAL_SEED, TEXT_ENVS, CartPole, multiturn_metrics, rollout_multiturn
@@ -64,9 +65,12 @@ class Config:
     hidden: int = 64  # MLP width: CartPole needs little, and small is fast
     eval_every: int = 5  # steps between greedy evals; one 10-episode eval costs about one step
     eval_episodes: int = 10  # held-out greedy episodes per eval (the solve criterion uses 10)
-    target: float = 0.0  # stop once the headline eval metric (eval_return / eval_accuracy) reaches it; 0 = never
+    target: float = 475.0  # stop once the headline eval (eval_return / eval_accuracy) reaches it: CartPole's solved bar, which no accuracy reaches (LLM tasks: e.g. 0.9); 0 = never
     out: str = ""  # run directory; empty = runs/<task>-<algo>-<timestamp>
-    resume: str = ""  # a run directory to continue from its newest checkpoint
+    resume: str = ""  # a run directory (its config.yaml and newest checkpoint that loads; flags override) or a ckpt-* in one
+    eval_only: bool = False  # evaluate --resume's checkpoint (into RUN/eval-STEP) or a bare --model (into --out), no training
+    export: str = ""  # at the end, write the model here: a PEFT adapter for LoRA (vLLM's --enable-lora serves it), else a full one
+    export_merged: bool = False  # LoRA: export the adapter merged into a full Hugging Face model instead
     ckpt_every: int = 50  # steps between checkpoints (a final one is always written)
     keep_ckpts: int = 3  # older checkpoints are deleted; 3 survives one corrupt write with margin
     progress: bool = True  # tqdm progress bar; --no-progress for logs and CI
@@ -155,6 +159,9 @@ def validate(cfg: Config) -> None:
     if (cfg.vf_clip or cfg.critic_max_grad_norm) and cfg.algo != "ppo":
         raise err(f"--vf-clip and --critic-max-grad-norm tune PPO's critic, and the --algo {cfg.algo} policy has none; "
                   "use --algo ppo or drop them")
+    if (cfg.export or cfg.export_merged) and (cfg.task in CONTROL or not cfg.export):
+        raise err("--export DIR writes a language model (and --export-merged needs --export DIR); CartPole's weights "
+                  "are the ckpt-*/weights.safetensors of its run")
     if set(filter(None, cfg.log.split(","))) - set(utils.LOGGERS):
         raise err(f"--log {cfg.log}: choose from {', '.join(utils.LOGGERS)}, comma-separated (metrics.csv is always written)")
     if cfg.resume and not Path(cfg.resume).is_dir():
@@ -488,9 +495,28 @@ def update(policy, opt, batch: dict, cfg: Config) -> dict:
 
 
 # ---------------------------------------------------------------- the loop
+IDENTITY = ("task", "data", "model", "lora", "lora_rank", "lora_targets", "algo", "loss")  # what makes it another run
+
+
+def parse(argv: list[str]) -> Config:
+    """The flags; with --resume, over the run's own config.yaml, warning about the flags that change what is trained."""
+    cfg = utils.load_config(Config, argv, CHOICES)
+    if not cfg.resume:
+        return cfg
+    saved = run_dir(cfg) / "config.yaml"
+    if not saved.exists():
+        raise utils.ConfigError(f"--resume {cfg.resume}: no config.yaml in {saved.parent}; pass a run directory of train.py")
+    old, cfg = utils.load_config(Config, [], base=saved), utils.load_config(Config, argv, CHOICES, base=saved)
+    for name in IDENTITY:
+        if getattr(cfg, name) != getattr(old, name):
+            utils.stderr(f"warning: --{name.replace('_', '-')} {getattr(cfg, name)} replaces the run's {getattr(old, name)}: "
+                         "the resumed run trains another model, algorithm or data")
+    return cfg
+
+
 def run_dir(cfg: Config) -> Path:
     if cfg.resume:
-        return Path(cfg.resume)
+        return Path(cfg.resume).parent if Path(cfg.resume).name.startswith("ckpt-") else Path(cfg.resume)
     return Path(cfg.out or f"runs/{cfg.task}-{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
@@ -501,12 +527,14 @@ def train(cfg: Config) -> Path:
     out = run_dir(cfg)
     start, wall, meta = 0, 0.0, None
     if cfg.resume:  # every rank reads the checkpoint: multi-node runs need --out on shared storage
-        if meta := utils.resume_checkpoint(out, policy, opt):
+        if meta := utils.resume_checkpoint(Path(cfg.resume), policy, opt):
             start, wall = meta["step"], meta["wall_s"]
             source.load_state(meta["source"])
         else:
             utils.stderr(f"--resume {out}: no checkpoint loads; starting the run over")
     utils.split_rng()  # after any restored RNG state: ranks must not sample identical tokens
+    if cfg.eval_only:
+        return evaluate_only(cfg, policy, source, out / f"eval-{start:07d}" if cfg.resume else out, start)
     if lead:
         out.mkdir(parents=True, exist_ok=True)
         utils.save_config(cfg, out / "config.yaml")
@@ -546,6 +574,8 @@ def train(cfg: Config) -> Path:
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 last_eval = source.evaluate()
                 log.log(step + 1, last_eval)
+                if lead:
+                    report.write_report(out)
             bar.set_postfix(reward=f"{stats['reward']:.1f}", **{k: f"{v:.3g}" for k, v in last_eval.items()})
             solved = cfg.target and max(last_eval.get(k, -math.inf) for k in ("eval_return", "eval_accuracy")) >= cfg.target
             if utils.reduce_dict({"stop": bool(interrupted)})["stop"]:  # a Ctrl-C seen by one rank stops all at this step
@@ -568,19 +598,36 @@ def train(cfg: Config) -> Path:
             source.close()
     if lead:
         utils.plot(out, keys=("reward", "eval_return", "eval_accuracy"))
+        finish(cfg, policy, out, log.wall())
+    return out
+
+
+def finish(cfg: Config, policy, out: Path, wall_s: float) -> None:
+    report.write_report(out)
+    if cfg.export:
+        policy.export(cfg.export, cfg.export_merged)
+    print(report.summary(out, wall_s, cfg.export))
+
+
+def evaluate_only(cfg: Config, policy, source, out: Path, step: int) -> Path:
+    """--eval-only: one eval of the loaded weights, logged at their step in a run directory of its own."""
+    out.mkdir(parents=True, exist_ok=True)
+    utils.save_config(cfg, out / "config.yaml")
+    log = utils.Metrics(out, cfg.log)
+    log.log(step, source.evaluate())
+    log.close()
+    finish(cfg, policy, out, 0.0)
     return out
 
 
 def main(argv: list[str]) -> int:
     try:
-        cfg = utils.load_config(Config, argv, CHOICES)
+        cfg = parse(argv)
         if cfg.role == "rollout":  # a worker generates and never trains
             validate(cfg)
             return serve.run_worker(cfg, build)
         utils.init_distributed(cfg.dist_timeout)
-        out = train(cfg)
-        if utils.rank() == 0:
-            print(f"run saved to {out}")
+        train(cfg)
     except utils.ConfigError as e:
         utils.stderr(f"error: {e}")
         return 2

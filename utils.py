@@ -66,9 +66,9 @@ def field_docs(cls) -> dict[str, tuple[str, str]]:
     return docs
 
 
-def load_config(cls, argv: list[str], choices: dict | None = None):
-    """Defaults <- --config YAML <- command-line flags. Unknown keys stop the run. --help shows each
-    field's comment, default and choices, grouped by the class's `# ----` sections."""
+def load_config(cls, argv: list[str], choices: dict | None = None, base: Path | None = None):
+    """Defaults <- `base` (a resumed run's config.yaml) <- --config YAML <- command-line flags. Unknown keys
+    stop the run. --help shows each field's comment, default and choices, grouped by `# ----` sections."""
     fields, docs, groups = {f.name: f for f in dataclasses.fields(cls)}, field_docs(cls), {}
     parser = argparse.ArgumentParser(description=cls.__doc__, allow_abbrev=False, usage="%(prog)s [--config YAML] [--FLAG VALUE ...]")
     parser.add_argument("--config", help="YAML preset in configs/; flags override it")
@@ -88,17 +88,17 @@ def load_config(cls, argv: list[str], choices: dict | None = None):
         flags = ["--" + n.replace("_", "-") for n in fields] + ["--config"]
         raise ConfigError(f"unknown flag {bad}{closest(bad, flags)}")
     values = {}
-    if args.config:
+    for source in filter(None, (base, args.config)):
         try:
-            preset = yaml.safe_load(Path(args.config).read_text()) or {}
+            preset = yaml.safe_load(Path(source).read_text()) or {}
         except FileNotFoundError:
-            raise ConfigError(f"--config {args.config}: no such file; presets live in configs/") from None
+            raise ConfigError(f"--config {source}: no such file; presets live in configs/") from None
         if not isinstance(preset, dict):
-            raise ConfigError(f"{args.config}: expected a mapping of config keys")
+            raise ConfigError(f"{source}: expected a mapping of config keys")
         for key, value in preset.items():
             if key not in fields:
-                raise ConfigError(f"{args.config}: unknown key '{key}'{closest(key, fields)}")
-            values[key] = coerce(fields[key], value, args.config)
+                raise ConfigError(f"{source}: unknown key '{key}'{closest(key, fields)}")
+            values[key] = coerce(fields[key], value, source)
     for name, f in fields.items():
         raw = getattr(args, name)
         if raw is not None:
@@ -319,7 +319,7 @@ def load_checkpoint(ckpt: Path, policy: torch.nn.Module, opt: torch.optim.Optimi
     meta = json.loads((ckpt / "meta.json").read_text())
     trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
     if set(weights) != trainable:
-        raise ValueError(f"{ckpt}: checkpoint tensors do not match this policy (different model or LoRA settings?)")
+        raise ConfigError(f"{ckpt}: checkpoint tensors do not match this policy (different model or LoRA settings?)")
     policy.load_state_dict(weights, strict=False)
     opt.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["torch_rng"])
