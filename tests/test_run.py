@@ -2,6 +2,7 @@
 TensorBoard and W&B loggers, the end-of-run summary."""
 import collections
 import json
+import multiprocessing
 import os
 import random
 import signal
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401 (torch.optim imports it on first use, seconds here: forked runs then start at once)
 import yaml
 from safetensors.torch import load_file
 
@@ -91,22 +93,29 @@ def test_cartpole_stops_when_solved_and_ends_with_a_summary(tmp_path):
     assert "report: " in done.stdout and "ckpt-" in done.stdout
 
 
+def in_child(argv: list[str]):
+    """train.py's main in a forked process: already imported (an import takes seconds here), yet a real process
+    that a SIGKILL ends without any cleanup."""
+    child = multiprocessing.get_context("fork").Process(target=lambda: os._exit(train.main(argv)))
+    child.start()
+    return child
+
+
 def test_sigkill_at_random_moments_then_resume_alone_ends_with_the_uninterrupted_weights(tmp_path):
-    flags = ["--steps", "40", "--ckpt-every", "3", "--target", "0", "--batch", "8"]
-    assert run(cartpole(tmp_path / "full", *flags)).returncode == 0
+    flags = cartpole(tmp_path / "full", "--steps", "16", "--ckpt-every", "2", "--target", "0", "--batch", "8")[2:]
+    (full := in_child(flags)).join()
     out, rng, kills = tmp_path / "killed", random.Random(0), 0
     for i in range(20):
-        argv = [sys.executable, "train.py", "--resume", str(out), "--no-progress"] if (out / "config.yaml").exists() \
-            else cartpole(out, *flags)
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
-        time.sleep(rng.uniform(1.0, 6.0))  # torch's import takes about 2 s: some kills land before a step, most during
-        kills += proc.poll() is None
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    assert kills >= 10  # the runs did not simply finish before each kill
-    last = run([sys.executable, "train.py", "--resume", str(out), "--no-progress"])
-    assert last.returncode == 0, last.stderr
+        resume = (out / "config.yaml").exists()
+        child = in_child(["--resume", str(out), "--no-progress"] if resume else [*flags, "--out", str(out)])
+        time.sleep(rng.uniform(0.0, 1.0))  # anywhere: building, a step, an eval, a checkpoint or log write
+        kills += child.exitcode is None
+        child.kill()  # SIGKILL
+        child.join()
+    assert full.exitcode == 0 and kills >= 15  # the runs did not simply finish before each kill
+    resume = (out / "config.yaml").exists()
+    (last := in_child(["--resume", str(out), "--no-progress"] if resume else [*flags, "--out", str(out)])).join()
+    assert last.exitcode == 0
     a, b = final_weights(tmp_path / "full"), final_weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     counts = collections.Counter(rows(out))
