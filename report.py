@@ -16,7 +16,9 @@ import yaml
 import utils
 
 MAX_POINTS = 400  # per curve: evenly spaced steps plus the last, so a 10,000-step run draws as fast as a short one
-TEMPLATE = Path(__file__).with_name("report.html.template")
+# Next to this file in a checkout, in <prefix>/share/nanorl in an installed wheel (pyproject's data-files).
+TEMPLATE = next(p for p in (Path(__file__).parent, Path(sys.prefix, "share", "nanorl")) if (p / "report.html.template").exists())
+
 
 
 def thin(points: list) -> list:
@@ -39,7 +41,7 @@ def write_report(run: str | Path) -> Path:
             "curves": {key: [[s, v] for s, _, v in thin(points)] for key, points in series.items()},
             "samples": read_samples(run)}
     # A JavaScript literal (NaN and Infinity included); "</" escaped so no string can close the script.
-    html = TEMPLATE.read_text().replace("/*DATA*/", json.dumps(data).replace("</", "<\\/"))
+    html = (TEMPLATE / "report.html.template").read_text().replace("/*DATA*/", json.dumps(data).replace("</", "<\\/"))
     tmp = run / ".report.html.tmp"
     tmp.write_text(html)
     os.replace(tmp, run / "report.html")  # a browser refreshing mid-run never reads half a page

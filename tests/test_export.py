@@ -76,12 +76,13 @@ import json, sys
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.lora.request import LoRARequest
-base, adapter, ids = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+base, adapter, ids, result = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), []
 llm = LLM(model=base, enable_lora=True, max_lora_rank=16, dtype="float32", kv_cache_memory_bytes=1 << 28)
 params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
 for lora in (None, LoRARequest("exported", 1, adapter)):
     out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, lora_request=lora, use_tqdm=False)[0]
-    print(json.dumps([p[t].logprob for p, t in zip(out.prompt_logprobs[1:], ids[1:])]))
+    result.append([p[t].logprob for p, t in zip(out.prompt_logprobs[1:], ids[1:])])
+open(sys.argv[4], "w").write(json.dumps(result))  # a file: vLLM writes its own lines to stdout
 """
 
 
@@ -90,9 +91,10 @@ def test_vllm_serves_the_exported_adapter_with_the_trainers_logprobs(tmp_path, t
     _, policy, ids = trained(tmp_path, tiny, "--export", str(tmp_path / "adapter"))
     env = {k: v for k, v in __import__("os").environ.items() if k != "MKL_NUM_THREADS"}  # ENV.md: 5x slower with it
     proc = subprocess.run([sys.executable, "-c", VLLM_PROMPT_LOGPROBS, tiny, str(tmp_path / "adapter"),
-                           json.dumps(ids[0].tolist())], capture_output=True, text=True, timeout=500, env=env)
+                           json.dumps(ids[0].tolist()), str(tmp_path / "logprobs.json")],
+                          capture_output=True, text=True, timeout=500, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    base, adapted = (torch.tensor(json.loads(line)) for line in proc.stdout.strip().splitlines()[-2:])
+    base, adapted = torch.tensor(json.loads((tmp_path / "logprobs.json").read_text()))
     expected = torch.log_softmax(logits(policy.model, ids)[0, :-1], -1).gather(1, ids[0, 1:, None])[:, 0]
     torch.testing.assert_close(adapted, expected, atol=1e-3, rtol=0)
     assert (base - expected).abs().max() > 0.05  # without the adapter vLLM's numbers are another model's
