@@ -57,12 +57,14 @@ def coerce(field: dataclasses.Field, value, source: str):
 
 def field_docs(cls) -> dict[str, tuple[str, str]]:
     """Field -> (section, trailing comment), read from the class source: the comments are the documentation."""
-    docs, section = {}, "run"
+    docs, section, above = {}, "run", ""
     for line in inspect.getsource(cls).splitlines():
         if m := re.match(r"\s*# ---- (.*)", line):
             section = m[1]
-        elif m := re.match(r"\s*(\w+): [\w\[\], |]+ = .*?  # (.*)", line):
-            docs[m[1]] = (section, m[2])
+        elif m := re.match(r"\s*# (.*)", line):  # a comment too long for its field's line sits above it
+            above = m[1]
+        elif m := re.match(r"\s*(\w+): [\w\[\], |]+ = (?:.*?  # (.*))?", line):
+            docs[m[1]], above = (section, m[2] or above), ""
     return docs
 
 
@@ -217,14 +219,20 @@ class WandB:
         self.wandb, self.run = wandb, wandb.init(dir=str(out), name=out.name, config=config, resume="allow",
                                                   id=re.sub(r"[^\w-]", "_", out.name))
         self.run.define_metric("*", step_metric="step")
+        self.pending: list[dict] = []
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log({"step": step, **values})
 
     def samples(self, step: int, rows: list[dict]) -> None:
-        columns = sorted({k for row in rows for k in row})
-        data = [[json.dumps(row[c]) if isinstance(row.get(c), (dict, list)) else row.get(c) for c in columns] for row in rows]
-        self.run.log({"step": step, "samples": self.wandb.Table(columns=["step", *columns], data=[[step, *d] for d in data])})
+        """One table per eval: its rows and the training rows since the last (a table a step would make a
+        10,000-step run 10,000 artifacts)."""
+        self.pending += [{"step": step, **row} for row in rows]
+        if rows and rows[0]["kind"] == "eval":
+            columns = sorted({k for row in self.pending for k in row})
+            data = [[json.dumps(r[c]) if isinstance(r.get(c), dict) else r.get(c) for c in columns] for r in self.pending]
+            self.run.log({"step": step, "samples": self.wandb.Table(columns=columns, data=data)})
+            self.pending = []
 
     def close(self) -> None:
         self.run.finish()
@@ -295,7 +303,7 @@ def save_checkpoint(out: Path, step: int, policy: torch.nn.Module, opt: torch.op
             os.fsync(f.fileno())
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    for old in sorted(out.glob("ckpt-*"))[:-keep]:
+    for old in checkpoints(out)[:-keep]:
         shutil.rmtree(old)
     return final
 
@@ -317,9 +325,9 @@ def load_checkpoint(ckpt: Path, policy: torch.nn.Module, opt: torch.optim.Optimi
     weights = load_file(str(ckpt / "weights.safetensors"))
     state = torch.load(ckpt / "state.pt", weights_only=True)
     meta = json.loads((ckpt / "meta.json").read_text())
-    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
-    if set(weights) != trainable:
-        raise ConfigError(f"{ckpt}: checkpoint tensors do not match this policy (different model or LoRA settings?)")
+    if {n: w.shape for n, w in weights.items()} != {n: p.shape for n, p in policy.named_parameters() if p.requires_grad}:
+        raise ConfigError(f"{ckpt}: its tensors do not match this policy (another model, LoRA setting or --hidden "
+                          f"than the run's); --resume {ckpt.parent} alone restores the run's own settings")
     policy.load_state_dict(weights, strict=False)
     opt.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["torch_rng"])
@@ -327,9 +335,9 @@ def load_checkpoint(ckpt: Path, policy: torch.nn.Module, opt: torch.optim.Optimi
 
 
 def resume_checkpoint(run: Path, policy: torch.nn.Module, opt: torch.optim.Optimizer) -> dict | None:
-    """The newest checkpoint that loads (None: there is none), naming each damaged one it skips and why
-    (a write cut short by a crash; the atomic rename makes that rare, a full disk or a copy does not)."""
-    for ckpt in reversed(checkpoints(run)):
+    """The newest checkpoint of a run that loads, or the one named (None: none does), naming each damaged one
+    it skips and why (a write cut short by a crash; the atomic rename makes that rare, a full disk or a copy not)."""
+    for ckpt in [run] if run.name.startswith("ckpt-") else reversed(checkpoints(run)):
         try:
             return load_checkpoint(ckpt, policy, opt)
         except (SafetensorError, json.JSONDecodeError, RuntimeError, OSError) as e:  # RuntimeError: torch.load's

@@ -19,11 +19,11 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """The arith preset, shortened: warm-start, GRPO steps, two evals after the first."""
+    """The arith preset, shortened: warm-start, GRPO steps, two evals after the first; W&B on (offline)."""
     tiny = build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), layers=2, hidden=128, heads=2, intermediate=256)
     cfg = utils.load_config(train.Config, ["--config", "configs/arith_tiny_cpu.yaml", "--model", tiny, "--steps", "4",
                                            "--sft-steps", "3", "--batch", "16", "--eval-size", "12", "--eval-every", "2",
-                                           "--samples", "3", "--no-progress", "--out", str(tmp_path_factory.mktemp("r") / "run")])
+                                           "--samples", "3", "--log", "wandb", "--no-progress", "--out", str(tmp_path_factory.mktemp("r") / "run")])
     return train.train(cfg)
 
 
@@ -60,9 +60,16 @@ def test_every_metric_is_a_curve_in_its_panel(run, page):
 def test_sample_rows_are_shown_and_the_filters_change_them(run, page, tmp_path):
     samples = report.read_samples(run)
     train_rows = [r for r in samples if r["kind"] == "train"]
-    assert len(train_rows) == 4 * 3 and len(samples) == len(train_rows) + 3 * 12  # 3/step; 12 problems x 3 evals
+    # 3 a step; 12 problems at each eval: before the warm-start (step -3), after it (0), at steps 2 and 4
+    assert len(train_rows) == 4 * 3 and len(samples) == len(train_rows) + 4 * 12
+    docs = Path(__file__).parent.parent / "docs"  # the README's picture of a report: the curves, then the samples
+    docs.mkdir(exist_ok=True)
+    page.screenshot(path=str(tmp_path / "report.png"), full_page=True, clip={"x": 0, "y": 0, "width": 1280, "height": 1700})
+    shutil.copy(tmp_path / "report.png", docs / "report.png")
     rows = shown(page)
-    assert len(rows) == 50 and "page 1 of 2" in page.locator("#page").inner_text()  # 48 rows: paginated
+    assert len(rows) == 50 and "page 1 of 2 (60 of 60 rows)" in page.locator("#page").inner_text()
+    page.click("#next")
+    assert len(shown(page)) == 10
     page.select_option("#f-kind", "train")
     rows = shown(page)
     assert len(rows) == 12 and {r[1] for r in rows} == {"train"}
@@ -73,14 +80,22 @@ def test_sample_rows_are_shown_and_the_filters_change_them(run, page, tmp_path):
     page.fill("#f-from", "")
     page.fill("#f-text", samples[-1]["prompt"])
     hits = shown(page)
-    assert {r[2] for r in hits} == {samples[-1]["prompt"]} and len(hits) == 3  # one problem at each eval
+    assert {r[2] for r in hits} == {samples[-1]["prompt"]} and len(hits) == 4  # one problem at each eval
     compare = page.locator("#compare-table tbody tr").count()
-    assert compare == 12 and "step 0" in page.locator("#first-head").inner_text()
-    page.screenshot(path=str(tmp_path / "report.png"))
-    shutil.copy(tmp_path / "report.png", Path(__file__).parent.parent / "docs" / "report.png")
+    assert compare == 12 and "step -3" in page.locator("#first-head").inner_text()
+    assert page.locator("#cmp-count").inner_text() == "12 of 12 problems"
+    assert "step 4" in page.locator("#last-head").inner_text()
 
 
 def test_rebuild_command_writes_the_same_page(run, tmp_path):
     before = (run / "report.html").read_text()
     assert report.main([str(run)]) == 0 and (run / "report.html").read_text() == before
     assert report.main([str(tmp_path)]) == 2  # not a run directory: one line, no traceback
+
+
+def test_samples_reach_wandb_as_one_table_per_eval(run):
+    from test_run import wandb_records
+
+    [log] = (run / "wandb").glob("offline-run-*/run-*.wandb")
+    tables = [(r["step"], r["samples/nrows"]) for kind, r in wandb_records(log) if kind == "history" and "samples/nrows" in r]
+    assert tables == [(-3, 12), (0, 12), (2, 2 * 3 + 12), (4, 2 * 3 + 12)]  # each eval, with the train rows since the last

@@ -139,6 +139,7 @@ def test_tensorboard_and_wandb_get_the_numbers_of_metrics_csv(tmp_path, monkeypa
     [log] = (out / "wandb").glob("offline-run-*/run-*.wandb")
     history = [r for kind, r in wandb_records(log) if kind == "history"]
     logged = {(r["step"], k): v for r in history for k, v in r.items() if not k.startswith("_") and k != "step"}
+    assert not [k for k in logged if k[1].startswith("samples")]  # CartPole has no eval samples: no table
     assert logged == {(s, k): pytest.approx(v, rel=1e-5) for k, pts in csv.items() for s, _, v in pts}
     config = next(r for kind, r in wandb_records(log) if kind == "run")
     assert config["lr"] == cfg.lr and config["task"] == "cartpole"
@@ -162,3 +163,30 @@ def wandb_records(path: Path):
             body = getattr(record, which)
             items = body.config.update if which == "run" else getattr(body, "item", [])  # a run record holds the config
             yield which, {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items}
+
+
+def test_ctrl_c_in_the_warm_start_finishes_its_step_and_resume_alone_continues_it_bitwise(tmp_path, monkeypatch):
+    from model import build_tiny_model
+    from rollouts import TaskRollouts
+
+    tiny = build_tiny_model(str(tmp_path / "tiny"), layers=2, hidden=128, heads=2, intermediate=256)
+    flags = ["--task", "arith", "--algo", "grpo", "--model", tiny, "--sft-steps", "4", "--steps", "1", "--batch", "4",
+             "--group-size", "2", "--eval-size", "2", "--max-new-tokens", "2", "--no-progress"]
+    full = train.train(utils.load_config(train.Config, [*flags, "--out", str(tmp_path / "full")]))
+    real, calls = TaskRollouts.demonstrations, []
+
+    def demonstrations_then_ctrl_c(self, n):
+        calls.append(n)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # during the warm-start's second step
+        return real(self, n)
+
+    monkeypatch.setattr(TaskRollouts, "demonstrations", demonstrations_then_ctrl_c)
+    out = train.train(utils.load_config(train.Config, [*flags, "--out", str(tmp_path / "cut")]))
+    assert [c.name for c in utils.checkpoints(out)] == ["ckpt--000002"]  # after warm-start steps -4..-3 of -4..-1
+    assert [s for s, _, _ in utils.read_metrics(out / "metrics.csv")["sft_loss"]] == [-3, -2]
+    monkeypatch.setattr(TaskRollouts, "demonstrations", real)
+    assert train.main(["--resume", str(out)]) == 0
+    a, b = final_weights(full), final_weights(out)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert sorted(rows(out)) == sorted(rows(full))
