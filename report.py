@@ -15,9 +15,10 @@ import yaml
 
 import utils
 
-MAX_POINTS = 400  # per curve: evenly spaced steps plus the last, so a 10,000-step run draws as fast as a short one
+MAX_POINTS = 400  # a curve's evenly spaced steps and its last: 10,000 steps draw as fast as 100
 # Next to this file in a checkout, in <prefix>/share/nanorl in an installed wheel (pyproject's data-files).
-TEMPLATE = next(p for p in (Path(__file__).parent, Path(sys.prefix, "share", "nanorl")) if (p / "report.html.template").exists())
+TEMPLATE = next(d / "report.html.template" for d in (Path(__file__).parent, Path(sys.prefix, "share/nanorl"))
+                if (d / "report.html.template").exists())
 
 
 
@@ -41,7 +42,7 @@ def write_report(run: str | Path) -> Path:
             "curves": {key: [[s, v] for s, _, v in thin(points)] for key, points in series.items()},
             "samples": read_samples(run)}
     # A JavaScript literal (NaN and Infinity included); "</" escaped so no string can close the script.
-    html = (TEMPLATE / "report.html.template").read_text().replace("/*DATA*/", json.dumps(data).replace("</", "<\\/"))
+    html = TEMPLATE.read_text().replace("/*DATA*/", json.dumps(data).replace("</", "<\\/"))
     tmp = run / ".report.html.tmp"
     tmp.write_text(html)
     os.replace(tmp, run / "report.html")  # a browser refreshing mid-run never reads half a page
@@ -50,7 +51,8 @@ def write_report(run: str | Path) -> Path:
 
 def summary(run: Path, wall_s: float, export: str) -> str:
     """What a user wants to know when a run ends: how good, how long, and where everything is."""
-    series, lines = utils.read_metrics(run / "metrics.csv"), [f"run saved to {run} ({wall_s:.1f} s of training)"]
+    series = utils.read_metrics(run / "metrics.csv")
+    lines = [f"run saved to {run} ({wall_s:.1f} s of training)"]
     for key in [k for k in ("eval_return", "eval_accuracy") if k in series]:
         best, final = max(series[key], key=lambda p: p[2]), series[key][-1]
         lines.append(f"  {key}: best {best[2]:.4g} (step {best[0]}), final {final[2]:.4g} (step {final[0]})")
@@ -61,7 +63,7 @@ def summary(run: Path, wall_s: float, export: str) -> str:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1 or not (Path(argv[0]) / "config.yaml").exists():
-        utils.stderr("usage: python report.py RUN_DIR (a run directory written by train.py, with its config.yaml)")
+        utils.stderr("usage: python report.py RUN_DIR (a run directory of train.py, with its config.yaml)")
         return 2
     print(write_report(argv[0]))
     return 0

@@ -478,8 +478,10 @@ def sample_rows(batch: Batch, n: int, kind: str, step: int) -> list[dict]:
         mask = batch.mask[r] > 0
         rows.append({"kind": kind, "prompt": prompt, "completion": completion, "answer": answer,
                      "tokens": int(mask.sum()), "finish": "budget" if batch.truncated[r] else "end",
-                     "reward": float(batch.rewards[r].sum()), "adv": None if batch.adv is None else float(batch.adv[r][mask].mean()),
-                     "rewards": {k.removeprefix("reward_"): float(v[r]) for k, v in batch.stats.items() if k.startswith("reward_")},
+                     "reward": float(batch.rewards[r].sum()),
+                     "adv": None if batch.adv is None else float(batch.adv[r][mask].mean()),
+                     "rewards": {k.removeprefix("reward_"): float(v[r]) for k, v in batch.stats.items()
+                                 if k.startswith("reward_")},
                      **({"version": int(batch.version[r]), "staleness": step - 1 - int(batch.version[r])}
                         if kind == "train" else {})})  # an eval row's weights are the step's own
     return rows

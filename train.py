@@ -29,7 +29,8 @@ from algos import (AGGREGATIONS, ALGOS, EPS, GROUPED, IS_LEVELS, KL, LOSSES, gro
                    importance_correction, loss_weights, masked_mean, policy_loss, value_loss)
 from envs import CartPole
 from model import LLMPolicy, MLPPolicy
-from rollouts import CONTROL, Batch, BatchSource, TaskRollouts, live_weights, sample_rows, show_samples, sources
+from rollouts import (CONTROL, Batch, BatchSource, TaskRollouts, live_weights, sample_rows, show_samples,
+                      sources)
 
 
 @dataclass
@@ -65,19 +66,19 @@ class Config:
     hidden: int = 64  # MLP width: CartPole needs little, and small is fast
     eval_every: int = 5  # steps between greedy evals; one 10-episode eval costs about one step
     eval_episodes: int = 10  # held-out greedy episodes per eval (the solve criterion uses 10)
-    # stop once the headline eval (eval_return / eval_accuracy) reaches it: 475 is CartPole's solved bar, which
-    # no accuracy reaches (LLM tasks: e.g. 0.9); 0 = never
+    # stop once the headline eval (eval_return / eval_accuracy) reaches it: 475 is CartPole's solved bar,
+    # which no accuracy reaches (LLM tasks: e.g. 0.9); 0 = never
     target: float = 475.0
     out: str = ""  # run directory; empty = runs/<task>-<algo>-<timestamp>
-    resume: str = ""  # a run directory (its config.yaml and newest checkpoint that loads; flags override) or a ckpt-* in one
-    eval_only: bool = False  # evaluate --resume's checkpoint (into RUN/eval-STEP) or a bare --model (into --out), no training
-    export: str = ""  # at the end, write the model here: a PEFT adapter for LoRA (vLLM's --enable-lora serves it), else a full one
+    resume: str = ""  # a run directory (its config.yaml, newest checkpoint that loads) or a ckpt-* in one
+    eval_only: bool = False  # evaluate --resume's checkpoint (into RUN/eval-STEP) or a bare --model (--out)
+    export: str = ""  # at the end, the model goes here: a PEFT adapter (LoRA; vLLM --enable-lora), else full
     export_merged: bool = False  # LoRA: export the adapter merged into a full Hugging Face model instead
     ckpt_every: int = 50  # steps between checkpoints (a final one is always written)
     keep_ckpts: int = 3  # older checkpoints are deleted; 3 survives one corrupt write with margin
     progress: bool = True  # tqdm progress bar; --no-progress for logs and CI
-    log: str = ""  # loggers besides metrics.csv, comma-separated: tensorboard, wandb (offline unless WANDB_MODE is set)
-    samples: int = 4  # training rollouts per step written to samples.jsonl (every eval problem is always written)
+    log: str = ""  # loggers besides metrics.csv, comma-separated: tensorboard, wandb (offline by default)
+    samples: int = 4  # training rollouts a step written to samples.jsonl (every eval problem always is)
     # ---- language-model tasks (everything below is ignored by cartpole)
     model: str = "tiny"  # HF hub id or local dir; "tiny" builds a small Llama locally, no download
     lora: bool = True  # LoRA: ~1% of the weights train and the KL reference costs no memory
@@ -130,7 +131,8 @@ class Config:
 def choices() -> dict:
     """Fields with a fixed set of values: validate() checks them first, and --help lists them."""
     return {"task": sources(), "algo": ALGOS, "loss": LOSSES, "loss_agg": AGGREGATIONS, "kl_estimator": KL,
-            "tis": IS_LEVELS, "mis": IS_LEVELS, "bad_rows": ("skip", "error"), "role": ("sync", "trainer", "rollout")}
+            "tis": IS_LEVELS, "mis": IS_LEVELS, "bad_rows": ("skip", "error"),
+            "role": ("sync", "trainer", "rollout")}
 
 
 def validate(cfg: Config) -> None:
@@ -140,7 +142,8 @@ def validate(cfg: Config) -> None:
         if (value := getattr(cfg, name)) not in valid:
             raise err(f"unknown --{name.replace('_', '-')} '{value}'{utils.closest(value, valid)} "
                       f"(choices: {', '.join(valid)})")
-    for name in ("steps", "sft_steps", "micro_batch", "max_staleness", "workers", "pass_k", "debug_samples", "samples"):
+    for name in ("steps", "sft_steps", "micro_batch", "max_staleness", "workers", "pass_k", "debug_samples",
+                 "samples"):
         if getattr(cfg, name) < 0:
             raise err(f"need --{name.replace('_', '-')} >= 0 (got {getattr(cfg, name)})")
     for name in ("eval_every", "eval_episodes", "eval_size", "gen_batch", "max_new_tokens", "inner_epochs",
@@ -500,7 +503,8 @@ def start_run(cfg: Config, out: Path, policy, opt, source: BatchSource, meta: di
         utils.save_config(cfg, out / "config.yaml")
     # A resumed run rewrites what came after its checkpoint (everything, when none loads).
     resumed_at = (start if meta else -cfg.sft_steps - 1) if cfg.resume else None
-    log = utils.Metrics(out, cfg.log, meta["wall_s"] if meta else 0.0, resumed_at) if utils.rank() == 0 else utils.NoMetrics()
+    wall = meta["wall_s"] if meta else 0.0
+    log = utils.Metrics(out, cfg.log, wall, resumed_at) if utils.rank() == 0 else utils.NoMetrics()
     if cfg.sft_steps and not meta:
         evaluate(source, log, -cfg.sft_steps, out, "_before_sft")
     if start < 0 and warm_start(policy, opt, source, cfg, log, start, stop):
@@ -546,20 +550,20 @@ def evaluate_only(cfg: Config, policy, source: BatchSource, step: int) -> Path:
     return out
 
 
-IDENTITY = ("task", "data", "model", "lora", "lora_rank", "lora_targets", "algo", "loss")  # what makes it another run
+IDENTITY = ("task", "data", "model", "lora", "lora_rank", "lora_targets", "algo", "loss")  # another run's
 
 
 def parse(argv: list[str]) -> Config:
-    """The flags; with --resume, over the run's own config.yaml, warning about the flags that change what is trained."""
+    """The flags; with --resume, over the run's own config.yaml, warning of flags that change what trains."""
     cfg = utils.load_config(Config, argv, choices())
     if not cfg.resume:
         return cfg
     saved = run_dir(cfg) / "config.yaml"
     if not saved.exists():
-        raise utils.ConfigError(f"--resume {cfg.resume}: no config.yaml in {saved.parent}; pass a run directory of train.py")
-    old, cfg = utils.load_config(Config, [], base=saved), utils.load_config(Config, argv, choices(), base=saved)
+        raise utils.ConfigError(f"--resume {cfg.resume}: no config.yaml in {saved.parent}: not a run")
+    old, cfg = (utils.load_config(Config, flags, choices(), base=saved) for flags in ([], argv))
     for name in [n for n in IDENTITY if getattr(cfg, n) != getattr(old, n)]:
-        utils.stderr(f"warning: --{name.replace('_', '-')} {getattr(cfg, name)} replaces the run's {getattr(old, name)}")
+        utils.stderr(f"warning: {name} {getattr(cfg, name)!r} replaces the run's {getattr(old, name)!r}")
     return cfg
 
 

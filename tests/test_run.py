@@ -81,7 +81,7 @@ def test_resume_alone_restores_the_runs_config_and_warns_about_a_changed_algorit
     assert [s for s, k in rows(out) if k == "loss"] == [1, 2, 3, 4]
     other = run([sys.executable, "train.py", "--resume", str(out), "--algo", "ppo", "--steps", "5"])
     lines = other.stderr.strip().splitlines()
-    assert other.returncode == 2 and "--algo ppo replaces the run's reinforce" in lines[0]
+    assert other.returncode == 2 and "algo 'ppo' replaces the run's 'reinforce'" in lines[0]
     assert lines[1].startswith("error: ") and "do not match this policy" in lines[1] and len(lines) == 2
 
 
