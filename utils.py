@@ -56,7 +56,7 @@ def coerce(field: dataclasses.Field, value, source: str):
 
 
 def field_docs(cls) -> dict[str, tuple[str, str]]:
-    """Field -> (section, trailing comment), read from the class source: the comments are the documentation."""
+    """Field -> (section, comment), read from the class source: the comments are the documentation."""
     docs, section, above = {}, "run", ""
     for line in inspect.getsource(cls).splitlines():
         if m := re.match(r"\s*# ---- (.*)", line):
@@ -72,7 +72,8 @@ def load_config(cls, argv: list[str], choices: dict | None = None, base: Path | 
     """Defaults <- `base` (a resumed run's config.yaml) <- --config YAML <- command-line flags. Unknown keys
     stop the run. --help shows each field's comment, default and choices, grouped by `# ----` sections."""
     fields, docs, groups = {f.name: f for f in dataclasses.fields(cls)}, field_docs(cls), {}
-    parser = argparse.ArgumentParser(description=cls.__doc__, allow_abbrev=False, usage="%(prog)s [--config YAML] [--FLAG VALUE ...]")
+    parser = argparse.ArgumentParser(description=cls.__doc__, allow_abbrev=False,
+                                     usage="%(prog)s [--config YAML] [--FLAG VALUE ...]")
     parser.add_argument("--config", help="YAML preset in configs/; flags override it")
     for f in fields.values():
         section, comment = docs.get(f.name, ("run", ""))
@@ -83,7 +84,7 @@ def load_config(cls, argv: list[str], choices: dict | None = None, base: Path | 
         if f.type in ("bool", bool):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            group.add_argument(flag, default=None, help=text, metavar=f.type.upper() if isinstance(f.type, str) else None)
+            group.add_argument(flag, default=None, help=text, metavar=str(f.type).upper())
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         bad = unknown[0].split("=")[0]
@@ -122,7 +123,8 @@ class Metrics:
     samples.jsonl. The loggers named in --log get the same numbers. A resumed run first drops the lines
     after its checkpoint's step, which it is about to write again."""
 
-    def __init__(self, out: Path, loggers: str = "", wall_offset: float = 0.0, resumed_at: float | None = None):
+    def __init__(self, out: Path, loggers: str = "", wall_offset: float = 0.0,
+                 resumed_at: float | None = None):
         self.path, self.samples_path = out / "metrics.csv", out / "samples.jsonl"
         if resumed_at is not None:
             for path in (self.path, self.samples_path, out / "samples.1.jsonl"):
@@ -166,16 +168,16 @@ class Metrics:
             logger.close()
 
 
-SAMPLES_MAX_BYTES = 32 << 20  # ~100k short completions: the report loads them all in a browser in about a second
+SAMPLES_MAX_BYTES = 32 << 20  # ~100k short completions: the report loads them in a browser in about a second
 
 
 def truncate_log(path: Path, last_step: float) -> None:
-    """Keeps the lines of metrics.csv / samples.jsonl up to last_step, dropping a last line cut short by a kill."""
+    """Keeps metrics.csv's / samples.jsonl's lines up to last_step, less a last line cut short by a kill."""
     if not path.exists():
         return
     lines = path.read_text().splitlines(keepends=True)
     csv_file = path.suffix == ".csv"
-    step = (lambda line: float(line.split(",", 1)[0])) if csv_file else (lambda line: json.loads(line)["step"])
+    step = (lambda x: float(x.split(",", 1)[0])) if csv_file else (lambda x: json.loads(x)["step"])
     kept = lines[:1] if csv_file else []  # the header
     kept += [line for line in lines[len(kept):] if line.endswith("\n") and step(line) <= last_step]
     fsync_write(path.with_suffix(".tmp"), "".join(kept).encode())
@@ -189,9 +191,10 @@ class TensorBoard:
         try:
             from torch.utils.tensorboard import SummaryWriter  # optional: only --log tensorboard needs it
         except ImportError:
-            raise ConfigError("--log tensorboard needs the tensorboard package: pip install tensorboard") from None
-        # purge_step hides the events a killed run wrote past its checkpoint, as truncate_log does for the CSV.
-        self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=None if resumed_at is None else int(resumed_at) + 1)
+            raise ConfigError("--log tensorboard needs tensorboard: pip install tensorboard") from None
+        # purge_step hides the events a killed run wrote past its checkpoint, as truncate_log does in the CSV
+        purge = None if resumed_at is None else int(resumed_at) + 1
+        self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=purge)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         for key, value in values.items():
@@ -206,7 +209,7 @@ class TensorBoard:
 
 
 class WandB:
-    """--log wandb: offline unless WANDB_MODE says otherwise (`wandb sync RUN/wandb/offline-run-*` uploads it).
+    """--log wandb: offline unless WANDB_MODE says otherwise (`wandb sync RUN/wandb/offline-run-*` uploads).
     Every key is plotted against the "step" key, so warm-start steps (negative) and resumed steps fit."""
 
     def __init__(self, out: Path, resumed_at: float | None):
@@ -230,7 +233,8 @@ class WandB:
         self.pending += [{"step": step, **row} for row in rows]
         if rows and rows[0]["kind"] == "eval":
             columns = sorted({k for row in self.pending for k in row})
-            data = [[json.dumps(r[c]) if isinstance(r.get(c), dict) else r.get(c) for c in columns] for r in self.pending]
+            cell = lambda v: json.dumps(v) if isinstance(v, dict) else v  # a reward breakdown: one text cell
+            data = [[cell(r.get(c)) for c in columns] for r in self.pending]
             self.run.log({"step": step, "samples": self.wandb.Table(columns=columns, data=data)})
             self.pending = []
 
@@ -321,13 +325,14 @@ def latest_checkpoint(run: Path) -> Path:
 
 
 def load_checkpoint(ckpt: Path, policy: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
-    """Reads every file before changing anything, so a damaged checkpoint leaves policy and opt as they were."""
+    """Reads every file before changing anything: a damaged checkpoint leaves policy and opt as they were."""
     weights = load_file(str(ckpt / "weights.safetensors"))
     state = torch.load(ckpt / "state.pt", weights_only=True)
     meta = json.loads((ckpt / "meta.json").read_text())
-    if {n: w.shape for n, w in weights.items()} != {n: p.shape for n, p in policy.named_parameters() if p.requires_grad}:
-        raise ConfigError(f"{ckpt}: its tensors do not match this policy (another model, LoRA setting or --hidden "
-                          f"than the run's); --resume {ckpt.parent} alone restores the run's own settings")
+    trained = {n: p.shape for n, p in policy.named_parameters() if p.requires_grad}
+    if {n: w.shape for n, w in weights.items()} != trained:
+        raise ConfigError(f"{ckpt}: its tensors do not match this policy (another model, LoRA setting or "
+                          f"--hidden than the run's); --resume {ckpt.parent} alone restores the run's own")
     policy.load_state_dict(weights, strict=False)
     opt.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["torch_rng"])
@@ -335,12 +340,12 @@ def load_checkpoint(ckpt: Path, policy: torch.nn.Module, opt: torch.optim.Optimi
 
 
 def resume_checkpoint(run: Path, policy: torch.nn.Module, opt: torch.optim.Optimizer) -> dict | None:
-    """The newest checkpoint of a run that loads, or the one named (None: none does), naming each damaged one
-    it skips and why (a write cut short by a crash; the atomic rename makes that rare, a full disk or a copy not)."""
+    """The newest checkpoint of a run that loads, or the one named (None: none does), naming each damaged
+    one it skips and why (a write cut short: the atomic rename makes that rare; a full disk or a copy not)."""
     for ckpt in [run] if run.name.startswith("ckpt-") else reversed(checkpoints(run)):
         try:
             return load_checkpoint(ckpt, policy, opt)
-        except (SafetensorError, json.JSONDecodeError, RuntimeError, OSError) as e:  # RuntimeError: torch.load's
+        except (SafetensorError, json.JSONDecodeError, RuntimeError, OSError) as e:  # Runtime: torch.load
             stderr(f"skipping {ckpt}: {type(e).__name__}: {str(e).splitlines()[0]}")
     return None
 
