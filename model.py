@@ -549,6 +549,17 @@ class LLMPolicy(nn.Module):
         os.replace(tmp, final)
         return str(final)
 
+    def export(self, path: str, merged: bool = False) -> str:
+        """The trained model as its users load it: for LoRA a PEFT adapter directory (PeftModel.from_pretrained,
+        vLLM's LoRARequest); for full fine-tuning, or LoRA with merged=True, a save_pretrained model + tokenizer."""
+        if self.lora and not merged:
+            return self.save_adapter(path)
+        # merge_and_unload on a copy: the policy keeps its adapter (it may go on training or evaluating)
+        lm = copy.deepcopy(self.model).merge_and_unload() if self.lora else self.model
+        lm.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+        return path
+
     def wire_names(self) -> dict[str, str]:
         """Trained name -> name on the wire: PEFT's key in adapter_model.safetensors (LoRA), which
         vLLM and PEFT load as is; full fine-tuning keeps the parameter names."""

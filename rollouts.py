@@ -304,6 +304,8 @@ class BatchSource:
         old log-probs there)."""
         return live_weights(version)
 
+    eval_batch: Batch | None = None  # the last evaluate()'s rows, for samples.jsonl (none for control tasks)
+
     def demonstrations(self, n: int) -> Batch:
         """n solver-written (prompt, answer) rows for the supervised warm-start (--sft-steps)."""
         raise utils.ConfigError(f"{type(self).__name__} has no demonstrations to warm-start on")
@@ -436,8 +438,9 @@ class TaskRollouts(BatchSource):
             sums[f"eval_pass@{cfg.pass_k}"] = sum(tasks.pass_at_k(cfg.pass_k, ci, cfg.pass_k) for ci in c)
         sums = utils.reduce_dict(sums)
         n = sums.pop("n")
+        self.eval_batch = collate_groups(greedy, self.policy.pad_id, 0) if greedy else None
         if cfg.debug_samples and greedy:
-            show_samples(collate_groups(greedy, self.policy.pad_id, 0), "eval", cfg.debug_samples)
+            show_samples(self.eval_batch, "eval", cfg.debug_samples)
         return {k: v / n for k, v in sums.items()}
 
     def demonstrations(self, n: int) -> Batch:
@@ -480,12 +483,30 @@ class EnvRollouts(TaskRollouts):
     def evaluate(self) -> dict:
         """Rank r plays eval problems r, r + W, ...; per-rank sums are added over ranks."""
         problems = self.task.eval_problems()[utils.rank() :: utils.world()]
-        stats = self.episodes(problems, 1, greedy=True).stats if problems else {}
+        self.eval_batch = self.episodes(problems, 1, greedy=True) if problems else None
+        stats = self.eval_batch.stats if problems else {}
         names = {"solved": "eval_accuracy", "solved_first_turn": "eval_accuracy_first_turn",
                  "turns": "eval_turns"}
         sums = {k: float(stats[k].sum()) if problems else 0.0 for k in names}
         sums = utils.reduce_dict({"n": len(problems), **sums})
         return {name: sums[k] / sums["n"] for k, name in names.items()}
+
+
+def sample_rows(batch: Batch, n: int, kind: str, step: int) -> list[dict]:
+    """The first n rows as samples.jsonl records: the texts (a multi-turn episode's whole transcript, tool
+    calls and replies included), length, how it ended, reward and its parts, advantage, sampling version."""
+    rows = []
+    for r, (prompt, completion, answer) in enumerate(batch.texts[:n]):
+        mask = batch.mask[r] > 0
+        rows.append({"kind": kind, "prompt": prompt, "completion": completion, "answer": answer,
+                     "tokens": int(mask.sum()), "finish": "budget" if batch.truncated[r] else "end",
+                     "reward": float(batch.rewards[r].sum()),
+                     "adv": None if batch.adv is None else float(batch.adv[r][mask].mean()),
+                     "rewards": {k.removeprefix("reward_"): float(v[r]) for k, v in batch.stats.items()
+                                 if k.startswith("reward_")},
+                     **({"version": int(batch.version[r]), "staleness": step - 1 - int(batch.version[r])}
+                        if kind == "train" else {})})  # an eval row's weights are the step's own
+    return rows
 
 
 def show_samples(batch: Batch, label: str, n: int) -> None:

@@ -332,6 +332,10 @@ class AsyncRollouts(BatchSource):
     def evaluate(self) -> dict:
         return self.local.evaluate()  # with the trainer's live weights, never a worker's
 
+    @property
+    def eval_batch(self):
+        return self.local.eval_batch
+
     def demonstrations(self, n: int) -> Batch:
         return self.local.demonstrations(n)  # the warm-start runs on the trainer
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import report
 import sandbox
 import serve
 import tasks
@@ -32,7 +33,8 @@ from algos import (AGGREGATIONS, ALGOS, EPS, GROUPED, IS_LEVELS, KL, LOSSES, gro
 from envs import TEXT_ENVS, CartPole
 from judge import JudgeUnavailable
 from model import LLMPolicy, MLPPolicy
-from rollouts import CONTROL, Batch, BatchSource, TaskRollouts, live_weights, show_samples, sources
+from rollouts import (CONTROL, Batch, BatchSource, TaskRollouts, live_weights, sample_rows, show_samples,
+                      sources)
 
 
 @dataclass
@@ -69,12 +71,19 @@ class Config:
     hidden: int = 64  # MLP width: CartPole needs little, and small is fast
     eval_every: int = 5  # steps between greedy evals; one 10-episode eval costs about one step
     eval_episodes: int = 10  # held-out greedy episodes per eval (the solve criterion uses 10)
-    target: float = 0.0  # stop once the headline eval (eval_return / eval_accuracy) reaches it; 0 = never
+    # stop once the headline eval (eval_return / eval_accuracy) reaches it: 475 is CartPole's solved bar,
+    # which no accuracy reaches (LLM tasks: e.g. 0.9); 0 = never
+    target: float = 475.0
     out: str = ""  # run directory; empty = runs/<task>-<algo>-<timestamp>
-    resume: str = ""  # a run directory to continue from its newest checkpoint
+    resume: str = ""  # a run directory (its config.yaml, newest checkpoint that loads) or a ckpt-* in one
+    eval_only: bool = False  # evaluate --resume's checkpoint (into RUN/eval-STEP) or a bare --model (--out)
+    export: str = ""  # at the end, the model goes here: a PEFT adapter (LoRA; vLLM --enable-lora), else full
+    export_merged: bool = False  # LoRA: export the adapter merged into a full Hugging Face model instead
     ckpt_every: int = 50  # steps between checkpoints (a final one is always written)
     keep_ckpts: int = 3  # older checkpoints are deleted; 3 survives one corrupt write with margin
     progress: bool = True  # tqdm progress bar; --no-progress for logs and CI
+    log: str = ""  # loggers besides metrics.csv, comma-separated: tensorboard, wandb (offline by default)
+    samples: int = 4  # training rollouts a step written to samples.jsonl (every eval problem always is)
     # ---- language-model tasks (everything below is ignored by cartpole)
     model: str = "tiny"  # HF hub id or local dir; "tiny" builds a small Llama locally, no download
     lora: bool = True  # LoRA: ~1% of the weights train and the KL reference costs no memory
@@ -143,16 +152,22 @@ def task_defaults(given: dict) -> dict:
             "max_new_tokens": kind.max_new_tokens}  # the task's own budget ("12+7=" needs 8, GSM8K 512)
 
 
+def choices() -> dict:
+    """Fields with a fixed set of values: validate() checks them first, and --help lists them."""
+    return {"task": sources(), "algo": ALGOS, "loss": LOSSES, "loss_agg": AGGREGATIONS, "kl_estimator": KL,
+            "tis": IS_LEVELS, "mis": IS_LEVELS, "bad_rows": ("skip", "error"),
+            "role": ("sync", "trainer", "rollout")}
+
+
 def validate(cfg: Config) -> None:
     """Rejects impossible combinations up front, naming the fix."""
     err = utils.ConfigError
-    choices = {"algo": ALGOS, "task": sources(), "loss": LOSSES, "loss_agg": AGGREGATIONS,
-               "kl_estimator": KL, "tis": IS_LEVELS, "mis": IS_LEVELS}
-    for name, valid in choices.items():
+    for name, valid in choices().items():
         if (value := getattr(cfg, name)) not in valid:
             raise err(f"unknown --{name.replace('_', '-')} '{value}'{utils.closest(value, valid)} "
                       f"(choices: {', '.join(valid)})")
-    for name in ("steps", "sft_steps", "micro_batch", "max_staleness", "workers", "pass_k", "debug_samples"):
+    for name in ("steps", "sft_steps", "micro_batch", "max_staleness", "workers", "pass_k", "debug_samples",
+                 "samples"):
         if getattr(cfg, name) < 0:
             raise err(f"need --{name.replace('_', '-')} >= 0 (got {getattr(cfg, name)})")
     for name in ("eval_every", "eval_episodes", "eval_size", "gen_batch", "max_new_tokens", "inner_epochs",
@@ -188,6 +203,14 @@ def validate(cfg: Config) -> None:
         raise err(f"--bad-rows must be skip or error (got {cfg.bad_rows})")
     if cfg.judge_down not in ("fail", "drop"):
         raise err(f"--judge-down must be fail or drop (got {cfg.judge_down})")
+    if (cfg.export or cfg.export_merged) and (cfg.task in CONTROL or not cfg.export):
+        raise err("--export DIR writes a language model (and --export-merged needs --export DIR); CartPole's "
+                  "weights are the ckpt-*/weights.safetensors of its run")
+    if cfg.eval_only and (utils.world() > 1 or cfg.role != "sync"):
+        raise err("--eval-only runs in one process: drop torchrun and --role")
+    if set(filter(None, cfg.log.split(","))) - set(utils.LOGGERS):
+        raise err(f"--log {cfg.log}: choose from {', '.join(utils.LOGGERS)}, comma-separated (metrics.csv is "
+                  "always written)")
     if cfg.resume and not Path(cfg.resume).is_dir():
         raise err(f"--resume {cfg.resume}: no such run directory")
     validate_task(cfg)
@@ -225,8 +248,6 @@ def validate_task(cfg: Config) -> None:
 def validate_roles(cfg: Config) -> None:
     """What disaggregated training (serve.py) needs."""
     err = utils.ConfigError
-    if cfg.role not in ("sync", "trainer", "rollout"):
-        raise err(f"--role must be sync, trainer or rollout (got {cfg.role!r})")
     if cfg.role != "sync" and cfg.task in CONTROL:
         raise err(f"--role {cfg.role} is for LLM tasks; {cfg.task} runs in one process (--role sync)")
     if cfg.role != "sync" and cfg.algo == "ppo":
@@ -270,11 +291,15 @@ def load_teacher(cfg: Config, student):
     return teacher.to(torch.bfloat16) if cfg.dtype == "bf16" else teacher  # frozen: bf16 halves its memory
 
 
-def warm_start(policy, source: BatchSource, cfg: Config, log: utils.Metrics) -> None:
-    """Optional supervised stage before RL: cross-entropy on demonstrations written by the
-    task's own solver (never by a model), so the RL gain on top can be reported separately."""
-    opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.sft_lr)
-    for i in range(cfg.sft_steps):
+def warm_start(policy, opt, source: BatchSource, cfg: Config, log, first: int, stop) -> bool:
+    """Optional supervised stage before RL: cross-entropy on demonstrations written by the task's own
+    solver (never by a model), so the RL gain on top can be reported separately. Steps `first` .. -1
+    (logged at first + 1 .. 0) on the RL optimizer at sft_lr, whose state is cleared at the end: RL starts
+    from a fresh Adam, and a checkpoint on the way holds all a resumed warm-start needs. True: stop()
+    asked to stop (Ctrl-C), and the last step was checkpointed."""
+    for group in opt.param_groups:
+        group["lr"] = cfg.sft_lr
+    for step in range(first, 0):
         batch = source.demonstrations(cfg.batch)
         opt.zero_grad(set_to_none=True)
         loss, tokens = torch.zeros(()), utils.all_sum(batch.mask.sum())  # every rank's demo tokens
@@ -284,7 +309,13 @@ def warm_start(policy, source: BatchSource, cfg: Config, log: utils.Metrics) -> 
             loss += part.detach()
         utils.sum_grads(policy)
         opt.step()
-        log.log(-cfg.sft_steps + i + 1, {"sft_loss": utils.all_sum(loss).item()})
+        log.log(step + 1, {"sft_loss": utils.all_sum(loss).item()})
+        if step + 1 < 0 and stop(step + 1):
+            return True
+    opt.state.clear()
+    for group in opt.param_groups:
+        group["lr"] = cfg.lr
+    return False
 
 
 # ---------------------------------------------------------------- stage 2: advantage
@@ -448,12 +479,12 @@ def micro_loss(policy, batch: Batch, rows: torch.Tensor, share, fresh: bool, cfg
 def train(cfg: Config) -> Path:
     validate(cfg)
     policy, opt, source = build(cfg)
+    lead = utils.rank() == 0  # under torchrun only rank 0 writes: logs, samples, checkpoints, the report
+    meta = resume(cfg, policy, opt, source)
+    if cfg.eval_only:
+        return evaluate_only(cfg, policy, source, meta["step"] if meta else 0)
     teacher = load_teacher(cfg, policy) if cfg.teacher else None
-    out, log, start = start_run(cfg, policy, opt, source)
-    lead = utils.rank() == 0  # under torchrun only rank 0 writes: logs, checkpoints, the plot
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not (cfg.progress and lead),
-               dynamic_ncols=True)
-    step, last_eval, interrupted = start, {}, []
+    out, log, step, last_eval, interrupted = run_dir(cfg), utils.NoMetrics(), 0, {}, []
 
     def on_ctrl_c(*_):  # the first finishes the step, then checkpoints: a half-applied update is never saved
         if interrupted:  # the second stops at once, e.g. a trainer waiting for workers that never come
@@ -461,71 +492,94 @@ def train(cfg: Config) -> Path:
         interrupted.append(True)
         utils.stderr("Ctrl-C: finishing this step, then saving a checkpoint; press Ctrl-C again to stop now")
 
-    previous = signal.signal(signal.SIGINT, on_ctrl_c)
+    def stop(step: int) -> bool:  # after each step: a Ctrl-C seen by one rank stops all here, checkpointed
+        if utils.reduce_dict({"stop": bool(interrupted)})["stop"]:
+            interrupted.append(True)  # also on a rank that saw no Ctrl-C
+            checkpoint(cfg, out, step, policy, opt, source, log)
+            utils.stderr(f"interrupted: checkpoint saved; continue with --resume {out}")
+        return bool(interrupted)
+
+    previous = signal.signal(signal.SIGINT, on_ctrl_c)  # before the warm-start, which Ctrl-C stops alike
     try:
-        for step in bar:
+        log, step = start_run(cfg, out, policy, opt, source, meta, stop)
+        bar = tqdm(range(step, cfg.steps), initial=step, total=cfg.steps, disable=not (cfg.progress and lead),
+                   dynamic_ncols=True)
+        for step in bar if not interrupted else ():
             batch = source.next(step)  # 1. rollout
             batch = prepare(policy, batch, cfg, source.weights, teacher)  # 2. advantage
             stats = update(policy, opt, batch, cfg)  # 3. update
             source.publish(step + 1)  # 4. publish
             stats.update(utils.reduce_dict(source.metrics(), mean=True))  # 5. log, evaluate, checkpoint
             log.log(step + 1, stats)
+            log.samples(step + 1, sample_rows(batch, cfg.samples, "train", step + 1))
             if step % cfg.eval_every == 0 and cfg.debug_samples and lead:
                 show_samples(batch, f"step {step}", cfg.debug_samples)
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                last_eval = source.evaluate()
-                log.log(step + 1, last_eval)
+                last_eval = evaluate(source, log, step + 1, out)
             bar.set_postfix(reward=f"{stats['reward']:.1f}", **{k: f"{v:.3g}" for k, v in last_eval.items()})
             headline = max(last_eval.get(k, -math.inf) for k in ("eval_return", "eval_accuracy"))
             solved = cfg.target and headline >= cfg.target
-            if utils.reduce_dict({"stop": bool(interrupted)})["stop"]:  # a Ctrl-C seen by one rank stops all
-                interrupted.append(True)
-            if (step + 1) % cfg.ckpt_every == 0 or solved or interrupted or step + 1 == cfg.steps:
-                checkpoint(cfg, out, step + 1, policy, opt, source, log)
-            if solved or interrupted:
+            if stop(step + 1):
                 break
-        if interrupted:
-            utils.stderr(f"interrupted: checkpoint saved; continue with --resume {out}")
+            if (step + 1) % cfg.ckpt_every == 0 or solved or step + 1 == cfg.steps:
+                checkpoint(cfg, out, step + 1, policy, opt, source, log)
+            if solved:
+                break
+        bar.close()
     except KeyboardInterrupt:
         utils.stderr(f"stopped during step {step + 1}, which is not saved; the checkpoints in {out} are "
                      f"intact (--resume {out})")
         raise
     finally:
         signal.signal(signal.SIGINT, previous)
-        bar.close()
         log.close()
         source.close()  # an async trainer tells its workers the run is over
     if lead:
         utils.plot(out, keys=("reward", "eval_return", "eval_accuracy"))
+        finish(cfg, policy, out, log.wall())
     return out
 
 
-def start_run(cfg: Config, policy, opt, source: BatchSource):
-    """The run directory and log, any resumed state, and the evaluations (and warm-start) before step 0."""
-    lead = utils.rank() == 0
-    out = Path(cfg.resume or cfg.out or f"runs/{cfg.task}-{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
-    start, wall = 0, 0.0
-    if cfg.resume:  # every rank reads the checkpoint: multi-node runs need --out on shared storage
-        ckpt = utils.latest_checkpoint(out)
-        try:
-            meta = utils.load_checkpoint(ckpt, policy, opt)
-        except (ValueError, RuntimeError) as e:  # another model, LoRA setting or --hidden than the run's
-            raise utils.ConfigError(f"--resume {out}: {ckpt.name} does not fit this policy "
-                                    f"({str(e).splitlines()[0][:200]}); resume with the run's own settings: "
-                                    f"--config {out / 'config.yaml'} --resume {out}") from None
-        start, wall = meta["step"], meta["wall_s"]
+def resume(cfg: Config, policy, opt, source: BatchSource) -> dict | None:
+    """--resume: the newest checkpoint that loads, into policy, optimizer and source (None: none does)."""
+    meta = utils.resume_checkpoint(Path(cfg.resume), policy, opt) if cfg.resume else None
+    if meta:  # every rank reads the checkpoint: multi-node runs need --out on shared storage
         source.load_state(meta["source"])
+    elif cfg.resume:
+        utils.stderr(f"--resume {cfg.resume}: no checkpoint loads; the run starts over")
     utils.split_rng()  # after any restored RNG state: ranks must not sample identical tokens
-    if lead:
+    return meta
+
+
+def start_run(cfg: Config, out: Path, policy, opt, source: BatchSource, meta: dict | None, stop):
+    """The run's config and log, and what comes before RL step 0: the evaluations and the warm-start.
+    Returns the log and the step RL starts at."""
+    start = meta["step"] if meta else -cfg.sft_steps  # < 0: (in) the warm-start
+    if utils.rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
         utils.save_config(cfg, out / "config.yaml")
-    log = utils.Metrics(out, wall_offset=wall) if lead else utils.NoMetrics()
-    if cfg.sft_steps and not cfg.resume:
-        log.log(-cfg.sft_steps, {f"{k}_before_sft": v for k, v in source.evaluate().items()})
-        warm_start(policy, source, cfg, log)
-    if start == 0:
-        log.log(0, source.evaluate())  # the starting point of the RL curve
-    return out, log, start
+    # A resumed run rewrites what came after its checkpoint (everything, when none loads).
+    resumed_at = (start if meta else -cfg.sft_steps - 1) if cfg.resume else None
+    wall = meta["wall_s"] if meta else 0.0
+    log = utils.Metrics(out, cfg.log, wall, resumed_at) if utils.rank() == 0 else utils.NoMetrics()
+    if cfg.sft_steps and not meta:
+        evaluate(source, log, -cfg.sft_steps, out, "_before_sft")
+    if start < 0 and warm_start(policy, opt, source, cfg, log, start, stop):
+        return log, 0
+    if start <= 0:
+        evaluate(source, log, 0, out)  # the starting point of the RL curve
+    return log, max(start, 0)
+
+
+def evaluate(source: BatchSource, log, step: int, out: Path, suffix: str = "") -> dict:
+    """Held-out metrics and each eval problem's sample (rank 0's share under torchrun), logged at `step`."""
+    metrics = source.evaluate()
+    log.log(step, {k + suffix: v for k, v in metrics.items()})
+    if source.eval_batch is not None:
+        log.samples(step, sample_rows(source.eval_batch, len(source.eval_batch), "eval", step))
+    if utils.rank() == 0:
+        report.write_report(out)
+    return metrics
 
 
 def checkpoint(cfg: Config, out: Path, step: int, policy, opt, source: BatchSource, log) -> None:
@@ -534,16 +588,57 @@ def checkpoint(cfg: Config, out: Path, step: int, policy, opt, source: BatchSour
         utils.save_checkpoint(out, step, policy, opt, meta, cfg.keep_ckpts)
 
 
+def finish(cfg: Config, policy, out: Path, wall_s: float) -> None:
+    report.write_report(out)
+    if cfg.export:
+        policy.export(cfg.export, cfg.export_merged)
+    print(report.summary(out, wall_s, cfg.export))
+
+
+def evaluate_only(cfg: Config, policy, source: BatchSource, step: int) -> Path:
+    """--eval-only: one eval of the loaded weights, logged at their step in a run directory of its own."""
+    out = run_dir(cfg) / f"eval-{step:07d}" if cfg.resume else run_dir(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    utils.save_config(cfg, out / "config.yaml")
+    log = utils.Metrics(out, cfg.log)
+    evaluate(source, log, step, out)
+    log.close()
+    finish(cfg, policy, out, 0.0)
+    return out
+
+
+IDENTITY = ("task", "data", "model", "lora", "lora_rank", "lora_targets", "algo", "loss")  # another run's
+
+
+def parse(argv: list[str]) -> Config:
+    """The flags; with --resume, over the run's own config.yaml, warning of flags that change what trains."""
+    cfg = utils.load_config(Config, argv, choices(), defaults=task_defaults)
+    if not cfg.resume:
+        return cfg
+    saved = run_dir(cfg) / "config.yaml"
+    if not saved.exists():
+        raise utils.ConfigError(f"--resume {cfg.resume}: no config.yaml in {saved.parent}: not a run")
+    old, cfg = (utils.load_config(Config, flags, choices(), base=saved, defaults=task_defaults)
+                for flags in ([], argv))
+    for name in [n for n in IDENTITY if getattr(cfg, n) != getattr(old, n)]:
+        utils.stderr(f"warning: {name} {getattr(cfg, name)!r} replaces the run's {getattr(old, name)!r}")
+    return cfg
+
+
+def run_dir(cfg: Config) -> Path:
+    if cfg.resume:
+        return Path(cfg.resume).parent if Path(cfg.resume).name.startswith("ckpt-") else Path(cfg.resume)
+    return Path(cfg.out or f"runs/{cfg.task}-{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
 def main(argv: list[str]) -> int:
     try:
-        cfg = utils.load_config(Config, argv, task_defaults)
+        cfg = parse(argv)
         validate(cfg)
         if cfg.role == "rollout":  # a worker generates and never trains
             return serve.run_worker(cfg)
         utils.init_distributed(cfg.dist_timeout)
-        out = train(cfg)
-        if utils.rank() == 0:
-            print(f"run saved to {out}")
+        train(cfg)
     except utils.ConfigError as e:
         utils.stderr(f"error: {e}")
         return 2

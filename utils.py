@@ -7,8 +7,10 @@ import csv
 import dataclasses
 import datetime
 import difflib
+import inspect
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 import yaml
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: F401 (train.py: torchrun then reports a failed rank's traceback)
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 
@@ -52,35 +55,54 @@ def coerce(field: dataclasses.Field, value, source: str):
     raise ConfigError(f"{source}: '{field.name}' must be {kind}, got {value!r}")
 
 
-def load_config(cls, argv: list[str], defaults=lambda given: {}):
-    """Defaults <- defaults(what YAML and flags gave) <- --config YAML <- command-line flags.
-    Unknown keys stop the run."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    parser = argparse.ArgumentParser(description=cls.__doc__, allow_abbrev=False)
+def field_docs(cls) -> dict[str, tuple[str, str]]:
+    """Field -> (section, comment), read from the class source: the comments are the documentation."""
+    docs, section, above = {}, "run", ""
+    for line in inspect.getsource(cls).splitlines():
+        if m := re.match(r"\s*# ---- (.*)", line):
+            section = m[1]
+        elif m := re.match(r"\s*# (.*)", line):  # a comment too long for its field's line sits above it
+            above = m[1]
+        elif m := re.match(r"\s*(\w+): [\w\[\], |]+ = (?:.*?  # (.*))?", line):
+            docs[m[1]], above = (section, m[2] or above), ""
+    return docs
+
+
+def load_config(cls, argv: list[str], choices: dict | None = None, base: Path | None = None,
+                defaults=lambda given: {}):
+    """Defaults <- defaults(what the rest gave) <- `base` (a resumed run's config.yaml) <- --config
+    YAML <- command-line flags. Unknown keys stop the run. --help shows each field's comment, default and choices, grouped by `# ----` sections."""
+    fields, docs, groups = {f.name: f for f in dataclasses.fields(cls)}, field_docs(cls), {}
+    parser = argparse.ArgumentParser(description=cls.__doc__, allow_abbrev=False,
+                                     usage="%(prog)s [--config YAML] [--FLAG VALUE ...]")
     parser.add_argument("--config", help="YAML preset in configs/; flags override it")
     for f in fields.values():
+        section, comment = docs.get(f.name, ("run", ""))
+        group = groups.get(section) or groups.setdefault(section, parser.add_argument_group(section))
+        listed = f"choices: {', '.join(choices[f.name])}; " if f.name in (choices or {}) else ""
+        text = f"{comment} ({listed}default: {f.default!r})".replace("%", "%%")
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            parser.add_argument(flag, default=None)
+            group.add_argument(flag, default=None, help=text, metavar=str(f.type).upper())
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         bad = unknown[0].split("=")[0]
         flags = ["--" + n.replace("_", "-") for n in fields] + ["--config"]
         raise ConfigError(f"unknown flag {bad}{closest(bad, flags)}")
     values = {}
-    if args.config:
+    for source in filter(None, (base, args.config)):
         try:
-            preset = yaml.safe_load(Path(args.config).read_text()) or {}
+            preset = yaml.safe_load(Path(source).read_text()) or {}
         except FileNotFoundError:
-            raise ConfigError(f"--config {args.config}: no such file; presets live in configs/") from None
+            raise ConfigError(f"--config {source}: no such file; presets live in configs/") from None
         if not isinstance(preset, dict):
-            raise ConfigError(f"{args.config}: expected a mapping of config keys")
+            raise ConfigError(f"{source}: expected a mapping of config keys")
         for key, value in preset.items():
             if key not in fields:
-                raise ConfigError(f"{args.config}: unknown key '{key}'{closest(key, fields)}")
-            values[key] = coerce(fields[key], value, args.config)
+                raise ConfigError(f"{source}: unknown key '{key}'{closest(key, fields)}")
+            values[key] = coerce(fields[key], value, source)
     for name, f in fields.items():
         raw = getattr(args, name)
         if raw is not None:
@@ -98,16 +120,24 @@ def save_config(cfg, path: Path) -> None:
 
 # ---------------------------------------------------------------- metrics
 class Metrics:
-    """metrics.csv in long format (step, wall_s, key, value): any tool can read any metric."""
+    """metrics.csv in long format (step, wall_s, key, value): any tool can read any metric. Samples go to
+    samples.jsonl. The loggers named in --log get the same numbers. A resumed run first drops the lines
+    after its checkpoint's step, which it is about to write again."""
 
-    def __init__(self, out: Path, wall_offset: float = 0.0):
-        self.path = out / "metrics.csv"
+    def __init__(self, out: Path, loggers: str = "", wall_offset: float = 0.0,
+                 resumed_at: float | None = None):
+        self.path, self.samples_path = out / "metrics.csv", out / "samples.jsonl"
+        if resumed_at is not None:
+            for path in (self.path, self.samples_path, out / "samples.1.jsonl"):
+                truncate_log(path, resumed_at)
         new = not self.path.exists()
         self.file = open(self.path, "a", newline="")
         self.writer = csv.writer(self.file)
         if new:
             self.writer.writerow(["step", "wall_s", "key", "value"])
+        self.samples_file = open(self.samples_path, "a")
         self.t0 = time.perf_counter() - wall_offset
+        self.loggers = [LOGGERS[name](out, resumed_at) for name in filter(None, loggers.split(","))]
 
     def wall(self) -> float:
         return time.perf_counter() - self.t0
@@ -117,9 +147,103 @@ class Metrics:
         for key, value in values.items():
             self.writer.writerow([step, wall, key, f"{float(value):.6g}"])
         self.file.flush()
+        for logger in self.loggers:
+            logger.log(step, values)
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        """One JSON line per rollout. Past SAMPLES_MAX_BYTES the file becomes samples.1.jsonl (replacing
+        the one before), so a long run keeps at most about twice that on disk."""
+        self.samples_file.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+        self.samples_file.flush()
+        if self.samples_file.tell() > SAMPLES_MAX_BYTES:
+            self.samples_file.close()
+            os.replace(self.samples_path, self.samples_path.with_suffix(".1.jsonl"))
+            self.samples_file = open(self.samples_path, "a")
+        for logger in self.loggers:
+            logger.samples(step, rows)
 
     def close(self) -> None:
         self.file.close()
+        self.samples_file.close()
+        for logger in self.loggers:
+            logger.close()
+
+
+SAMPLES_MAX_BYTES = 32 << 20  # ~100k short completions: the report loads them in a browser in about a second
+
+
+def truncate_log(path: Path, last_step: float) -> None:
+    """Keeps metrics.csv's / samples.jsonl's lines up to last_step, less a last line cut short by a kill."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    csv_file = path.suffix == ".csv"
+    step = (lambda x: float(x.split(",", 1)[0])) if csv_file else (lambda x: json.loads(x)["step"])
+    kept = lines[:1] if csv_file else []  # the header
+    kept += [line for line in lines[len(kept):] if line.endswith("\n") and step(line) <= last_step]
+    fsync_write(path.with_suffix(".tmp"), "".join(kept).encode())
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+class TensorBoard:
+    """--log tensorboard: events under RUN/tensorboard (`tensorboard --logdir runs`)."""
+
+    def __init__(self, out: Path, resumed_at: float | None):
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # optional: only --log tensorboard needs it
+        except ImportError:
+            raise ConfigError("--log tensorboard needs tensorboard: pip install tensorboard") from None
+        # purge_step hides the events a killed run wrote past its checkpoint, as truncate_log does in the CSV
+        purge = None if resumed_at is None else int(resumed_at) + 1
+        self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=purge)
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        """samples.jsonl and the report show them; TensorBoard's text view would only repeat them."""
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandB:
+    """--log wandb: offline unless WANDB_MODE says otherwise (`wandb sync RUN/wandb/offline-run-*` uploads).
+    Every key is plotted against the "step" key, so warm-start steps (negative) and resumed steps fit."""
+
+    def __init__(self, out: Path, resumed_at: float | None):
+        os.environ.setdefault("WANDB_MODE", "offline")  # training must not wait on, or need, the network
+        try:
+            import wandb  # optional: only --log wandb needs it
+        except ImportError:
+            raise ConfigError("--log wandb needs the wandb package: pip install wandb") from None
+        config = yaml.safe_load((out / "config.yaml").read_text())
+        self.wandb, self.run = wandb, wandb.init(dir=str(out), name=out.name, config=config, resume="allow",
+                                                  id=re.sub(r"[^\w-]", "_", out.name))
+        self.run.define_metric("*", step_metric="step")
+        self.pending: list[dict] = []
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        self.run.log({"step": step, **values})
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        """One table per eval: its rows and the training rows since the last (a table a step would make a
+        10,000-step run 10,000 artifacts)."""
+        self.pending += [{"step": step, **row} for row in rows]
+        if rows and rows[0]["kind"] == "eval":
+            columns = sorted({k for row in self.pending for k in row})
+            cell = lambda v: json.dumps(v) if isinstance(v, dict) else v  # a reward breakdown: one text cell
+            data = [[cell(r.get(c)) for c in columns] for r in self.pending]
+            self.run.log({"step": step, "samples": self.wandb.Table(columns=columns, data=data)})
+            self.pending = []
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+LOGGERS = {"tensorboard": TensorBoard, "wandb": WandB}
 
 
 def read_metrics(path: Path) -> dict[str, list[tuple[int, float, float]]]:
@@ -184,28 +308,47 @@ def save_checkpoint(out: Path, step: int, policy: torch.nn.Module, opt: torch.op
             os.fsync(f.fileno())
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    for old in sorted(out.glob("ckpt-*"))[:-keep]:
+    for old in checkpoints(out)[:-keep]:
         shutil.rmtree(old)
     return final
 
 
+def checkpoints(run: Path) -> list[Path]:
+    """Oldest first, by step (warm-start checkpoints have negative steps)."""
+    return sorted(run.glob("ckpt-*"), key=lambda p: int(p.name[5:]))
+
+
 def latest_checkpoint(run: Path) -> Path:
-    ckpts = sorted(run.glob("ckpt-*"))
+    ckpts = checkpoints(run)
     if not ckpts:
         raise FileNotFoundError(f"--resume {run}: no ckpt-* directory inside; pass a run directory written by train.py")
     return ckpts[-1]
 
 
 def load_checkpoint(ckpt: Path, policy: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """Reads every file before changing anything: a damaged checkpoint leaves policy and opt as they were."""
     weights = load_file(str(ckpt / "weights.safetensors"))
-    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
-    if set(weights) != trainable:
-        raise ValueError(f"{ckpt}: checkpoint tensors do not match this policy (different model or LoRA settings?)")
-    policy.load_state_dict(weights, strict=False)
     state = torch.load(ckpt / "state.pt", weights_only=True)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    trained = {n: p.shape for n, p in policy.named_parameters() if p.requires_grad}
+    if {n: w.shape for n, w in weights.items()} != trained:
+        raise ConfigError(f"{ckpt}: its tensors do not match this policy (another model, LoRA setting or "
+                          f"--hidden than the run's); --resume {ckpt.parent} alone restores the run's own")
+    policy.load_state_dict(weights, strict=False)
     opt.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["torch_rng"])
-    return json.loads((ckpt / "meta.json").read_text())
+    return meta
+
+
+def resume_checkpoint(run: Path, policy: torch.nn.Module, opt: torch.optim.Optimizer) -> dict | None:
+    """The newest checkpoint of a run that loads, or the one named (None: none does), naming each damaged
+    one it skips and why (a write cut short: the atomic rename makes that rare; a full disk or a copy not)."""
+    for ckpt in [run] if run.name.startswith("ckpt-") else reversed(checkpoints(run)):
+        try:
+            return load_checkpoint(ckpt, policy, opt)
+        except (SafetensorError, json.JSONDecodeError, RuntimeError, OSError) as e:  # Runtime: torch.load
+            stderr(f"skipping {ckpt}: {type(e).__name__}: {str(e).splitlines()[0]}")
+    return None
 
 
 def stderr(msg: str) -> None:
@@ -318,5 +461,6 @@ def split_rng() -> None:
 class NoMetrics:
     """What ranks other than 0 log to: rank 0 alone writes the (all-reduced) numbers."""
     def log(self, step: int, values: dict) -> None: pass  # noqa: E301,E704
+    def samples(self, step: int, rows: list) -> None: pass  # noqa: E301,E704
     def wall(self) -> float: return 0.0  # noqa: E301,E704
     def close(self) -> None: pass  # noqa: E301,E704

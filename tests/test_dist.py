@@ -83,6 +83,8 @@ class Oracle:
     """A stand-in LLM policy with a known score: greedy answers eval problem i correctly iff
     i % 3 == 0, sampled answers iff i % 2 == 0. With 10 problems: accuracy 4/10, pass@1 = pass@2 = 5/10."""
 
+    pad_id = 0  # the eval's rows are collated for samples.jsonl
+
     def __init__(self, task):
         self.task, self.problems = task, task.eval_problems()
         self.index = {p.prompt: i for i, p in enumerate(self.problems)}

