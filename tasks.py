@@ -251,6 +251,12 @@ class Task:
     def correct(self, problem: Problem, completion: str) -> bool:
         return self.rewards[0][0](problem.prompt, completion, problem.answer) >= 1.0
 
+    def lenient(self, problem: Problem, completion: str) -> bool | None:
+        """Whether the right answer appears anywhere in the completion, whatever the format; None:
+        this task defines no such score. Logged beside the strict accuracy at every eval, it tells
+        a gain in correctness from a gain in format."""
+        return None
+
 
 class ProceduralTask(Task):
     """Problems from `generate(rng)`. The eval split draws from rng streams (seed, eval, i),
@@ -512,9 +518,50 @@ class MATH(DatasetTask):
     hub = ("DigitalLearningGmbH/MATH-lighteval", "default", "train")
 
 
+_BARE_INT = re.compile(r"\s*(\d{1,40})\.?\s*")
+
+
+def bare_int_correct(prompt: str, completion: str, answer: str) -> float:
+    """1.0 iff the completion is the reference integer and nothing else (surrounding whitespace and
+    one final period allowed): "81", " 81.". "23 + 58 = 81", "The answer is 81", "081" score 0."""
+    m = _BARE_INT.fullmatch(completion)
+    return float(m is not None and m.group(1) == answer)
+
+
+class Add(ProceduralTask):
+    """"What is 23 + 58? Answer with the number only." -> "81", for a pretrained chat model.
+    SmolLM2-135M-Instruct mostly answers "23 + 58 = 71." or starts explaining, so its strict score
+    (the bare number, `bare_int_correct`) starts near 0 while the lenient one (the sum anywhere)
+    shows how often it adds right: RL has both the format and the sums to learn."""
+
+    name = "add"
+    rewards = [(bare_int_correct, 1.0)]
+    max_new_tokens = 16  # the bare sum is 2-4 tokens; the untrained model's "23 + 58 = 81." fits
+
+    def __init__(self, *, seed: int = 0, eval_size: int = 100, max_operand: int = 50):
+        if max_operand < 1:
+            raise ValueError(f"add needs max_operand >= 1 (got {max_operand})")
+        self.max_operand = max_operand
+        super().__init__(seed=seed, eval_size=eval_size)
+
+    def n_distinct(self) -> int:
+        return (self.max_operand + 1) ** 2
+
+    def generate(self, rng: random.Random) -> Problem:
+        a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
+        return Problem(f"What is {a} + {b}? Answer with the number only.", str(a + b), key=f"{a}+{b}")
+
+    def solve(self, problem: Problem) -> str:
+        return problem.answer
+
+    def lenient(self, problem: Problem, completion: str) -> bool:
+        return problem.answer in re.findall(r"(?<![\d.-])\d+(?![\d.]\d)", completion)
+
+
 # ---------------------------------------------------------------- registry and evaluation
 TASKS: dict[str, type[Task]] = {
-    "arith": Arith, "arith_chain": ArithChain, "countdown": Countdown, "gsm8k": GSM8K, "math": MATH}
+    "arith": Arith, "arith_chain": ArithChain, "countdown": Countdown, "gsm8k": GSM8K, "math": MATH,
+    "add": Add}
 
 
 def make_task(name: str, *, seed: int, eval_size: int, data: str | None = None,

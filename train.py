@@ -274,6 +274,9 @@ class TaskRollouts:
         prefixes = [self.policy.encode_prompt(p.prompt) for p in problems]
         greedy = [self.policy.decode(s.ids) for s in self.policy.generate(prefixes, cfg.max_new_tokens, cfg.gen_batch, greedy=True)]
         sums = {"n": len(problems), "eval_accuracy": sum(self.task.correct(p, t) for p, t in zip(problems, greedy))}
+        lenient = [self.task.lenient(p, t) for p, t in zip(problems, greedy)]
+        if None not in lenient:  # the right answer anywhere, any format: what is left is format
+            sums["eval_accuracy_lenient"] = sum(lenient)
         if cfg.pass_k:
             samples = self.policy.generate([x for x in prefixes for _ in range(cfg.pass_k)], cfg.max_new_tokens, cfg.gen_batch)
             hits = [self.task.correct(p, self.policy.decode(s.ids)) for p, s in zip([p for p in problems for _ in range(cfg.pass_k)], samples)]
@@ -565,7 +568,7 @@ def train(cfg: Config) -> Path:
         if hasattr(source, "close"):  # the trainer tells its workers the run is over
             source.close()
     if lead:
-        utils.plot(out, keys=("reward", "eval_return", "eval_accuracy"))
+        utils.plot(out, keys=("reward", "eval_return", "eval_accuracy", "eval_accuracy_lenient"))
     return out
 
 
