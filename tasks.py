@@ -529,16 +529,18 @@ def bare_int_correct(prompt: str, completion: str, answer: str) -> float:
 
 
 class Add(ProceduralTask):
-    """"What is 23 + 58? Answer with the number only." -> "81", for a pretrained chat model.
-    SmolLM2-135M-Instruct mostly answers "23 + 58 = 71." or starts explaining, so its strict score
+    """"Compute 13 + 8. Write only the result, as digits." -> "21", for a pretrained chat model.
+    SmolLM2-135M-Instruct mostly answers "13 + 8 = 21." or starts explaining, so its strict score
     (the bare number, `bare_int_correct`) starts near 0 while the lenient one (the sum anywhere)
     shows how often it adds right: RL has both the format and the sums to learn."""
 
     name = "add"
     rewards = [(bare_int_correct, 1.0)]
-    max_new_tokens = 16  # the bare sum is 2-4 tokens; the untrained model's "23 + 58 = 81." fits
+    max_new_tokens = 10  # the bare sum is 2-3 tokens; the untrained model's "13 + 18 = 31" just fits
 
-    def __init__(self, *, seed: int = 0, eval_size: int = 100, max_operand: int = 50):
+    # Operands to 20 (441 problems): with operands to 50 the model's sampled sums were mostly wrong
+    # (greedy 38% right anywhere, sampled 8-20%), leaving GRPO almost no bare AND right sample.
+    def __init__(self, *, seed: int = 0, eval_size: int = 100, max_operand: int = 20):
         if max_operand < 1:
             raise ValueError(f"add needs max_operand >= 1 (got {max_operand})")
         self.max_operand = max_operand
@@ -549,7 +551,7 @@ class Add(ProceduralTask):
 
     def generate(self, rng: random.Random) -> Problem:
         a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
-        return Problem(f"What is {a} + {b}? Answer with the number only.", str(a + b), key=f"{a}+{b}")
+        return Problem(f"Compute {a} + {b}. Write only the result, as digits.", str(a + b), key=f"{a}+{b}")
 
     def solve(self, problem: Problem) -> str:
         return problem.answer

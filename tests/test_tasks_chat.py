@@ -5,7 +5,7 @@ import pytest
 import tasks
 from tasks import Problem, bare_int_correct, make_task
 
-P = Problem("What is 23 + 58? Answer with the number only.", "81", key="23+58")
+P = Problem("Compute 23 + 58. Write only the result, as digits.", "81", key="23+58")
 
 
 @pytest.mark.parametrize("completion", ["81", " 81", "81.", "81\n", " 81. \n"])
@@ -50,7 +50,7 @@ def test_add_problems_are_right_and_held_out_ones_never_train():
         p = task.train_problem(i)
         a, b = (int(x) for x in p.key.split("+"))
         assert p.key not in held_out and 0 <= a <= 20 and 0 <= b <= 20
-        assert p.prompt == f"What is {a} + {b}? Answer with the number only." and p.answer == str(a + b)
+        assert p.prompt == f"Compute {a} + {b}. Write only the result, as digits." and p.answer == str(a + b)
         assert task.correct(p, task.solve(p))
     assert task.train_problem(7) == make_task("add", seed=3, eval_size=100, max_operand=20).train_problem(7)
 
