@@ -528,6 +528,13 @@ def bare_int_correct(prompt: str, completion: str, answer: str) -> float:
     return float(m is not None and m.group(1) == answer)
 
 
+def bare_int_format(prompt: str, completion: str, answer: str) -> float:
+    """1.0 iff the completion is one bare integer, right or wrong (the form `bare_int_correct`
+    takes). Weighted low, it pays for the stated format alone: the untrained model samples the
+    bare right sum too rarely (0 of 64 samples per step) for GRPO to get any reward spread."""
+    return float(_BARE_INT.fullmatch(completion) is not None)
+
+
 class Add(ProceduralTask):
     """"Compute 13 + 8. Write only the result, as digits." -> "21", for a pretrained chat model.
     SmolLM2-135M-Instruct mostly answers "13 + 8 = 21." or starts explaining, so its strict score
@@ -535,7 +542,7 @@ class Add(ProceduralTask):
     shows how often it adds right: RL has both the format and the sums to learn."""
 
     name = "add"
-    rewards = [(bare_int_correct, 1.0)]
+    rewards = [(bare_int_correct, 1.0), (bare_int_format, 0.1)]
     max_new_tokens = 10  # the bare sum is 2-3 tokens; the untrained model's "13 + 18 = 31" just fits
 
     # Operands to 20 (441 problems): with operands to 50 the model's sampled sums were mostly wrong

@@ -3,7 +3,7 @@ lenient score finds the sum anywhere, and its held-out problems never reach trai
 import pytest
 
 import tasks
-from tasks import Problem, bare_int_correct, make_task
+from tasks import Problem, bare_int_correct, bare_int_format, make_task
 
 P = Problem("Compute 23 + 58. Write only the result, as digits.", "81", key="23+58")
 
@@ -64,3 +64,13 @@ def test_add_refuses_an_eval_split_that_leaves_too_little_to_train_on():
 
 def test_add_is_registered():
     assert tasks.TASKS["add"] is tasks.Add
+
+
+def test_the_format_reward_pays_a_bare_integer_right_or_wrong_and_nothing_else():
+    for completion, want in {"81": 1.0, " 12.\n": 1.0, "23 + 58 = 81": 0.0, "81 81": 0.0, "-81": 0.0,
+                             "": 0.0, "The answer is 81": 0.0, "81.0": 0.0}.items():
+        assert bare_int_format(P.prompt, completion, P.answer) == want, completion
+    task = make_task("add", seed=0, eval_size=10)
+    assert task.score(P.prompt, "81", P.answer) == (1.1, {"bare_int_correct": 1.0, "bare_int_format": 1.0})
+    assert task.score(P.prompt, "80", P.answer)[0] == 0.1  # the format alone: a tenth of a right answer
+    assert task.score(P.prompt, "23 + 58 = 81", P.answer)[0] == 0.0
