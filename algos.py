@@ -1,9 +1,9 @@
 """Advantage estimators and the one loss.
 
-Contract: every estimator is `fn(batch, cfg) -> adv [N, T]`, reading per-step `rewards`, `mask`
-(1 on the policy's own steps) and, where it needs them, `group` [N], `values` [N, T],
-`last_value` [N] and `terminated` [N]. Positions with mask == 0 get advantage 0. An estimator
-that trains a critic also stores its regression targets in `batch["returns"]`. Adding an
+Contract: every estimator is `fn(batch, cfg) -> adv [N, T]`, reading a rollouts.Batch's per-step
+`rewards`, `mask` (1 on the policy's own steps) and, where it needs them, `group` [N], `values`
+[N, T], `last_value` [N] and `truncated` [N] (bootstrap only a truncation). Positions with mask == 0 get advantage 0. An estimator
+that trains a critic also stores its regression targets in `batch.returns`. Adding an
 algorithm is one function and one entry in ALGOS; the loss below never changes.
 
 Below the estimators: `loss_weights` (how tokens are aggregated: AGGREGATIONS), the one
@@ -76,29 +76,29 @@ def group_baseline(scores: torch.Tensor, group: torch.Tensor):
 
 
 def sequence_score(batch) -> torch.Tensor:
-    return (batch["rewards"] * batch["mask"]).sum(1)  # [N]
+    return (batch.rewards * batch.mask).sum(1)  # [N]
 
 
 def reinforce(batch, cfg):
-    return discounted_returns(batch["rewards"], batch["mask"], cfg.gamma)
+    return discounted_returns(batch.rewards, batch.mask, cfg.gamma)
 
 
 def reinforce_baseline(batch, cfg):
-    g = discounted_returns(batch["rewards"], batch["mask"], cfg.gamma)
-    return (g - masked_mean(g, batch["mask"])) * batch["mask"]
+    g = discounted_returns(batch.rewards, batch.mask, cfg.gamma)
+    return (g - masked_mean(g, batch.mask)) * batch.mask
 
 
 def reinforce_pp(batch, cfg):
     """REINFORCE++: returns whitened with one mean and std over every token of the batch."""
-    g = discounted_returns(batch["rewards"], batch["mask"], cfg.gamma)
-    return masked_whiten(g, batch["mask"])
+    g = discounted_returns(batch.rewards, batch.mask, cfg.gamma)
+    return masked_whiten(g, batch.mask)
 
 
 def ppo(batch, cfg):
     """GAE with the critic's values from before the update; targets fixed once, here."""
-    m = batch["mask"]
-    adv = gae(batch["rewards"], batch["values"], m, batch["last_value"], batch["terminated"], cfg.gamma, cfg.lam)
-    batch["returns"] = (adv + batch["values"]) * m
+    m = batch.mask
+    adv = gae(batch.rewards, batch.values, m, batch.last_value, ~batch.truncated, cfg.gamma, cfg.lam)
+    batch.returns = (adv + batch.values) * m
     return masked_whiten(adv, m)
 
 
@@ -106,17 +106,17 @@ def grpo(batch, cfg):
     """Group-relative: (R - mean_group) / std_group; Dr. GRPO drops the std division, which
     otherwise up-weights groups that are nearly all right or all wrong."""
     r = sequence_score(batch)
-    mean, std, _ = group_baseline(r, batch["group"])
+    mean, std, _ = group_baseline(r, batch.group)
     adv = r - mean if cfg.dr_grpo else (r - mean) / (std + EPS)  # [N]
-    return adv.unsqueeze(1) * batch["mask"]
+    return adv.unsqueeze(1) * batch.mask
 
 
 def rloo(batch, cfg):
     """Leave-one-out: each row's baseline is the mean of the other rows of its group."""
     r = sequence_score(batch)
-    mean, _, k = group_baseline(r, batch["group"])
+    mean, _, k = group_baseline(r, batch.group)
     adv = (r - mean) * k / (k - 1)  # == r - mean(others)
-    return adv.unsqueeze(1) * batch["mask"]
+    return adv.unsqueeze(1) * batch.mask
 
 
 ALGOS = {
@@ -141,7 +141,8 @@ def loss_weights(mask: torch.Tensor, mode: str = "token_mean", total_tokens=None
       seq_mean:   token-mean inside each row, then mean over rows (the GRPO paper): mask / (len_i * rows).
       constant:   mask / (rows * constant) (Dr. GRPO): no length bias; constant = the token budget."""
     tokens = mask.sum() if total_tokens is None else torch.as_tensor(float(total_tokens))
-    rows = float((mask.sum(1) > 0).sum()) if total_rows is None else float(total_rows)  # a fully masked row is not counted
+    # a fully masked row is not counted
+    rows = float((mask.sum(1) > 0).sum()) if total_rows is None else float(total_rows)
     if mode == "token_mean":
         return mask / tokens.clamp(min=1)
     if mode == "seq_mean":  # a row's length is its own: no collective needed
@@ -171,7 +172,8 @@ def policy_loss(logp, old_logp, adv, weights, mask, loss: str = "ppo", eps_low: 
     Returns (loss, per-token stats [n, T] to be averaged by the caller)."""
     ratio = torch.exp(logp - old_logp)  # [n, T]
     if loss == "gspo":
-        seq = ((logp - old_logp) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # [n, 1]
+        # [n, 1]
+        seq = ((logp - old_logp) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
         ratio = torch.exp(seq).detach() * torch.exp(logp - logp.detach())  # [n, T]: value s_i, grad d logp_t
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     if loss == "cispo":
@@ -182,7 +184,8 @@ def policy_loss(logp, old_logp, adv, weights, mask, loss: str = "ppo", eps_low: 
             surr = torch.where(adv < 0, torch.min(surr, -dual_clip * adv), surr)
     r = ratio.detach()
     stats = {"ratio": r, "clip_frac_low": (r < 1 - eps_low).float(), "clip_frac_high": (r > 1 + eps_high).float(),
-             "approx_kl": kl_k3(old_logp, logp.detach())}  # k3 of KL(old || new) per token, on the old policy's samples
+             # k3 of KL(old || new) per token, on the old policy's samples
+             "approx_kl": kl_k3(old_logp, logp.detach())}
     return (surr * weights).sum(), stats
 
 

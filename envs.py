@@ -3,8 +3,8 @@ batch of episodes advances with one policy forward per time step; that batching,
 algorithm, is what makes CartPole train in seconds.
 
 Below CartPole: multi-turn text environments (calculator countdown, a sandboxed Python tool,
-read-only SQL) and the token-exact multi-turn rollout. Every rollout returns a batch dict of
-[N, T] tensors (see train.py for the keys).
+read-only SQL, with the SQL task's generated databases). The rollouts that step them live in
+rollouts.py.
 """
 from __future__ import annotations
 
@@ -19,12 +19,9 @@ import re
 import sqlite3
 import tempfile
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 from gymnasium.envs.classic_control.cartpole import CartPoleVectorEnv
 
 from sandbox import run_python, run_sql
@@ -42,51 +39,20 @@ class CartPole:
     def __init__(self, max_steps: int = 500):
         self.max_steps = max_steps
 
-    def rollout(self, policy, n: int, seed: int, group_size: int = 1, greedy: bool = False) -> dict:
-        """Runs n episodes in lockstep from `seed`. Episodes in the same group of `group_size`
-        start from the same state, so GRPO/RLOO compare like with like."""
+    def reset(self, n: int, seed: int, group_size: int = 1) -> CartPoleVectorEnv:
+        """n episodes from `seed`, stepped as one vectorised env; the members of each group of
+        `group_size` start from the same state, so GRPO/RLOO compare like with like."""
         env = CartPoleVectorEnv(num_envs=n, max_episode_steps=self.max_steps)
-        obs, _ = env.reset(seed=seed)
-        leader = np.arange(n) // group_size * group_size
-        env.state = env.state[:, leader]  # [4, n]: every member copies its group leader
-        obs = env.state.T.astype(np.float32)
-        T = self.max_steps
-        obs_buf = np.zeros((T, n, self.obs_dim), np.float32)
-        act_buf = np.zeros((T, n), np.int64)
-        logp_buf = np.zeros((T, n), np.float32)
-        alive_buf = np.zeros((T, n), np.float32)
-        alive = np.ones(n, bool)
-        terminated = np.zeros(n, bool)
-        last_obs = np.zeros((n, self.obs_dim), np.float32)
-        for t in range(T):
-            actions, logp, _ = policy.act(torch.from_numpy(obs), greedy=greedy)
-            obs_buf[t], act_buf[t], logp_buf[t], alive_buf[t] = obs, actions.numpy(), logp.numpy(), alive
-            obs, _, term, trunc, _ = env.step(actions.numpy())
-            ended = alive & (term | trunc)
-            terminated |= alive & term
-            last_obs[ended] = obs[ended]  # the state after the final step, for bootstrapping
-            alive &= ~ended
-            if not alive.any():
-                break
-        T = t + 1
-        mask = torch.from_numpy(alive_buf[:T].T.copy())  # [N, T]
-        batch = {
-            "obs": torch.from_numpy(obs_buf[:T].transpose(1, 0, 2).copy()),  # [N, T, 4]
-            "actions": torch.from_numpy(act_buf[:T].T.copy()),  # [N, T]
-            "logp": torch.from_numpy(logp_buf[:T].T.copy()) * mask,  # [N, T]
-            "mask": mask,
-            "rewards": mask.clone(),  # +1 for every step the pole is up
-            "terminated": torch.from_numpy(terminated),  # [N]
-            "last_obs": torch.from_numpy(last_obs),  # [N, 4]
-            "group": torch.from_numpy(leader),  # [N]
-        }
-        return batch
+        env.reset(seed=seed)
+        # [4, n]: every member copies its leader
+        env.state = env.state[:, np.arange(n) // group_size * group_size]
+        return env
 
 
 # ================================================================ text environments (multi-turn)
 # A text environment, in the spirit of gymnasium: reset(problem) -> (chat messages, info) and
 # step(completion) -> (reply messages or None, reward, done, info). Rewards are per turn; an
-# episode's reward is their sum, given to every token the model sampled (rollout_multiturn).
+# episode's reward is their sum, given to every token the model sampled (rollouts.rollout_multiturn).
 
 
 class TextEnv:
@@ -246,7 +212,8 @@ def _sql_tables(db: str) -> dict[str, tuple[str, list[tuple]]]:
     if db == "shop":
         adjectives = "Red Blue Tiny Grand Smart Quiet".split()
         goods = rng.sample([(f"{adj} {noun}", cat) for adj in adjectives for noun, cat in _GOODS.items()], 30)
-        prices = [p / 100 for p in rng.sample(range(199, 9999), 30)]  # distinct, so "most expensive" has no ties
+        # distinct, so "most expensive" has no ties
+        prices = [p / 100 for p in rng.sample(range(199, 9999), 30)]
         return {"customers": ("id INTEGER PRIMARY KEY, name TEXT, city TEXT, signup_year INTEGER",
                               [(i + 1, n, rng.choice(_CITIES), rng.randint(2018, 2024)) for i, n in enumerate(people)]),
                 "products": ("id INTEGER PRIMARY KEY, name TEXT, category TEXT, price REAL",
@@ -388,95 +355,3 @@ class SQLEnv(ToolEnv):
 
 
 TEXT_ENVS: dict[str, type[TextEnv]] = {"countdown_multiturn": CountdownEnv, "python_tool": PythonToolEnv, "sql": SQLEnv}
-
-
-# ---------------------------------------------------------------- multi-turn rollout
-@dataclass
-class Episode:
-    """One conversation as ONE token sequence after the prompt: model turns and environment
-    replies in order. Has the `ids`, `logps` and `truncated` that policy.make_batch reads."""
-
-    env: TextEnv
-    prompt: list[int]
-    ids: list[int] = field(default_factory=list)
-    logps: list[float] = field(default_factory=list)  # 0.0 on environment tokens
-    mask: list[int] = field(default_factory=list)  # 1 on the model's own tokens
-    reward: float = 0.0  # sum of the per-turn rewards
-    turns: int = 0
-    solved_at_turn: int = 0  # 0: never
-    truncated: bool = False  # a turn hit its token budget, or max_len ended the episode
-    done: bool = False
-
-
-def _chat(policy, messages: list[dict]) -> str:
-    return policy.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                enable_thinking=policy.thinking)
-
-
-def encode_reply(policy, messages: list[dict], eos_id: int) -> list[int]:
-    """Tokens that follow a model turn which ended with `eos_id`, when the environment answers
-    `messages` and the model speaks next. Only this delta is tokenized: re-rendering the whole
-    chat would let templates that rewrite history (Qwen3 drops earlier <think> blocks) change
-    tokens the model already sampled, and the mask would no longer cover what was sampled."""
-    if not policy.use_template:
-        text = "\n" + "\n\n".join(m["content"] for m in messages) + "\n"
-    else:  # render after a stand-in turn, and keep what follows that turn's end token
-        mark, eos = "NANORL-TURN-MARK", policy.tokenizer.decode([eos_id])
-        text = _chat(policy, [{"role": "user", "content": "?"}, {"role": "assistant", "content": mark}] + messages)
-        start = text.index(mark) + len(mark)
-        end = text.find(eos, start)
-        text = text[end + len(eos) :] if end >= 0 else text[start:]
-    return policy.tokenizer.encode(text, add_special_tokens=False)
-
-
-def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: int, max_turns: int,
-                      max_new_tokens: int, max_len: int, greedy: bool = False, workers: int = 8) -> dict:
-    """group_size episodes per problem, up to max_turns model turns each, with one policy.generate
-    call per turn for all live episodes; env steps run in `workers` threads (the sandbox and
-    SQLite release the GIL). Returns policy.make_batch's dict, in which only the model's tokens
-    have mask 1 and all carry the episode's reward, plus `group`, `turns`, `solved_at_turn` [N].
-    An episode whose next turn would pass max_len ends there, marked truncated."""
-    eps = []
-    for problem in problems:
-        for _ in range(group_size):
-            env = env_factory()
-            messages, _ = env.reset(problem)
-            if len(messages) == 1 or not policy.use_template:  # as single-turn tasks encode their prompts
-                prompt = policy.encode_prompt("\n\n".join(m["content"] for m in messages))
-            else:
-                prompt = policy.tokenizer.encode(_chat(policy, messages), add_special_tokens=False)
-            eps.append(Episode(env, prompt))
-    if (longest := max(len(e.prompt) for e in eps)) >= max_len:
-        raise ValueError(f"a prompt has {longest} tokens, not fewer than max_len={max_len}; raise max_len")
-    with ThreadPoolExecutor(workers) as pool:
-        for _ in range(max_turns):
-            if not (live := [e for e in eps if not e.done]):
-                break
-            room = [min(max_new_tokens, max_len - len(e.prompt) - len(e.ids)) for e in live]
-            samples = policy.generate([e.prompt + e.ids for e in live], max(room), greedy=greedy)
-            for e, s, r in zip(live, samples, room):  # a smaller budget cuts the sample: still token-exact
-                e.ids, e.logps, e.mask = e.ids + s.ids[:r], e.logps + s.logps[:r], e.mask + [1] * len(s.ids[:r])
-                e.truncated = s.truncated or len(s.ids) > r
-            texts = [policy.decode(s.ids[:r]) for s, r in zip(samples, room)]
-            for e, (obs, reward, done, info) in zip(live, pool.map(lambda e, t: e.env.step(t), live, texts)):
-                e.reward, e.turns, e.solved_at_turn = e.reward + reward, e.turns + 1, info.get("solved_at_turn", 0)
-                # A turn cut off mid-way ends the episode: a reply must follow the turn's end token.
-                e.done = done or e.truncated or e.turns == max_turns
-                if not e.done:
-                    reply = encode_reply(policy, obs, e.ids[-1])
-                    if len(e.prompt) + len(e.ids) + len(reply) >= max_len:
-                        e.done = e.truncated = True
-                    else:
-                        e.ids, e.logps, e.mask = e.ids + reply, e.logps + [0.0] * len(reply), e.mask + [0] * len(reply)
-    batch = policy.make_batch([e.prompt for e in eps], eps, [e.reward for e in eps], [e.mask for e in eps])
-    batch["group"] = torch.arange(len(problems)).repeat_interleave(group_size)  # [N]
-    batch["turns"] = torch.tensor([e.turns for e in eps])  # [N]
-    batch["solved_at_turn"] = torch.tensor([e.solved_at_turn for e in eps])  # [N], 0 = never
-    return batch
-
-
-def multiturn_metrics(batch: dict) -> dict[str, float]:
-    """Accuracy by the last turn and at the first attempt, and the mean number of turns."""
-    at = batch["solved_at_turn"].float()  # [N]
-    return {"solved": (at > 0).float().mean().item(), "solved_first_turn": (at == 1).float().mean().item(),
-            "turns": batch["turns"].float().mean().item()}

@@ -2,10 +2,10 @@
 
     score(batch, rows) -> (logp [n, T], entropy [n, T], values [n, T] or None)
 
-recomputes, with grad, the log-probability of the actions stored in `batch[...][rows]`, so the
-training loop never needs to know whether it is pushing a cart or writing an answer.
+recomputes, with grad, the log-probability of the actions stored in a rollouts.Batch's `rows`,
+so the training loop never needs to know whether it is pushing a cart or writing an answer.
 MLPPolicy acts in control tasks; LLMPolicy is a Hugging Face causal LM (LoRA or full fine-tuning)
-that also samples completions with their log-probs (`generate`) and collates them (`make_batch`);
+that also samples completions with their log-probs (`generate`);
 VLLMGenerator samples the same distribution with vLLM, for rollout workers (serve.py).
 """
 from __future__ import annotations
@@ -58,10 +58,14 @@ class MLPPolicy(nn.Module):
     def value(self, obs: torch.Tensor) -> torch.Tensor | None:
         return None if self.v is None else self.v(obs).squeeze(-1)
 
-    def score(self, batch: dict, rows: slice):
-        obs = batch["obs"][rows]  # [n, T, D]
+    def last_value(self, batch) -> torch.Tensor:
+        """[N] the critic's value of the state after each episode's last step (bootstraps a truncation)."""
+        return self.value(batch.last_obs)
+
+    def score(self, batch, rows: slice):
+        obs = batch.obs[rows]  # [n, T, D]
         logp_all = F.log_softmax(self.pi(obs), dim=-1)  # [n, T, A]
-        logp = logp_all.gather(-1, batch["actions"][rows].unsqueeze(-1)).squeeze(-1)  # [n, T]
+        logp = logp_all.gather(-1, batch.tokens[rows].unsqueeze(-1)).squeeze(-1)  # [n, T]
         entropy = -(logp_all.exp() * logp_all).sum(-1)  # [n, T]
         return logp, entropy, self.value(obs)
 
@@ -73,7 +77,8 @@ class MLPPolicy(nn.Module):
 # start-up, and CartPole runs never touch it.
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>"]  # `|` is not in the vocabulary, so no text spells them
+# `|` is not in the vocabulary, so no text spells them
+SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>"]
 LOAD_HINT = "check the model id, or pass a local directory holding config.json, the weights and the tokenizer files"
 CHARS = "0123456789+-*/=() abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ<>.,:?!_\n"
 
@@ -189,6 +194,32 @@ def end_tokens(tokenizer, generation_config) -> set[int]:
     return {int(i) for i in ids}
 
 
+def load_lm(path: str, cfg, device: torch.device) -> nn.Module:
+    """The causal LM at `path` on `device`; on the meta device only its config and generation
+    config (no weights, no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    if device.type == "meta":
+        with device:
+            lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        try:  # from_pretrained reads generation_config.json too: its eos ids stop completions
+            lm.generation_config = GenerationConfig.from_pretrained(path)
+        except OSError:  # the model has none; the defaults from its config stand, as in from_pretrained
+            pass
+        return lm
+    # "auto": sdpa, except plain matmul attention for bf16 on a CPU, where PyTorch's flash-attention
+    # backward makes a training step ~25% slower at every length measured (21 to 512 tokens). Matmul
+    # attention keeps the T x T scores for the backward: for long contexts pass attn="sdpa".
+    slow_flash = cfg.dtype == "bf16" and device.type == "cpu"
+    attn = cfg.attn if cfg.attn != "auto" else "eager" if slow_flash else "sdpa"
+    # A frozen LoRA base may live in bf16; anything trained stays fp32 (autocast does the bf16 compute).
+    dtype = DTYPES[cfg.dtype] if cfg.lora else torch.float32
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn).to(device)
+    except (ValueError, ImportError) as e:  # an unknown or uninstalled attention kernel
+        raise utils.ConfigError(f"--attn {attn}: {str(e).splitlines()[0]} (try --attn sdpa)") from None
+
+
 class LLMPolicy(nn.Module):
     """A causal LM as a policy over tokens. Sampling is exactly softmax(logits / temperature):
     the loop below applies no other warper, so whatever the model's generation_config.json
@@ -197,71 +228,56 @@ class LLMPolicy(nn.Module):
 
     has_critic = False
 
-    def __init__(self, model: str, *, lora: bool = True, lora_rank: int = 16, lora_alpha: int = 32,
-                 lora_targets: str = "all-linear", lora_dropout: float = 0.0, dtype: str = "fp32",
-                 temperature: float = 1.0, top_p: float = 1.0, chat_template: bool = True,
-                 thinking: bool = False, kl_coef: float = 0.0, critic: bool = False, device: str | None = None,
-                 weights: bool = True, attn: str = "auto"):
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    def __init__(self, cfg, device: str | None = None):
+        """cfg: a train.Config (model, lora*, dtype, attn, temperature, top_p, chat_template, thinking,
+        kl_coef; algo ppo adds the critic; --vllm builds no weights)."""
+        from transformers import AutoTokenizer
 
         super().__init__()
-        if dtype not in DTYPES:
-            raise utils.ConfigError(f"--dtype {dtype}{utils.closest(dtype, DTYPES)} (choices: {', '.join(DTYPES)})")
-        if temperature <= 0 or not 0 < top_p <= 1:
-            raise utils.ConfigError(f"need temperature > 0 and 0 < top_p <= 1 (got {temperature}, {top_p}); "
-                                    "greedy decoding is generate(greedy=True)")
-        if top_p < 1:
-            warnings.warn(f"top_p={top_p}: samples come from a truncated distribution the loss does not model, "
-                          "so the importance ratio is only approximate; top_p=1 keeps it exact")
-        path = resolve_model(model)
-        # weights=False: the network is built on the meta device, without memory: a --vllm worker
-        # samples with vLLM's copy and needs only the tokenizer side (and two copies may not fit a GPU).
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu") if weights else "meta")
-        self.lora, self.bf16, self.kl_coef = lora, dtype == "bf16", kl_coef
-        self.temperature, self.top_p, self.thinking = temperature, top_p, thinking
+        if cfg.dtype not in DTYPES:
+            raise utils.ConfigError(f"--dtype {cfg.dtype}{utils.closest(cfg.dtype, DTYPES)} "
+                                    f"(choices: {', '.join(DTYPES)})")
+        if cfg.temperature <= 0 or not 0 < cfg.top_p <= 1:
+            raise utils.ConfigError(f"need temperature > 0 and 0 < top_p <= 1 (got {cfg.temperature}, "
+                                    f"{cfg.top_p}); greedy decoding is generate(greedy=True)")
+        if cfg.top_p < 1:
+            warnings.warn(f"top_p={cfg.top_p}: samples come from a truncated distribution the loss does not "
+                          "model, so the importance ratio is only approximate; top_p=1 keeps it exact")
+        path, lora = resolve_model(cfg.model), cfg.lora
+        # --vllm: the network is built on the meta device, without memory: a --vllm worker samples
+        # with vLLM's copy and needs only the tokenizer side (and two copies may not fit a GPU).
+        self.device = torch.device("meta" if cfg.vllm else device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.lora, self.bf16 = lora, cfg.dtype == "bf16"
+        self.temperature, self.top_p, self.thinking = cfg.temperature, cfg.top_p, cfg.thinking
         self.share_prompts = True  # score each group's prompt once; exact either way (tests compare the two)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError) as e:
-            raise utils.ConfigError(f"--model {model}: cannot load its tokenizer ({str(e).splitlines()[0]}); {LOAD_HINT}") from None
-        # A frozen LoRA base may live in bf16; anything trained stays fp32 (autocast does the bf16 compute).
-        if weights:
-            # "auto": sdpa, except plain matmul attention for bf16 on a CPU, where PyTorch's flash-attention
-            # backward makes a training step ~25% slower at every length measured (21 to 512 tokens). Matmul
-            # attention keeps the T x T scores for the backward: for long contexts pass attn="sdpa".
-            attn = attn if attn != "auto" else "eager" if self.bf16 and self.device.type == "cpu" else "sdpa"
-            try:
-                lm = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype] if lora else torch.float32,
-                                                          attn_implementation=attn).to(self.device)
-            except (ValueError, ImportError) as e:  # an unknown or uninstalled attention kernel
-                raise utils.ConfigError(f"--attn {attn}: {str(e).splitlines()[0]} (try --attn sdpa)") from None
-        else:
-            with self.device:
-                lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-            try:  # from_pretrained reads generation_config.json too: its eos ids stop completions
-                lm.generation_config = GenerationConfig.from_pretrained(path)
-            except OSError:  # the model has none; the defaults from its config stand, as in from_pretrained
-                pass
-        self.model = add_lora(lm, lora_targets, lora_rank, lora_alpha, lora_dropout) if lora else lm
+            raise utils.ConfigError(f"--model {cfg.model}: cannot load its tokenizer ({str(e).splitlines()[0]}); "
+                                    f"{LOAD_HINT}") from None
+        lm = load_lm(path, cfg, self.device)
+        self.model = add_lora(lm, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, 0.0) if lora else lm
         if lora and self.bf16:  # autocast feeds the adapter bf16 already: PEFT's cast of every input to
-            for m in self.model.modules():  # the fp32 adapter dtype is a copy autocast undoes (~8% of a step)
+            # the fp32 adapter dtype is a copy autocast undoes (~8% of a step)
+            for m in self.model.modules():
                 if hasattr(m, "cast_input_dtype_enabled"):
                     m.cast_input_dtype_enabled = False
         # PPO's critic: a linear head on the last hidden state, trained through the same adapter (or
         # weights); zero-initialised so the first values are 0 rather than noise of the reward's scale.
-        self.has_critic = critic
+        self.has_critic = critic = cfg.algo == "ppo"
         self.v = nn.Linear(lm.get_output_embeddings().in_features, 1).to(self.device) if critic else None
         if critic:
             nn.init.zeros_(self.v.weight)
             nn.init.zeros_(self.v.bias)
         self.ref_model = None
-        if not lora and kl_coef > 0:
+        if not lora and cfg.kl_coef > 0:
             warnings.warn("full fine-tuning with kl_coef > 0 keeps a frozen copy of the whole model as the KL "
                           "reference (2x weight memory); LoRA gets its reference for free by disabling the adapter")
-            self.ref_model = copy.deepcopy(lm).requires_grad_(False)  # same dtype as the policy: KL is exactly 0 at step 0
+            # same dtype as the policy: KL is exactly 0 at step 0
+            self.ref_model = copy.deepcopy(lm).requires_grad_(False)
         self.eos_ids = end_tokens(self.tokenizer, lm.generation_config)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
-        self.use_template = chat_template and self.tokenizer.chat_template is not None
+        self.use_template = cfg.chat_template and self.tokenizer.chat_template is not None
         bos = self.tokenizer.bos_token_id
         self.bos = [bos] if bos is not None and bos in self.tokenizer("")["input_ids"] else []
         self.eval()
@@ -317,13 +333,16 @@ class LLMPolicy(nn.Module):
         logps = torch.zeros(B, max_new, device=dev)  # [B, max_new]
         length = torch.full((B,), max_new, device=dev)  # [B]: completion length, eos included
         done = torch.zeros(B, dtype=torch.bool, device=dev)  # [B]
-        with self.autocast():  # once per chunk: full fine-tuning's fp32 weights are cast to bf16 once, not per token
+        # once per chunk: full fine-tuning's fp32 weights are cast to bf16 once, not per token
+        with self.autocast():
             out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
             cache, logits, attn, pos = out.past_key_values, out.logits[rows, -1], attn[rows], pos[rows, -1:]
-            cache.reorder_cache(rows)  # [U, ...] -> [B, ...]: beam search's index_select, which every cache type has
+            # [U, ...] -> [B, ...]: beam search's index_select, which every cache type has
+            cache.reorder_cache(rows)
             for t in range(max_new):
                 logp_all = F.log_softmax(logits.float() / self.temperature, -1)  # [B, V], fp32 like score()
-                nxt = logp_all.argmax(-1) if greedy else torch.multinomial(self._sampling_probs(logp_all), 1)[:, 0]  # [B]
+                # [B]
+                nxt = logp_all.argmax(-1) if greedy else torch.multinomial(self._sampling_probs(logp_all), 1)[:, 0]
                 tokens[:, t], logps[:, t] = nxt, logp_all.gather(1, nxt[:, None]).squeeze(1)
                 ended = ~done & torch.isin(nxt, eos)  # [B]
                 length[ended], done = t + 1, done | ended
@@ -346,38 +365,19 @@ class LLMPolicy(nn.Module):
             probs = probs.scatter(-1, idx, sorted_p.masked_fill(drop, 0.0))
         return probs
 
-    # ------------------------------------------------------------ batches
-    def make_batch(self, prefixes: list[list[int]], samples: list[Sample], rewards: list[float],
-                   loss_mask: list[list[int]] | None = None) -> dict:
-        """Collates rows into the DESIGN.md keys. `loss_mask` (0/1 per completion token) masks out
-        tokens the policy did not sample, e.g. environment replies inside a multi-turn completion;
-        the row's reward then sits on its last token with mask 1."""
-        N, L = len(prefixes), max(len(p) + len(s.ids) for p, s in zip(prefixes, samples))
-        b = {"tokens": torch.full((N, L), self.pad_id, dtype=torch.long), "attn": torch.zeros(N, L),
-             "mask": torch.zeros(N, L), "logp": torch.zeros(N, L), "rewards": torch.zeros(N, L),
-             "truncated": torch.tensor([s.truncated for s in samples], dtype=torch.bool)}  # [N, L] each, truncated [N]
-        for r, (p, s) in enumerate(zip(prefixes, samples)):
-            a, e = len(p), len(p) + len(s.ids)
-            m = torch.tensor(loss_mask[r] if loss_mask else [1] * len(s.ids), dtype=torch.float)
-            if len(m) != len(s.ids):
-                raise ValueError(f"row {r}: loss_mask has {len(m)} entries for {len(s.ids)} completion tokens")
-            b["tokens"][r, :e] = torch.tensor(p + s.ids)
-            b["attn"][r, :e] = 1.0
-            b["mask"][r, a:e] = m
-            b["logp"][r, a:e] = torch.tensor(s.logps) * m
-            last = a + int(m.nonzero().max()) if m.any() else e - 1
-            b["rewards"][r, last] = rewards[r]
-        return b
-
     # ------------------------------------------------------------ scoring
-    def score(self, batch: dict, rows):
+    def score(self, batch, rows):
         """(logp [n, L], entropy [n, L], values [n, L] or None) at temperature, with grad, filled where
         mask == 1 (0 elsewhere: the loss weights are 0 there, so the LM head is not run on prompts).
         values[:, t] is the critic's estimate before token t, read where the logits for token t are."""
         return self._token_logp(self.model, batch, rows, self.v)
 
+    def last_value(self, batch) -> torch.Tensor:
+        """[N] zeros: a completion ends with its end token or its budget, and no state follows either."""
+        return torch.zeros(len(batch))
+
     @torch.no_grad()
-    def ref_logp(self, batch: dict, rows) -> torch.Tensor:
+    def ref_logp(self, batch, rows) -> torch.Tensor:
         """[n, L] log-probs under the reference: the base model with the adapter switched off
         (LoRA), or the frozen copy made at start-up (full fine-tuning with kl_coef > 0)."""
         if self.lora:
@@ -387,23 +387,26 @@ class LLMPolicy(nn.Module):
             raise utils.ConfigError("ref_logp under full fine-tuning needs the frozen copy made only when kl_coef > 0")
         return self._token_logp(self.ref_model, batch, rows)[0]
 
-    def _token_logp(self, lm: nn.Module, batch: dict, rows, head: nn.Module | None = None):
+    def _token_logp(self, lm: nn.Module, batch, rows, head: nn.Module | None = None):
         dev = self.device
-        mask = batch["mask"][rows].to(dev)  # [n, L]
+        mask = batch.mask[rows].to(dev)  # [n, L]
         n, L = mask.shape
-        end = int(batch["attn"][rows].sum(1).max())  # the micro-batch trimmed to its longest row
+        end = int(batch.attn[rows].sum(1).max())  # the micro-batch trimmed to its longest row
         cols = mask[:, 1:end].any(0).nonzero() + 1
-        first = int(cols[0]) if len(cols) else max(end - 1, 1)  # nothing masked: an empty slice keeps backward() legal
-        tokens = batch["tokens"][rows, :end].to(dev)  # [n, end]
-        attn = batch["attn"][rows, :end].to(dev).long()  # [n, end]
+        # nothing masked: an empty slice keeps backward() legal
+        first = int(cols[0]) if len(cols) else max(end - 1, 1)
+        tokens = batch.tokens[rows, :end].to(dev)  # [n, end]
+        attn = batch.attn[rows, :end].to(dev).long()  # [n, end]
         sel = mask[:, first:end] > 0  # [n, end-first]
         hidden = None
         with self.autocast():
             shared = self._shared_prompt_logits(lm, tokens, attn, mask[:, :end]) if head is None else None
-            if shared is None:  # logits for positions first-1 .. end-1 only: they predict tokens first .. end
+            # logits for positions first-1 .. end-1 only: they predict tokens first .. end
+            if shared is None:
                 fwd = lm(input_ids=tokens, attention_mask=attn, logits_to_keep=end - first + 1,
                          output_hidden_states=head is not None)
-                lg, hidden = fwd.logits[:, :-1][sel], fwd.hidden_states[-1] if head is not None else None  # [k, V]
+                # [k, V]
+                lg, hidden = fwd.logits[:, :-1][sel], fwd.hidden_states[-1] if head is not None else None
             else:
                 lg = shared  # [k, V], the same k rows in the same (row-major) order
         lg = lg.float() / self.temperature  # [k, V], fp32 like the sampler
@@ -412,11 +415,12 @@ class LLMPolicy(nn.Module):
         logp[:, first:end][sel] = lg.gather(-1, tokens[:, first:end][sel][:, None]).squeeze(-1) - lse
         with torch.no_grad():
             entropy[:, first:end][sel] = lse - (lg.softmax(-1) * lg).sum(-1)
-        out = batch["mask"].device  # the loop's weights live there
+        out = batch.mask.device  # the loop's weights live there
         if head is None:
             return logp.to(out), entropy.to(out), None
         values = torch.zeros(n, L, device=dev)  # [n, L]
-        values[:, first:end][sel] = head(hidden[:, first - 1 : end - 1][sel].float()).squeeze(-1)  # states predicting first .. end-1
+        # states predicting first .. end-1
+        values[:, first:end][sel] = head(hidden[:, first - 1 : end - 1][sel].float()).squeeze(-1)
         return logp.to(out), entropy.to(out), values.to(out)
 
     def _shared_prompt_logits(self, lm: nn.Module, tokens, attn, mask):
@@ -438,10 +442,12 @@ class LLMPolicy(nn.Module):
         # The last prompt position predicts each row's first token; the suffix runs on the indexed cache
         # ([U, ...] -> [n, ...]: indexing, so the backward sums each prompt's gradient over its group).
         pre_out = lm(input_ids=pre, attention_mask=pre_attn, position_ids=pre_pos, use_cache=True, logits_to_keep=1)
-        pre_out.past_key_values.reorder_cache(g)  # index_select, as beam search does: every cache type has it
+        # index_select, as beam search does: every cache type has it
+        pre_out.past_key_values.reorder_cache(g)
         body = lm(input_ids=suffix, attention_mask=torch.cat([pre_attn[g], suf_attn], 1), position_ids=cols,
                   past_key_values=pre_out.past_key_values, use_cache=True)
-        logits = torch.cat([pre_out.logits[g], body.logits[:, :-1]], 1)  # [n, S, V]: position j predicts suffix token j
+        # [n, S, V]: position j predicts suffix token j
+        logits = torch.cat([pre_out.logits[g], body.logits[:, :-1]], 1)
         return logits[suf_mask]
 
     # ------------------------------------------------------------ weights
@@ -535,7 +541,8 @@ class VLLMGenerator:
         cpu = {} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 1 << 30}
         self.llm = LLM(model=model, enable_lora=True, max_lora_rank=cfg.lora_rank, seed=seed,
                        dtype={"fp32": "float32", "bf16": "bfloat16"}[cfg.dtype], logprobs_mode="processed_logprobs",
-                       generation_config="vllm", **cpu)  # "vllm": the model's generation_config.json (top_k, ...) stays out
+                       # "vllm": the model's generation_config.json (top_k, ...) stays out
+                       generation_config="vllm", **cpu)
         self.cfg, self.eos, self.request, self.dir = cfg, sorted(eos_ids), None, Path(tempfile.mkdtemp(prefix="nanorl-vllm-"))
 
     def load(self, version: int, tensors: dict, meta: dict, payload: bytearray) -> None:
@@ -547,10 +554,12 @@ class VLLMGenerator:
         if old is not None:  # vLLM read it when the previous request started; no later request names it
             shutil.rmtree(old.lora_path)
 
-    def generate(self, prefixes: list[list[int]], max_new_tokens: int, gen_batch: int) -> list[Sample]:
-        params = self.SamplingParams(n=1, temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=0,
+    def generate(self, prefixes: list[list[int]], max_new_tokens: int, gen_batch: int,
+                 greedy: bool = False) -> list[Sample]:
+        params = self.SamplingParams(n=1, temperature=0.0 if greedy else self.cfg.temperature, top_p=self.cfg.top_p, top_k=0,
                                      max_tokens=max_new_tokens, logprobs=0, stop_token_ids=self.eos)
         outs = self.llm.generate([self.TokensPrompt(prompt_token_ids=p) for p in prefixes], params,
                                  lora_request=self.request, use_tqdm=False)  # in prompt order
         return [Sample(list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)],
-                       c.finish_reason == "length") for c in (o.outputs[0] for o in outs)]  # logprobs=0: the sampled token's
+                       # logprobs=0: the sampled token's
+                       c.finish_reason == "length") for c in (o.outputs[0] for o in outs)]

@@ -5,13 +5,15 @@
 
 Routes: POST /hello (fingerprint check, worker id), GET /adapter?have=V (long-polls for a newer
 adapter), POST /batch (scored groups). Standard library HTTP only; everything on the wire is a
-safetensors blob from `transport.encode` (tensors, the caller's meta, a SHA-256 of the tensors), never unpickled.
+safetensors blob from `transport.encode` (tensors, the caller's meta, a SHA-256 of the tensors), never
+unpickled. A worker runs the trainer's own batch source (rollouts.py) over its sampler.
 
 Security: every request carries the shared secret NANORL_TOKEN as `Authorization: Bearer <token>`,
 checked in constant time. A loopback bind without one generates it (`Server.token`) for the workers
 the trainer spawns, since a token-less server would let any local user push batches; any other bind
 without NANORL_TOKEN refuses to start.
 """
+import contextlib
 import json
 import os
 import re
@@ -31,15 +33,16 @@ import torch.nn.functional as F
 
 import utils
 from transport import Client, PayloadError, Request, ServeError, Server, decode, encode, views
-from envs import TEXT_ENVS, multiturn_metrics, rollout_multiturn
-from model import HFGenerator, Sample, VLLMGenerator, resolve_model
+from model import HFGenerator, LLMPolicy, Sample, VLLMGenerator, resolve_model
+from rollouts import Batch, BatchSource, from_wire, sources
 
 # ================================================================ disaggregated training
 FINGERPRINT = ("task", "seed", "eval_size", "data", "model", "lora", "lora_rank", "lora_alpha", "lora_targets",
-               "max_new_tokens", "group_size", "temperature", "top_p", "chat_template", "thinking", "overlong_buffer")
+               "max_new_tokens", "group_size", "temperature", "top_p", "chat_template", "thinking",
+               "overlong_buffer")
 ROWS = {"tokens": torch.int64, "attn": torch.float32, "mask": torch.float32, "logp": torch.float32,
         "rewards": torch.float32, "truncated": torch.bool, "group": torch.int64, "version": torch.int64}
-ROW_DTYPES = ROWS | {"turns": torch.int64, "solved_at_turn": torch.int64}  # plus [N] rows of multi-turn batches
+STATS = r"reward_\w{1,64}|solved|solved_first_turn|turns"  # [N] float32 per-row stats (rollouts.Batch.stats)
 STRIDE = 1_000_000  # worker w samples train problems w*STRIDE, w*STRIDE+1, ...: workers never share a prompt
 LONG_POLL = 2.0  # seconds GET /adapter waits for a newer version; also the workers' heartbeat period
 HEARTBEAT = 10.0  # a worker silent for longer is not counted as live
@@ -53,12 +56,12 @@ def fingerprint(cfg) -> dict:
 def check_batch(t: dict, k: int, newest: int, vocab: int) -> str | None:
     """Why a worker's batch must not be trained on, or None. Runs before the model sees it."""
     missing = [n for n in ROWS if n not in t]
-    extra = [n for n in t if n not in ROW_DTYPES and not re.fullmatch(r"reward_\w{1,64}", n)]
+    extra = [n for n in t if n not in ROWS and not re.fullmatch(STATS, n)]
     if missing or extra or t["tokens"].ndim != 2:
         return f"batch keys: missing {missing}, unexpected {extra}" if missing or extra else "tokens must be [N, L]"
     N, L = t["tokens"].shape
     for n, x in t.items():
-        want, dtype = ((N, L) if n in ("tokens", "attn", "mask", "logp", "rewards") else (N,)), ROW_DTYPES.get(n, torch.float32)
+        want, dtype = ((N, L) if n in ("tokens", "attn", "mask", "logp", "rewards") else (N,)), ROWS.get(n, torch.float32)
         if x.dtype != dtype or tuple(x.shape) != want or x.is_floating_point() and not torch.isfinite(x).all():
             return f"{n} is {x.dtype} {list(x.shape)} (NaN or inf?); expected finite {dtype} {list(want)}"
     if N == 0 or N % k or (t["group"].unique(return_counts=True)[1] != k).any():
@@ -79,43 +82,30 @@ def collate(groups: list[dict], pad_id: int) -> dict:
     return {n: torch.cat([pad(n, g[n]) for g in groups]) for n in groups[0]}
 
 
-class AsyncRollouts:
-    """The trainer's batch source, with train.TaskRollouts' interface, fed by POST /batch.
-    next(step) drops (and counts) groups older than max_staleness or without a snapshot of their
-    version, and scores each row under the exact version that sampled it (old_logp), so the loss's
-    ratio is exact whatever the lag; the workers' logprobs are only logged (logp_gap)."""
+class Inbox:
+    """The trainer's HTTP side (rank 0 only): POST /hello registers a worker, GET /adapter serves the
+    newest adapter payload, POST /batch checks groups and queues them. The routes run in the
+    server's threads; everything they share with the training thread is guarded by `cond`."""
 
-    def __init__(self, cfg, policy, local):
-        self.cfg, self.policy, self.local, self.groups = cfg, policy, local, cfg.batch // cfg.group_size
-        self.task, self.draw = local.task, local.draw  # the SFT warm-start runs on the trainer
+    def __init__(self, cfg, vocab: int, pad_id: int):
+        self.cfg, self.vocab, self.pad_id, self.groups = cfg, vocab, pad_id, cfg.batch // cfg.group_size
         # Groups. A batch ages a step while it is generated and one per batch ahead of it here, so a queue of
-        # max_staleness - 1 batches keeps most inside the bound (bench/async.py's workload: ~10% of the groups
+        # max_staleness - 1 batches keeps most inside the bound (bench/async.py's workload: ~10% of the
+        # groups
         # dropped as stale, against ~25% with max_staleness batches, at the same trained sequences/s).
         self.capacity = max(1, cfg.max_staleness - 1) * self.groups
-        self.cond = threading.Condition()  # guards everything the HTTP threads touch
-        self.queue, self.snapshots = [], {}  # groups; version -> adapter tensors (wire names), inside the window
+        self.cond = threading.Condition()
+        self.queue: list[tuple[dict, list]] = []  # (tensors of one group, its rows' texts)
         self.version, self.payload, self.finished, self.next_worker = -1, b"", False, 0
-        self.config_json = policy.adapter_config()
-        self.vocab = policy.model.get_input_embeddings().num_embeddings
         self.seen, self.told = {}, set()  # worker -> time of its last request; workers told "finished"
-        self.counts, self.apply_s, self.publish_s = Counter(), [], 0.0
-        self.lead, self.procs = utils.rank() == 0, []  # under torchrun rank 0 alone serves the workers
-        if not self.lead:
-            return
+        self.counts, self.apply_s, self.publish_s, self.rollout_metrics = Counter(), [], 0.0, []
         url = urlsplit(cfg.trainer_url)  # "" (the usual case) binds an ephemeral loopback port
         self.server = Server({("POST", "/hello"): self.hello, ("GET", "/adapter"): self.adapter,
                               ("POST", "/batch"): self.receive}, url.hostname or "127.0.0.1", url.port or 0)
-        utils.stderr(f"trainer listening on {self.server.url}; start workers with --role rollout --trainer-url "
-                     f"{self.server.url} and the same NANORL_TOKEN" + ("" if os.environ.get("NANORL_TOKEN") else
-                     " (none is set, so only --workers started here can join)"))
-        # Local workers get exactly this run's config (so the fingerprints match) and the token, not torchrun's rank.
-        worker_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
-        path = Path(tempfile.mkdtemp(prefix="nanorl-worker-")) / "config.yaml"
-        utils.save_config(replace(cfg, role="rollout", trainer_url=self.server.url, workers=0, out="", resume=""), path)
-        self.procs = [subprocess.Popen([sys.executable, str(Path(__file__).with_name("train.py")), "--config", str(path)],
-                                       env=worker_env | {"NANORL_TOKEN": self.server.token}) for _ in range(cfg.workers)]
+        alone = "" if os.environ.get("NANORL_TOKEN") else " (none is set: only --workers started here can join)"
+        utils.stderr(f"trainer listening on {self.server.url}; start workers with --role rollout "
+                     f"--trainer-url {self.server.url} and the same NANORL_TOKEN{alone}")
 
-    # ------------------------------------------------------------ routes (HTTP threads, under self.cond)
     def _heard(self, worker) -> bool:
         """Heartbeat; True once the run is over (the route answers 410 and the worker exits)."""
         if type(worker) is int:
@@ -129,9 +119,11 @@ class AsyncRollouts:
             theirs = dict(json.loads(req.body)["fingerprint"])
         except (ValueError, KeyError, TypeError):
             return 400, {"error": 'POST /hello needs JSON {"fingerprint": {...}}'}
-        if diff := [f"{k} (trainer {v!r}, worker {theirs.get(k)!r})" for k, v in fingerprint(self.cfg).items()
+        ours = fingerprint(self.cfg)
+        if diff := [f"{k} (trainer {v!r}, worker {theirs.get(k)!r})" for k, v in ours.items()
                     if theirs.get(k) != v]:
-            return 409, {"error": f"worker and trainer disagree on {'; '.join(diff)}: start the worker with the trainer's config"}
+            return 409, {"error": f"worker and trainer disagree on {'; '.join(diff)}: start the worker with "
+                                  "the trainer's config"}
         with self.cond:
             worker, self.next_worker = self.next_worker, self.next_worker + 1
             return (410, {"finished": True}) if self._heard(worker) else (200, {"worker": worker})
@@ -153,10 +145,15 @@ class AsyncRollouts:
         with self.cond:
             if self._heard(meta.get("worker")):
                 return 410, {"finished": True}
-            if why := check_batch(tensors, self.cfg.group_size, self.version, self.vocab):
+            why = check_batch(tensors, self.cfg.group_size, self.version, self.vocab)
+            why = why or check_texts(meta, tensors)
+            if why:
                 self.counts["batches_rejected"] += 1
                 return 400, {"error": why}
-            groups = [{n: x[tensors["group"] == g] for n, x in tensors.items()} for g in tensors["group"].unique()]
+            texts = meta.get("texts") or [["", "", ""]] * len(tensors["tokens"])
+            groups = [({n: x[tensors["group"] == g] for n, x in tensors.items()},
+                       [texts[i] for i in (tensors["group"] == g).nonzero().flatten().tolist()])
+                      for g in tensors["group"].unique()]
             # A full queue holds the request until the trainer takes groups (up to LONG_POLL): a worker
             # told to come back later would sit idle while the trainer drains the queue.
             room = lambda: self.finished or not self.queue or len(self.queue) + len(groups) <= self.capacity
@@ -164,99 +161,59 @@ class AsyncRollouts:
                 return 429, {"error": f"queue full ({len(self.queue)} groups); retry shortly"}
             if self.finished:
                 return 410, {"finished": True}
-            fresh = [g for g in groups if self.version - int(g["version"].min()) <= self.cfg.max_staleness]
+            fresh = [g for g in groups if self.fresh(g[0], self.version)]
             self.counts.update(groups_received=len(groups), dropped_stale=len(groups) - len(fresh))
             self.apply_s += [float(meta["apply_s"])] if isinstance(meta.get("apply_s"), (int, float)) else []
+            theirs = meta.get("metrics") if isinstance(meta.get("metrics"), dict) else {}  # e.g. gen_rounds
+            self.rollout_metrics.append({k: float(v) for k, v in theirs.items() if type(v) in (int, float)
+                                         and re.fullmatch(r"[a-z_]{1,40}", k)})
             self.queue.extend(fresh)
             self.cond.notify_all()
             return 200, {"queued": len(fresh), "dropped": len(groups) - len(fresh)}
 
-    # ------------------------------------------------------------ TaskRollouts' interface (training thread)
-    def next(self, step: int) -> dict:
-        if self.version < step:
-            self.publish(step)  # the first call: after any resume or SFT warm-start, so v0 is what trains
-        batch, meta = self.take(step) if self.lead else ({}, {})
-        k, share = self.cfg.group_size, self.groups // utils.world()  # groups per rank
-        if utils.world() > 1:  # rank 0 sends the whole batch as a payload (no pickle); each rank keeps its share
-            batch, meta = decode(utils.broadcast_bytes(encode(batch, meta) if self.lead else None))
-            batch = {n: x[utils.rank() * share * k:(utils.rank() + 1) * share * k] for n, x in batch.items()}
-        batch["group"] = torch.arange(share).repeat_interleave(k)  # [N]
-        batch["sampler_logp"] = batch["logp"]  # [N, T]: logged now, for importance corrections later
-        batch["old_logp"] = self.score_by_version(batch)  # [N, T]
-        mask, lag = batch["mask"], step - batch["version"].float()  # [N, T], [N]
-        gap = ((batch["old_logp"] - batch["sampler_logp"]).abs() * mask).sum().item() / max(mask.sum().item(), 1)
-        self.breakdown = {n: batch.pop(n).mean().item() for n in list(batch) if n.startswith("reward_")}
-        self.breakdown.update(multiturn_metrics(batch) if "turns" in batch else {}, staleness_mean=lag.mean().item(),
-                              staleness_max=lag.max().item(), **meta, logp_gap=gap)
-        return batch
+    def serve(self, version: int, payload: bytearray, publish_s: float) -> None:
+        """GET /adapter answers with this payload from now on."""
+        with self.cond:
+            self.version, self.payload, self.publish_s = version, payload, publish_s
+            self.cond.notify_all()
 
-    def take(self, step: int) -> tuple[dict, dict]:
-        """Rank 0: the step's usable groups from the queue, sorted by version, and the transport's numbers."""
+    def take(self, step: int, scorable: set[int]) -> tuple[dict, dict]:
+        """The step's usable groups, sorted by version, collated; and the transport's numbers (with
+        the rows' texts). A group too old, or of a version without a snapshot, is dropped and counted."""
         got = []
         with self.cond:  # wait_for releases it while the HTTP threads fill the queue
             while len(got) < self.groups:
                 if not self.cond.wait_for(lambda: self.queue, timeout=60):
-                    utils.stderr(f"step {step}: waiting for rollout batches ({len(self.live())} live workers)")
+                    utils.stderr(f"step {step}: waiting for rollout batches ({len(self.live())} live "
+                                 "workers)")
                 taken, self.queue = self.queue[: self.groups - len(got)], self.queue[self.groups - len(got):]
                 self.cond.notify_all()  # room for a worker whose POST is waiting
                 for g in taken:
-                    if step - int(g["version"].min()) > self.cfg.max_staleness:
+                    if not self.fresh(g[0], step):
                         self.counts["dropped_stale"] += 1
-                    elif any(int(v) not in self.snapshots for v in g["version"].unique()):
+                    elif any(int(v) not in scorable for v in g[0]["version"].unique()):
                         self.counts["dropped_no_snapshot"] += 1
                     else:
                         got.append(g)
-            meta = dict(queue_depth=len(self.queue), live_workers=len(self.live()), sync_bytes=len(self.payload),
-                        sync_publish_s=self.publish_s, sync_apply_s=statistics.median(self.apply_s or [0.0]), **self.counts)
-            self.apply_s = []
-        got.sort(key=lambda g: int(g["version"].min()))  # rows of one version share micro-batches: fewer swaps
-        return collate(got, self.policy.pad_id), meta
+            meta = dict(queue_depth=len(self.queue), live_workers=len(self.live()),
+                        sync_bytes=len(self.payload), sync_publish_s=self.publish_s,
+                        sync_apply_s=statistics.median(self.apply_s or [0.0]), **self.counts)
+            for k in {k for m in self.rollout_metrics for k in m}:  # the workers' source.metrics(), averaged
+                meta[k] = statistics.mean(m[k] for m in self.rollout_metrics if k in m)
+            self.apply_s, self.rollout_metrics = [], []
+        # rows of one version share micro-batches: fewer swaps
+        got.sort(key=lambda g: int(g[0]["version"].min()))
+        return collate([g for g, _ in got], self.pad_id), {**meta, "texts": [t for _, ts in got for t in ts]}
 
-    @torch.no_grad()
-    def score_by_version(self, batch: dict) -> torch.Tensor:
-        """old_logp [N, T]: each row under the snapshot of the version that sampled it, in the
-        micro-batches prepare() and update() use (so rows of the live version get exactly the
-        numbers the update's first forward will produce); then the live weights go back."""
-        versions, loaded, out = batch["version"], self.version, torch.zeros_like(batch["mask"])
-        for rows in torch.arange(len(versions)).split(self.cfg.micro_batch or len(versions)):
-            for v in versions[rows].unique().tolist():
-                if v != loaded:
-                    self.policy.load_wire(self.snapshots[v])
-                    loaded = v
-                keep = versions[rows] == v  # [rows]
-                out[rows[keep]] = self.policy.score(batch, rows)[0][keep]
-        if loaded != self.version:
-            self.policy.load_wire(self.snapshots[self.version])
-        return out * batch["mask"]
-
-    def publish(self, step: int) -> None:
-        """Version `step`: the adapter encoded once for all workers; the payload's tensors (views,
-        not copies) are also the snapshot that scores this version's rows."""
-        t = time.perf_counter()
-        payload = encode(self.policy.wire_state(), {"version": step, "adapter_config": self.config_json})
-        state = views(payload)  # named as on the wire, like what workers load
-        with self.cond:
-            self.snapshots = {v: s for v, s in self.snapshots.items() if v >= step - self.cfg.max_staleness} | {step: state}
-            self.version, self.payload, self.publish_s = step, payload, time.perf_counter() - t
-            self.cond.notify_all()
+    def fresh(self, group: dict, step: int) -> bool:
+        return step - int(group["version"].min()) <= self.cfg.max_staleness
 
     def live(self) -> set[int]:
         return {w for w, t in self.seen.items() if time.time() - t < HEARTBEAT}
 
-    def evaluate(self) -> dict:
-        return self.local.evaluate()  # with the trainer's live weights, never a worker's
-
-    def state(self) -> dict:
-        return {"next_worker": self.next_worker}
-
-    def load_state(self, state: dict) -> None:
-        self.next_worker = state.get("next_worker", 0)  # a sync run's checkpoint has none
-
     def close(self) -> None:
         """Answers 'finished' until every live worker has heard it (a few seconds at most), then
         stops; a worker that missed it exits after --worker-patience of refused connections."""
-        if not self.lead:
-            return
         with self.cond:
             self.finished = True
             self.cond.notify_all()
@@ -264,6 +221,106 @@ class AsyncRollouts:
         while time.time() < deadline and self.live() - self.told:
             time.sleep(0.1)
         self.server.close()
+
+
+def check_texts(meta: dict, tensors: dict) -> str | None:
+    """Why the rows' (prompt, completion, answer) texts in a batch's meta are malformed, or None."""
+    texts = meta.get("texts")
+    if texts is not None and not (isinstance(texts, list) and len(texts) == len(tensors["tokens"]) and all(
+            isinstance(t, list) and len(t) == 3 and all(isinstance(x, str) for x in t) for t in texts)):
+        return "meta texts must be one [prompt, completion, answer] of strings per row"
+    return None
+
+
+def spawn_workers(cfg, url: str, token: str) -> list[subprocess.Popen]:
+    """--workers N: local rollout workers with exactly this run's config (so the fingerprints
+    match) and the token, without torchrun's rank variables."""
+    ranks = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in ranks}
+    path = Path(tempfile.mkdtemp(prefix="nanorl-worker-")) / "config.yaml"
+    utils.save_config(replace(cfg, role="rollout", trainer_url=url, workers=0, out="", resume=""), path)
+    argv = [sys.executable, str(Path(__file__).with_name("train.py")), "--config", str(path)]
+    return [subprocess.Popen(argv, env=env | {"NANORL_TOKEN": token}) for _ in range(cfg.workers)]
+
+
+def shard(rows: dict, meta: dict, groups: int, k: int) -> tuple[dict, dict]:
+    """torchrun: rank 0's rows and meta as a payload on every rank (never pickled), each rank
+    keeping its share of whole groups; a single process keeps everything."""
+    if utils.world() == 1:
+        return rows, meta
+    rows, meta = decode(utils.broadcast_bytes(encode(rows, meta) if utils.rank() == 0 else None))
+    a, b = utils.rank() * groups * k, (utils.rank() + 1) * groups * k  # this rank's rows
+    return {n: x[a:b] for n, x in rows.items()}, {**meta, "texts": meta["texts"][a:b]}
+
+
+class AsyncRollouts(BatchSource):
+    """The trainer's batch source: groups from the workers (Inbox), a snapshot of every version
+    still inside max_staleness (prepare scores each row under its own version: `weights`), and a
+    local source for evaluation and the warm-start, with the trainer's live weights."""
+
+    def __init__(self, cfg, policy, local: BatchSource):
+        self.cfg, self.policy, self.local = cfg, policy, local
+        self.version, self.snapshots, self.last = -1, {}, {}  # version -> adapter tensors (wire names)
+        self.config_json = policy.adapter_config()
+        self.inbox, self.procs = None, []  # under torchrun rank 0 alone serves the workers
+        if utils.rank() == 0:
+            self.inbox = Inbox(cfg, policy.model.get_input_embeddings().num_embeddings, policy.pad_id)
+            self.procs = spawn_workers(cfg, self.inbox.server.url, self.inbox.server.token)
+
+    def next(self, step: int) -> Batch:
+        if self.version < step:
+            self.publish(step)  # the first call: after any resume or SFT warm-start, so v0 is what trains
+        # groups per rank
+        k, share = self.cfg.group_size, self.cfg.batch // self.cfg.group_size // utils.world()
+        rows, meta = self.inbox.take(step, set(self.snapshots)) if self.inbox else ({}, {})
+        rows, meta = shard(rows, meta, share, k)
+        batch = from_wire(rows, [tuple(t) for t in meta.pop("texts")])
+        batch.group = torch.arange(share).repeat_interleave(k)  # [N]
+        lag = step - batch.version.float()  # [N]
+        self.last = {**meta, "staleness_mean": lag.mean().item(), "staleness_max": lag.max().item()}
+        return batch
+
+    def metrics(self) -> dict[str, float]:
+        return self.last
+
+    @contextlib.contextmanager
+    def weights(self, version: int):
+        """The policy under the snapshot of `version`, and the live weights back afterwards."""
+        if version != self.version:
+            self.policy.load_wire(self.snapshots[version])
+        try:
+            yield
+        finally:
+            if version != self.version:
+                self.policy.load_wire(self.snapshots[self.version])
+
+    def publish(self, step: int) -> None:
+        """Version `step`: the adapter encoded once for all workers; the payload's tensors (views,
+        not copies) are also the snapshot that scores this version's rows."""
+        t = time.perf_counter()
+        payload = encode(self.policy.wire_state(), {"version": step, "adapter_config": self.config_json})
+        self.snapshots = {v: s for v, s in self.snapshots.items() if v >= step - self.cfg.max_staleness}
+        # named as on the wire, like what workers load
+        self.snapshots[step], self.version = views(payload), step
+        if self.inbox:
+            self.inbox.serve(step, payload, time.perf_counter() - t)
+
+    def evaluate(self) -> dict:
+        return self.local.evaluate()  # with the trainer's live weights, never a worker's
+
+    def demonstrations(self, n: int) -> Batch:
+        return self.local.demonstrations(n)  # the warm-start runs on the trainer
+
+    def state(self) -> dict:
+        return {"next_worker": self.inbox.next_worker if self.inbox else 0}
+
+    def load_state(self, state: dict) -> None:
+        if self.inbox:
+            self.inbox.next_worker = state.get("next_worker", 0)  # a sync run's checkpoint has none
+
+    def close(self) -> None:
+        if self.inbox:
+            self.inbox.close()
         for p in self.procs:
             try:
                 p.wait(timeout=60)
@@ -334,14 +391,14 @@ def hello(client: Client, cfg) -> dict | None:
 
 
 class _Sampler:
-    """The worker's policy as rollout_multiturn sees it: the tokenizer side is the policy's, and
-    every request samples through the worker's generator (vLLM or HF) with the newest adapter."""
+    """The worker's policy as the rollouts see it: the tokenizer side is the policy's, and every
+    request samples through the worker's generator (vLLM or HF) with the newest adapter."""
 
     def __init__(self, policy, gen, fetcher: AdapterFetcher, gen_batch: int):
         self.policy, self.gen, self.fetcher, self.gen_batch = policy, gen, fetcher, gen_batch
         self.version, self.apply_s = -1, 0.0
 
-    def __getattr__(self, name):  # tokenizer, decode, make_batch, use_template, ...
+    def __getattr__(self, name):  # tokenizer, decode, encode_prompt, pad_id, use_template, ...
         return getattr(self.policy, name)
 
     def newest(self) -> bool:
@@ -357,55 +414,51 @@ class _Sampler:
                                  f"keeping v{self.version}: {e}")
             elif self.fetcher.done.wait(0.05):
                 return False
-        return True
+        return not self.fetcher.done.is_set()
 
-    def generate(self, prefixes: list[list[int]], max_new_tokens: int, greedy: bool = False) -> list[Sample]:
-        return self.gen.generate(prefixes, max_new_tokens, self.gen_batch)
+    def generate(self, prefixes: list[list[int]], max_new_tokens: int, gen_batch: int = 0,
+                 greedy: bool = False) -> list[Sample]:
+        return self.gen.generate(prefixes, max_new_tokens, gen_batch or self.gen_batch, greedy)
 
 
-def run_worker(cfg, build) -> int:
-    """A rollout worker: samples groups with its newest adapter, scores them and POSTs them; returns the exit code."""
+def run_worker(cfg) -> int:
+    """A rollout worker: the trainer's own batch source (rollouts.sources()) over a sampler that
+    holds the newest adapter, one version per batch; POSTs each batch. Returns the exit code."""
     client = Client(cfg.trainer_url, timeout=30 + LONG_POLL, retries=1)
-    if (reply := hello(client, cfg)) is None:  # before loading any model: a mismatched worker fails in seconds
+    # before loading any model: a mismatched worker fails in seconds
+    if (reply := hello(client, cfg)) is None:
         return 0
-    policy, _, local = build(cfg)
-    me, k = reply["worker"], cfg.group_size
+    me = reply["worker"]
+    policy = LLMPolicy(cfg)  # --vllm: the tokenizer side only, vLLM holds the weights
     torch.manual_seed(seed := cfg.seed * STRIDE + me)  # workers share cfg.seed, not their sampling noise
-    gen = VLLMGenerator(resolve_model(cfg.model), cfg, policy.eos_ids, seed) if cfg.vllm else HFGenerator(policy)
+    if cfg.vllm:
+        gen = VLLMGenerator(resolve_model(cfg.model), cfg, policy.eos_ids, seed)
+    else:
+        gen = HFGenerator(policy)
     fetcher = AdapterFetcher(client, me, cfg.worker_patience)
     fetcher.start()
-    sampler, position = _Sampler(policy, gen, fetcher, cfg.gen_batch), 0
-    utils.stderr(f"worker {me}: generating for {cfg.trainer_url} with {'vLLM' if cfg.vllm else 'the policy'}")
-    while not fetcher.done.is_set() and sampler.newest():  # the newest adapter, waiting for the first
-        problems = [local.task.train_problem(me * STRIDE + position + i) for i in range(cfg.batch // k)]
-        position += len(problems)
-        if cfg.task in TEXT_ENVS:  # an episode calls generate once per turn: one version for the whole batch
-            batch = rollout_multiturn(sampler, local.env, problems, k, cfg.max_turns, cfg.max_new_tokens, cfg.max_len)
-            batch["version"] = torch.full((len(batch["mask"]),), sampler.version)  # [N]
-        else:
-            problems = [p for p in problems for _ in range(k)]
-            prefixes, samples, versions = [policy.encode_prompt(p.prompt) for p in problems], [], []
-            for s in range(0, len(prefixes), cfg.gen_batch):  # a newer adapter switches in between requests
-                if s and not sampler.newest():
-                    return 0
-                samples += sampler.generate(prefixes[s : s + cfg.gen_batch], cfg.max_new_tokens)
-                versions += [sampler.version] * (len(samples) - len(versions))
-            scored = [local.task.score(p.prompt, policy.decode(x.ids), p.answer) for p, x in zip(problems, samples)]
-            batch = policy.make_batch(prefixes, samples, [total for total, _ in scored])
-            batch["group"] = torch.arange(len(problems)) // k  # [N]
-            batch["version"] = torch.tensor(versions)  # [N]: the version that sampled each row
-            batch.update({f"reward_{n}": torch.tensor([parts[n] for _, parts in scored]) for n in scored[0][1]})
-        body = encode(batch, {"worker": me, "apply_s": sampler.apply_s})
-        while not fetcher.done.is_set():
-            try:
-                status, reply = client.post("/batch", body)
-            except ServeError:  # the fetcher decides when the trainer is gone for good
-                status, reply = 503, b""
-            if status == 410:
-                fetcher.done.set()
-            elif status not in (429, 503):
-                if status != 200:
-                    utils.stderr(f"worker {me}: batch refused ({status}): {bytes(reply[:300])!r}")
-                break
-            time.sleep(0.3)
+    sampler = _Sampler(policy, gen, fetcher, cfg.gen_batch)
+    source = sources()[cfg.task](cfg, sampler)  # every rollout option behaves as in a sync run
+    source.load_state({"position": me * STRIDE})  # worker w draws problems w*STRIDE, w*STRIDE+1, ...
+    utils.stderr(f"worker {me}: generating for {cfg.trainer_url} with {'vLLM' if cfg.vllm else 'HF'}")
+    while sampler.newest():  # the newest adapter, waiting for the first
+        batch = source.next(sampler.version)  # --debug-samples: the trainer prints these rows' texts
+        meta = {"worker": me, "apply_s": sampler.apply_s, "texts": batch.texts, "metrics": source.metrics()}
+        post(client, fetcher, encode(batch.wire(), meta))
     return 0
+
+
+def post(client: Client, fetcher: AdapterFetcher, body: bytearray) -> None:
+    """POST /batch until the trainer takes it, refuses it (logged) or is gone."""
+    while not fetcher.done.is_set():
+        try:
+            status, reply = client.post("/batch", body)
+        except ServeError:  # the fetcher decides when the trainer is gone for good
+            status, reply = 503, b""
+        if status == 410:
+            fetcher.done.set()
+        elif status not in (429, 503):
+            if status != 200:
+                utils.stderr(f"worker {fetcher.worker}: batch refused ({status}): {bytes(reply[:300])!r}")
+            return
+        time.sleep(0.3)

@@ -33,6 +33,7 @@ import transport  # noqa: E402
 import train  # noqa: E402
 import utils  # noqa: E402
 from model import HFGenerator, LLMPolicy, VLLMGenerator, resolve_model  # noqa: E402
+from rollouts import live_weights, make_batch  # noqa: E402
 
 TOKEN = "bench-token-0123456789"
 
@@ -65,8 +66,7 @@ def one_core_phases(args) -> dict:
         t0 = time.perf_counter()
         batch = source.next(step)
         t1 = time.perf_counter()
-        with torch.no_grad():  # what AsyncRollouts.score_by_version runs when every row has one version
-            batch["old_logp"] = torch.cat([policy.score(batch, r)[0] for r in train.micro_slices(torch.arange(args.batch), 0)])
+        train.old_scores(policy, batch, cfg, live_weights)  # what an async trainer's prepare() adds: one version
         t2 = time.perf_counter()
         train.update(policy, opt, train.prepare(policy, batch, cfg), cfg)
         if step >= 2:
@@ -115,10 +115,10 @@ def two_hashes_seconds(data: bytearray) -> float:
 
 def adapter_sync(args) -> dict:
     cfg = utils.load_config(train.Config, ["--task", "arith", "--role", "trainer"])
-    policy = LLMPolicy(cfg.model, lora=True)
-    worker = HFGenerator(LLMPolicy(cfg.model, lora=True))
+    policy = LLMPolicy(cfg)
+    worker = HFGenerator(LLMPolicy(cfg))
     src = serve.AsyncRollouts(cfg, policy, SimpleNamespace(task=None, draw=None))
-    client = transport.Client(src.server.url, token=src.server.token)
+    client = transport.Client(src.inbox.server.url, token=src.inbox.server.token)
     sync, raw, hashes, copy = [], [], [], None
     for v in range(args.sync_repeats + 1):
         t = time.perf_counter()
@@ -152,8 +152,8 @@ def tokens_per_second(fn, repeats: int) -> float:
 def worker_path(gen, policy, prefixes, tokens) -> int:
     """What a worker does per batch besides HTTP: generate with logprobs, build, encode."""
     samples = gen.generate(prefixes, tokens, 64)
-    batch = policy.make_batch(prefixes, samples, [0.0] * len(samples))
-    transport.encode(batch, {"worker": 0})
+    batch = make_batch(prefixes, samples, [0.0] * len(samples), policy.pad_id)
+    transport.encode(batch.wire(), {"worker": 0})
     return sum(len(s.ids) for s in samples)
 
 
@@ -173,7 +173,7 @@ def hf_raw(policy, prefixes, tokens) -> int:
 
 def generation(args) -> dict:
     cfg = utils.load_config(train.Config, ["--task", "arith", "--max-new-tokens", str(args.gen_tokens)])
-    policy = LLMPolicy(cfg.model, lora=True)
+    policy = LLMPolicy(cfg)
     prefixes = [policy.encode_prompt(f"{a}+{a * 7 % 97}=") for a in range(64) for _ in range(8)]
     hf = HFGenerator(policy)
     with torch.no_grad():

@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import envs  # noqa: E402
+import rollouts  # noqa: E402
 import sandbox  # noqa: E402
 from tasks import solve_countdown  # noqa: E402
 from tests.test_envs import ScriptedPolicy, chat_tokenizer  # noqa: E402
@@ -80,10 +81,10 @@ def main():
         problems = env_cls.task(seed=0, eval_size=args.problems).eval_problems()
         policy = ScriptedPolicy(tok, make_script(problems))
         start = time.perf_counter()
-        batch = envs.rollout_multiturn(policy, env_cls, problems, args.group_size, max_turns=3,
-                                       max_new_tokens=512, max_len=8192)
+        batch = rollouts.rollout_multiturn(policy, env_cls, problems, args.group_size, max_turns=3,
+                                           max_new_tokens=512, max_len=8192)
         took = time.perf_counter() - start
-        m, n = envs.multiturn_metrics(batch), len(problems) * args.group_size
+        m, n = {k: v.mean().item() for k, v in batch.stats.items()}, len(problems) * args.group_size
         print(f"{name:<22}{n:>9}{took:>9.2f}{n / took:>12.1f}{m['solved']:>8.2f}{m['turns']:>7.2f}")
     for code in ("pass", "print(sum(range(10**6)))"):
         times, cpu = [], 0.0

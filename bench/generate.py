@@ -13,6 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from model import LLMPolicy  # noqa: E402
+from train import Config  # noqa: E402
 
 
 def hf_generate(policy: LLMPolicy, prefixes, max_new: int, gen_batch: int) -> int:
@@ -43,7 +44,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-lora", action="store_true")
     args = ap.parse_args()
-    policy = LLMPolicy(args.model, lora=not args.no_lora)
+    policy = LLMPolicy(Config(model=args.model, lora=not args.no_lora))
     prefixes = [policy.encode_prompt(f"{a}+{a * 7 % 97}=") for a in range(args.prompts) for _ in range(args.samples)]
     runs = {"nanorl": lambda: sum(len(s.ids) for s in policy.generate(prefixes, args.tokens, args.gen_batch)),
             "hf": lambda: hf_generate(policy, prefixes, args.tokens, args.gen_batch)}

@@ -14,6 +14,7 @@ Token rates count every real token a forward pass reads (prompt + completion); s
 generated tokens. Exit status 1 if an invariant fails.
 """
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -27,6 +28,7 @@ import train  # noqa: E402
 import utils  # noqa: E402
 from algos import loss_weights, policy_loss  # noqa: E402
 from model import SPECIALS, LLMPolicy, Sample, build_tiny_model  # noqa: E402
+from rollouts import make_batch  # noqa: E402
 
 BIG = dict(layers=24, hidden=1024, heads=16, intermediate=2816, max_len=2048)  # ~308M parameters
 SMALL = dict(layers=2, hidden=128, heads=2, intermediate=256, max_len=256)
@@ -53,7 +55,7 @@ def timed(fn, device, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def synthetic_batch(policy: LLMPolicy, rows: int, prompt_len: int, new_tokens: int, seed: int = 0) -> dict:
+def synthetic_batch(policy: LLMPolicy, rows: int, prompt_len: int, new_tokens: int, seed: int = 0):
     """Random prompts and completions of different lengths (1 .. new_tokens), so micro-batches
     hold different token counts and a wrong loss denominator would show."""
     g = torch.Generator().manual_seed(seed)
@@ -62,20 +64,20 @@ def synthetic_batch(policy: LLMPolicy, rows: int, prompt_len: int, new_tokens: i
     prefixes = [torch.randint(low, vocab, (prompt_len,), generator=g).tolist() for _ in range(rows)]
     lengths = torch.linspace(1, new_tokens, rows).round().long().tolist()
     samples = [Sample(torch.randint(low, vocab, (n,), generator=g).tolist(), [0.0] * n, True) for n in lengths]
-    batch = policy.make_batch(prefixes, samples, torch.randn(rows, generator=g).tolist())
-    batch["adv"] = torch.randn(rows, 1, generator=g) * batch["mask"]  # [N, L]
-    batch["weights"] = loss_weights(batch["mask"])
+    batch = make_batch(prefixes, samples, torch.randn(rows, generator=g).tolist(), policy.pad_id)
+    batch.adv = torch.randn(rows, 1, generator=g) * batch.mask  # [N, L]
+    batch.weights = loss_weights(batch.mask)
     return batch
 
 
-def grads(policy: LLMPolicy, batch: dict, micro: int, per_micro_denominator: bool = False) -> torch.Tensor:
+def grads(policy: LLMPolicy, batch, micro: int, per_micro_denominator: bool = False) -> torch.Tensor:
     params = [p for p in policy.parameters() if p.requires_grad]
     policy.zero_grad(set_to_none=True)
-    for rows in train.micro_slices(torch.arange(len(batch["mask"])), micro):
-        w = batch["weights"][rows]
-        w = w / w.sum() * len(rows) / len(batch["mask"]) if per_micro_denominator else w
+    for rows in train.micro_slices(torch.arange(len(batch)), micro):
+        w = batch.weights[rows]
+        w = w / w.sum() * len(rows) / len(batch) if per_micro_denominator else w
         logp = policy.score(batch, rows)[0]
-        policy_loss(logp, logp.detach(), batch["adv"][rows], w, batch["mask"][rows])[0].backward()
+        policy_loss(logp, logp.detach(), batch.adv[rows], w, batch.mask[rows])[0].backward()
     out = torch.cat([p.grad.flatten().float() for p in params])
     policy.zero_grad(set_to_none=True)
     return out
@@ -87,9 +89,9 @@ def check_mode(path: str, lora: bool, dtype: str, a) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
-    policy = LLMPolicy(path, lora=lora, dtype=dtype, device=a.device, chat_template=False)
+    policy = LLMPolicy(train.Config(model=path, lora=lora, dtype=dtype, chat_template=False), device=a.device)
     batch = synthetic_batch(policy, a.rows, a.prompt_len, a.new_tokens)
-    tokens = batch["attn"].sum().item()
+    tokens = batch.attn.sum().item()
     every = torch.arange(a.rows)
 
     def score():
@@ -116,12 +118,12 @@ def check_mode(path: str, lora: bool, dtype: str, a) -> dict:
     # ratio == 1: prepare() recomputes old log-probs without grad, with the update's micro-batches
     cfg = utils.load_config(train.Config, ["--task", "arith", "--algo", "grpo", "--group-size", "2",
                                            "--inner-epochs", "2", "--micro-batch", str(a.micro_batch)])
-    ratio_batch = train.prepare(policy, {**batch, "group": every // 2}, cfg)
+    ratio_batch = train.prepare(policy, dataclasses.replace(batch, group=every // 2), cfg)
     dev = 0.0
     for rows in train.micro_slices(every, a.micro_batch):
         logp = policy.score(ratio_batch, rows)[0]
-        m = ratio_batch["mask"][rows] > 0
-        dev = max(dev, (torch.exp(logp - ratio_batch["old_logp"][rows])[m] - 1).abs().max().item())
+        m = ratio_batch.mask[rows] > 0
+        dev = max(dev, (torch.exp(logp - ratio_batch.old_logp[rows])[m] - 1).abs().max().item())
     out["ratio_max_dev"] = dev
 
     one = grads(policy, batch, 0)

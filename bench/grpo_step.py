@@ -88,7 +88,7 @@ class Nanorl:
         self.train.update(self.policy, self.opt, batch, self.cfg)
         t2 = time.perf_counter()
         self.n += 1
-        assert int(batch["mask"].sum()) == PROMPTS * GROUP * TOKENS, "every completion must be TOKENS long"
+        assert int(batch.mask.sum()) == PROMPTS * GROUP * TOKENS, "every completion must be TOKENS long"
         return {"step": t2 - t0, "gen": t1 - t0, "update": t2 - t1, "cpu": time.process_time() - c0}
 
 

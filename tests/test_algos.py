@@ -32,20 +32,20 @@ def test_discounted_returns_stop_at_the_end_of_each_row():
 
 
 def gae_batch(terminated):
-    return dict(rewards=t([[1, 1, 0]]), values=t([[0.5, 0.25, 0]]), mask=t([[1, 1, 0]]),
-                last_value=t([2.0]), terminated=torch.tensor([terminated]))
+    return SimpleNamespace(rewards=t([[1, 1, 0]]), values=t([[0.5, 0.25, 0]]), mask=t([[1, 1, 0]]),
+                           last_value=t([2.0]), truncated=torch.tensor([not terminated]))
 
 
 def test_gae_bootstraps_a_truncated_episode_with_the_last_value():
     b = gae_batch(terminated=False)
-    adv = algos.gae(b["rewards"], b["values"], b["mask"], b["last_value"], b["terminated"], 0.5, 0.5)
+    adv = algos.gae(b.rewards, b.values, b.mask, b.last_value, ~b.truncated, 0.5, 0.5)
     # deltas: 1 + .5*.25 - .5 = .625 and 1 + .5*2 - .25 = 1.75; adv0 = .625 + .25*1.75
     assert torch.allclose(adv, t([[1.0625, 1.75, 0]]))
 
 
 def test_gae_does_not_bootstrap_a_terminated_episode():
     b = gae_batch(terminated=True)
-    adv = algos.gae(b["rewards"], b["values"], b["mask"], b["last_value"], b["terminated"], 0.5, 0.5)
+    adv = algos.gae(b.rewards, b.values, b.mask, b.last_value, ~b.truncated, 0.5, 0.5)
     assert torch.allclose(adv, t([[0.8125, 0.75, 0]]))
 
 
@@ -56,19 +56,19 @@ def test_gae_with_lambda_one_and_zero_values_is_the_discounted_return():
 
 
 def test_reinforce_is_the_discounted_return_to_go():
-    b = dict(rewards=t([[1, 1, 1]]), mask=t([[1, 1, 1]]))
+    b = SimpleNamespace(rewards=t([[1, 1, 1]]), mask=t([[1, 1, 1]]))
     assert torch.equal(algos.reinforce(b, CFG), t([[1.75, 1.5, 1.0]]))
 
 
 def test_reinforce_baseline_subtracts_one_constant_for_the_batch():
-    b = dict(rewards=t([[1, 1, 0], [1, 0, 0]]), mask=t([[1, 1, 0], [1, 0, 0]]))
+    b = SimpleNamespace(rewards=t([[1, 1, 0], [1, 0, 0]]), mask=t([[1, 1, 0], [1, 0, 0]]))
     # returns 1.5, 1 | 1 ; batch mean 3.5/3
     mean = 3.5 / 3
     assert torch.allclose(algos.reinforce_baseline(b, CFG), t([[1.5 - mean, 1 - mean, 0], [1 - mean, 0, 0]]))
 
 
 def test_reinforce_pp_whitens_over_all_tokens_of_the_batch():
-    b = dict(rewards=t([[0, 2], [0, 0]]), mask=t([[1, 1], [1, 1]]))
+    b = SimpleNamespace(rewards=t([[0, 2], [0, 0]]), mask=t([[1, 1], [1, 1]]))
     # returns (gamma .5): [1, 2], [0, 0]; mean .75, std sqrt(((.25)^2+(1.25)^2+2*(.75)^2)/4)
     std = ((0.0625 + 1.5625 + 2 * 0.5625) / 4) ** 0.5
     expected = (t([[1, 2], [0, 0]]) - 0.75) / std
@@ -78,7 +78,7 @@ def test_reinforce_pp_whitens_over_all_tokens_of_the_batch():
 def grouped(scores, group):
     rewards = torch.zeros(len(scores), 3)
     rewards[:, 2] = t(scores)  # reward on the last step only, as for an LLM completion
-    return dict(rewards=rewards, mask=torch.ones(len(scores), 3), group=torch.tensor(group))
+    return SimpleNamespace(rewards=rewards, mask=torch.ones(len(scores), 3), group=torch.tensor(group))
 
 
 def test_grpo_normalises_within_each_group_and_zeroes_uniform_groups():
@@ -103,8 +103,8 @@ def test_rloo_baseline_is_the_mean_of_the_other_rows():
 def test_ppo_whitens_gae_and_stores_critic_targets_from_old_values():
     b = gae_batch(terminated=False)
     adv = algos.ppo(b, CFG)
-    assert torch.allclose(b["returns"], t([[1.0625 + 0.5, 1.75 + 0.25, 0]]))
-    assert abs(algos.masked_mean(adv, b["mask"]).item()) < 1e-6
+    assert torch.allclose(b.returns, t([[1.0625 + 0.5, 1.75 + 0.25, 0]]))
+    assert abs(algos.masked_mean(adv, b.mask).item()) < 1e-6
     assert adv[0, 2] == 0
 
 

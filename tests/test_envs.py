@@ -16,8 +16,10 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from envs import (TEXT_ENVS, CountdownEnv, PythonTask, PythonToolEnv, SQLEnv, SQLTask, TextEnv, _sql_tables,
-                  format_rows, multiturn_metrics, rollout_multiturn, run_sql, sql_correct, sql_database)
+                  format_rows, run_sql, sql_correct, sql_database)
+import train
 from model import LLMPolicy, Sample, build_tiny_model
+from rollouts import rollout_multiturn
 from tasks import Problem, ProceduralTask, completion_number
 
 
@@ -70,7 +72,7 @@ class ScriptedPolicy:
     Prompt encoding, decoding and collation are LLMPolicy's own code. Sampled log-probs are
     distinct per position so a misplaced one shows; every generate() output is recorded."""
 
-    encode_prompt, decode, make_batch = LLMPolicy.encode_prompt, LLMPolicy.decode, LLMPolicy.make_batch
+    encode_prompt, decode = LLMPolicy.encode_prompt, LLMPolicy.decode
 
     def __init__(self, tokenizer, script):
         self.tokenizer, self.script, self.sampled = tokenizer, script, []
@@ -127,10 +129,11 @@ def test_readme_example_solves_in_a_rollout_by_bisection(monkeypatch):
         while (guess := (lo + hi) // 2) != int(p.answer):
             lo, hi, n = (guess + 1, hi, n + 1) if guess < int(p.answer) else (lo, guess - 1, n + 1)
         turns += [n, n]
-    assert batch["solved_at_turn"].tolist() == batch["turns"].tolist() == turns
-    assert batch["group"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert batch["rewards"].sum(1).tolist() == [1.0] * 8
-    assert multiturn_metrics(batch) == {"solved": 1.0, "solved_first_turn": 0.0, "turns": sum(turns) / 8}
+    assert batch.stats["solved"].tolist() == [1.0] * 8 and batch.stats["turns"].tolist() == turns
+    assert batch.group.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert batch.rewards.sum(1).tolist() == [1.0] * 8
+    assert {k: v.mean().item() for k, v in batch.stats.items()} == {"solved": 1.0, "solved_first_turn": 0.0,
+                                                                  "turns": sum(turns) / 8}
 
 
 # ---------------------------------------------------------------- token-exact multi-turn episodes
@@ -153,10 +156,10 @@ def test_trained_tokens_are_the_sampled_tokens_under_a_template_that_rewrites_hi
     assert prefix2 == prompt + turn1.ids + reply  # the second turn was sampled after exactly these tokens
     row = prompt + turn1.ids + reply + turn2.ids
     n = len(row)
-    assert batch["tokens"][0, :n].tolist() == row and batch["attn"][0].sum() == n
-    mask = batch["mask"][0].bool()
-    assert batch["tokens"][0][mask].tolist() == turn1.ids + turn2.ids  # what is trained is what was sampled
-    assert batch["logp"][0][mask].tolist() == pytest.approx(turn1.logps + turn2.logps)
+    assert batch.tokens[0, :n].tolist() == row and batch.attn[0].sum() == n
+    mask = batch.mask[0].bool()
+    assert batch.tokens[0][mask].tolist() == turn1.ids + turn2.ids  # what is trained is what was sampled
+    assert batch.logp[0][mask].tolist() == pytest.approx(turn1.logps + turn2.logps)
     # The template rewrites history: re-rendering the chat drops turn 1's <think>, so re-encoding
     # the conversation (instead of appending the reply's tokens) would train on other tokens.
     chat = [{"role": "user", "content": problem.prompt}, {"role": "assistant", "content": tok.decode(turn1.ids[:-1])},
@@ -180,11 +183,12 @@ def test_mask_covers_exactly_the_model_turns_and_the_reward_sits_on_the_last_one
     turn2 = len("<think>again</think><answer>3 * 5</answer>") + E
     expected = [0] * prompt + [1] * turn1 + [0] * reply + [1] * turn2
     n = len(expected)
-    assert batch["mask"].tolist() == [expected] * 2 and batch["attn"].sum(1).tolist() == [n, n]
-    assert (batch["logp"] != 0).float().tolist() == batch["mask"].tolist()
-    assert batch["rewards"][:, n - 1].tolist() == [1.0, 1.0] and batch["rewards"].sum().item() == 2.0
-    assert batch["turns"].tolist() == [2, 2] and batch["solved_at_turn"].tolist() == [2, 2]
-    assert batch["truncated"].tolist() == [False, False] and batch["group"].tolist() == [0, 0]
+    assert batch.mask.tolist() == [expected] * 2 and batch.attn.sum(1).tolist() == [n, n]
+    assert (batch.logp != 0).float().tolist() == batch.mask.tolist()
+    assert batch.rewards[:, n - 1].tolist() == [1.0, 1.0] and batch.rewards.sum().item() == 2.0
+    assert batch.stats["turns"].tolist() == [2, 2] and batch.stats["solved"].tolist() == [1, 1]
+    assert batch.stats["solved_first_turn"].tolist() == [0, 0]
+    assert batch.truncated.tolist() == [False, False] and batch.group.tolist() == [0, 0]
 
 
 def test_episode_that_would_pass_max_len_ends_early_and_truncated():
@@ -194,12 +198,12 @@ def test_episode_that_would_pass_max_len_ends_early_and_truncated():
     turn = len("<think>try</think><answer>3 + 5</answer>") + 1
     # room for turn 1 but not for the reply: the episode stops after one turn, no reply appended
     batch = rollout_multiturn(policy, CountdownEnv, [problem], 1, 3, max_new_tokens=64, max_len=prompt + turn + 10)
-    assert batch["attn"][0].sum() == prompt + turn and batch["turns"].tolist() == [1]
-    assert batch["truncated"].tolist() == [True] and batch["rewards"].sum() == 0
+    assert batch.attn[0].sum() == prompt + turn and batch.stats["turns"].tolist() == [1]
+    assert batch.truncated.tolist() == [True] and batch.rewards.sum() == 0
     # room for only 5 tokens of turn 1: the sample is cut (still exactly what was sampled)
     batch = rollout_multiturn(policy, CountdownEnv, [problem], 1, max_turns=3, max_new_tokens=64, max_len=prompt + 5)
-    assert batch["tokens"][0, prompt:].tolist() == policy.sampled[-1][0][1].ids[:5]
-    assert batch["truncated"].tolist() == [True]
+    assert batch.tokens[0, prompt:].tolist() == policy.sampled[-1][0][1].ids[:5]
+    assert batch.truncated.tolist() == [True]
     with pytest.raises(ValueError, match="raise max_len"):
         rollout_multiturn(policy, CountdownEnv, [problem], 1, max_turns=3, max_new_tokens=64, max_len=prompt)
 
@@ -346,7 +350,7 @@ def test_sql_task_is_deterministic_its_splits_disjoint_and_every_gold_query_runs
 
 def test_multiturn_rollout_on_the_tiny_model_rescores_to_the_sampled_logps(one_thread):
     torch.manual_seed(0)
-    policy = LLMPolicy(build_tiny_model(layers=1, hidden=64, heads=1, intermediate=128), lora=True)
+    policy = LLMPolicy(train.Config(model=build_tiny_model(layers=1, hidden=64, heads=1, intermediate=128)))
     # A random model almost never ends a turn. Point the end token's output row along the mean
     # final hidden state, so its logit is about 2 everywhere: an end every dozen tokens or so.
     with torch.no_grad():
@@ -358,17 +362,17 @@ def test_multiturn_rollout_on_the_tiny_model_rescores_to_the_sampled_logps(one_t
         [s for _, s in sampled[-1]]
     problems = [countdown_problem([i, 2], i + 2) for i in range(1, 5)]
     batch = rollout_multiturn(policy, CountdownEnv, problems, group_size=1, max_turns=3, max_new_tokens=16, max_len=300)
-    assert batch["turns"].max() >= 2  # some episodes really had several turns
-    rows = [batch["tokens"][r, : int(batch["attn"][r].sum())].tolist() for r in range(len(problems))]
+    assert batch.stats["turns"].max() >= 2  # some episodes really had several turns
+    rows = [batch.tokens[r, : int(batch.attn[r].sum())].tolist() for r in range(len(problems))]
     trained = [0] * len(rows)
     for call in sampled:
         for prefix, s in call:
             (r,) = [r for r, row in enumerate(rows) if row[: len(prefix)] == prefix]
             end = len(prefix) + len(s.ids)
-            assert rows[r][len(prefix) : end] == s.ids and batch["mask"][r, len(prefix) : end].sum() == len(s.ids)
+            assert rows[r][len(prefix) : end] == s.ids and batch.mask[r, len(prefix) : end].sum() == len(s.ids)
             trained[r] += len(s.ids)
-    assert batch["mask"].sum(1).tolist() == trained  # and nothing else is trained
+    assert batch.mask.sum(1).tolist() == trained  # and nothing else is trained
     with torch.no_grad():
         logp, _, _ = policy.score(batch, slice(None))
-    mask = batch["mask"].bool()
-    torch.testing.assert_close(logp[mask], batch["logp"][mask], atol=2e-4, rtol=0)
+    mask = batch.mask.bool()
+    torch.testing.assert_close(logp[mask], batch.logp[mask], atol=2e-4, rtol=0)

@@ -21,7 +21,6 @@ class Digits(tasks.Arith):
 @pytest.fixture(autouse=True)
 def digits_task(monkeypatch):
     monkeypatch.setitem(tasks.TASKS, "digits", Digits)
-    monkeypatch.setitem(train.TASKS, "digits", train.TaskRollouts)
 
 
 @pytest.fixture(scope="module")

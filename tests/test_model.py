@@ -7,9 +7,11 @@ import warnings
 import pytest
 import torch
 
+import train
 import utils
 from algos import loss_weights, policy_loss
 from model import CHARS, SPECIALS, LLMPolicy, Sample, build_tiny_model, resolve_model
+from rollouts import make_batch
 
 DIMS = dict(layers=2, hidden=128, heads=2, intermediate=256, max_len=256)  # 2 x 64 heads: small and fast
 PROMPTS = ["1+2=", "17*3=", "(12+30)/6=?\n", "x"]  # 5, 6, 13 and 2 tokens with bos: a ragged batch
@@ -25,7 +27,7 @@ def tiny(tmp_path_factory):
 
 def policy(path, **kw) -> LLMPolicy:
     torch.manual_seed(0)
-    return LLMPolicy(path, device="cpu", **kw)
+    return LLMPolicy(train.Config(model=path, **kw), device="cpu")
 
 
 def variant(tiny, tmp_path, **generation) -> str:
@@ -47,7 +49,7 @@ def rollout(pol: LLMPolicy, max_new: int = 12, n: int = 2, seed: int = 0):
     prefixes = [pol.encode_prompt(p) for p in PROMPTS for _ in range(n)]
     torch.manual_seed(seed)
     samples = pol.generate(prefixes, max_new)
-    return prefixes, samples, pol.make_batch(prefixes, samples, [float(i) for i in range(len(samples))])
+    return prefixes, samples, make_batch(prefixes, samples, [float(i) for i in range(len(samples))], pol.pad_id)
 
 
 # ---------------------------------------------------------------- the tiny model
@@ -80,11 +82,11 @@ def test_resolve_tiny_builds_under_nanorl_cache(tmp_path, monkeypatch):
 
 def test_bad_model_id_fails_at_start_up_naming_the_fix(tmp_path):
     with pytest.raises(utils.ConfigError, match="no such directory; check the model id, or pass a local directory"):
-        LLMPolicy("./no-such-model")
+        LLMPolicy(train.Config(model="./no-such-model"))
     with pytest.raises(utils.ConfigError, match=r"--model .*: cannot load it \(.*\); check the model id"):
         resolve_model(str(tmp_path))  # a directory, but no config.json inside
     with pytest.raises(utils.ConfigError, match="choices: fp32, bf16"):
-        LLMPolicy(str(tmp_path), dtype="fp16")
+        LLMPolicy(train.Config(model=str(tmp_path), dtype="fp16"))
 
 
 # ---------------------------------------------------------------- sampling == scoring
@@ -92,14 +94,14 @@ def test_sampler_logps_equal_recomputed_logps(tiny):
     pol = policy(tiny)
     randomise_adapter(pol)
     prefixes, samples, batch = rollout(pol, max_new=16, n=3)
-    mask = batch["mask"] > 0
+    mask = batch.mask > 0
     assert mask.sum() == sum(len(s.ids) for s in samples) and not mask[:, 0].any()
     logp, entropy, values = pol.score(batch, slice(0, len(samples)))  # one micro-batch
-    assert values is None and logp.shape == batch["tokens"].shape
-    assert (logp[mask] - batch["logp"][mask]).abs().max() < 1e-5
+    assert values is None and logp.shape == batch.tokens.shape
+    assert (logp[mask] - batch.logp[mask]).abs().max() < 1e-5
     assert (logp[~mask] == 0).all() and (entropy[mask] > 0).all()
     singles = torch.cat([pol.score(batch, torch.tensor([r]))[0] for r in range(len(samples))])  # micro-batches of 1
-    assert (singles[mask] - batch["logp"][mask]).abs().max() < 1e-5
+    assert (singles[mask] - batch.logp[mask]).abs().max() < 1e-5
 
 
 def test_entropy_is_the_full_distribution_entropy_at_temperature(tiny):
@@ -107,11 +109,11 @@ def test_entropy_is_the_full_distribution_entropy_at_temperature(tiny):
     randomise_adapter(pol)
     prefixes, samples, batch = rollout(pol, max_new=4, n=1)
     logp, entropy, _ = pol.score(batch, slice(0, 1))
-    t = int(batch["mask"][0].nonzero()[0])
-    logits = pol.model(input_ids=batch["tokens"][:1, :t]).logits[0, -1] / 0.7
+    t = int(batch.mask[0].nonzero()[0])
+    logits = pol.model(input_ids=batch.tokens[:1, :t]).logits[0, -1] / 0.7
     p = logits.softmax(-1)
     assert abs(entropy[0, t].item() - -(p * p.log()).sum().item()) < 1e-5
-    assert abs(logp[0, t].item() - p[batch["tokens"][0, t]].log().item()) < 1e-5
+    assert abs(logp[0, t].item() - p[batch.tokens[0, t]].log().item()) < 1e-5
 
 
 def test_left_padded_batch_generates_like_each_row_alone(tiny):
@@ -156,25 +158,25 @@ def test_second_eos_from_generation_config_stops_and_reward_sits_on_last_real_to
         cut = next((i + 1 for i, t in enumerate(f.ids) if t in (2, stop)), None)  # first end token, included
         assert s.ids == f.ids[: cut or 10] and s.truncated == (cut is None)
     assert samples[0].ids[-1] == stop and len(samples[0].ids) <= 4 and not samples[0].truncated
-    batch = pol.make_batch(prefixes, samples, [1.0, 2.0, 3.0, 4.0])
+    batch = make_batch(prefixes, samples, [1.0, 2.0, 3.0, 4.0], pol.pad_id)
     ends = [len(p) + len(s.ids) for p, s in zip(prefixes, samples)]
-    assert batch["tokens"].shape[1] == max(ends)
+    assert batch.tokens.shape[1] == max(ends)
     for r, end in enumerate(ends):
-        assert batch["rewards"][r].nonzero().flatten().tolist() == [end - 1] and batch["rewards"][r, end - 1] == r + 1
-        assert batch["attn"][r].sum() == end and (batch["tokens"][r, end:] == pol.pad_id).all()
-        assert batch["mask"][r].sum() == len(samples[r].ids) and batch["mask"][r, end - 1] == 1
-    assert batch["truncated"].tolist() == [s.truncated for s in samples]
+        assert batch.rewards[r].nonzero().flatten().tolist() == [end - 1] and batch.rewards[r, end - 1] == r + 1
+        assert batch.attn[r].sum() == end and (batch.tokens[r, end:] == pol.pad_id).all()
+        assert batch.mask[r].sum() == len(samples[r].ids) and batch.mask[r, end - 1] == 1
+    assert batch.truncated.tolist() == [s.truncated for s in samples]
 
 
 def test_loss_mask_hides_environment_tokens_and_reward_sits_on_last_policy_token(tiny):
     pol = policy(tiny)
     samples = [Sample([10, 11, 12, 13, 14], [-1.0, -2.0, -3.0, -4.0, -5.0], False), Sample([20, 21], [-0.5, -0.25], True)]
-    batch = pol.make_batch([[1, 5], [1]], samples, [7.0, 9.0], loss_mask=[[1, 0, 0, 1, 0], [1, 1]])
-    assert batch["tokens"].tolist() == [[1, 5, 10, 11, 12, 13, 14], [1, 20, 21, 0, 0, 0, 0]]
-    assert batch["mask"].tolist() == [[0, 0, 1, 0, 0, 1, 0], [0, 1, 1, 0, 0, 0, 0]]
-    assert batch["logp"].tolist() == [[0, 0, -1, 0, 0, -4, 0], [0, -0.5, -0.25, 0, 0, 0, 0]]
-    assert batch["rewards"].tolist() == [[0, 0, 0, 0, 0, 7, 0], [0, 0, 9, 0, 0, 0, 0]]
-    assert batch["attn"].tolist() == [[1] * 7, [1, 1, 1, 0, 0, 0, 0]] and batch["truncated"].tolist() == [False, True]
+    batch = make_batch([[1, 5], [1]], samples, [7.0, 9.0], pol.pad_id, loss_mask=[[1, 0, 0, 1, 0], [1, 1]])
+    assert batch.tokens.tolist() == [[1, 5, 10, 11, 12, 13, 14], [1, 20, 21, 0, 0, 0, 0]]
+    assert batch.mask.tolist() == [[0, 0, 1, 0, 0, 1, 0], [0, 1, 1, 0, 0, 0, 0]]
+    assert batch.logp.tolist() == [[0, 0, -1, 0, 0, -4, 0], [0, -0.5, -0.25, 0, 0, 0, 0]]
+    assert batch.rewards.tolist() == [[0, 0, 0, 0, 0, 7, 0], [0, 0, 9, 0, 0, 0, 0]]
+    assert batch.attn.tolist() == [[1] * 7, [1, 1, 1, 0, 0, 0, 0]] and batch.truncated.tolist() == [False, True]
 
 
 # ---------------------------------------------------------------- training
@@ -183,15 +185,15 @@ def test_microbatched_backward_matches_one_shot(tiny):
     randomise_adapter(pol)
     _, samples, batch = rollout(pol, max_new=10, n=2)
     n = len(samples)
-    adv = torch.linspace(-1, 1, n)[:, None] * batch["mask"]  # [N, L]
-    w = loss_weights(batch["mask"])  # one global denominator for every split
+    adv = torch.linspace(-1, 1, n)[:, None] * batch.mask  # [N, L]
+    w = loss_weights(batch.mask)  # one global denominator for every split
 
     def grads(size: int) -> dict:
         pol.zero_grad(set_to_none=True)
         for s in range(0, n, size):
             rows = torch.arange(s, min(s + size, n))
             logp, _, _ = pol.score(batch, rows)
-            policy_loss(logp, batch["logp"][rows], adv[rows], w[rows], batch["mask"][rows])[0].backward()
+            policy_loss(logp, batch.logp[rows], adv[rows], w[rows], batch.mask[rows])[0].backward()
         return {k: p.grad.clone() for k, p in pol.named_parameters() if p.requires_grad}
 
     one, micro = grads(n), grads(3)
@@ -208,7 +210,7 @@ def test_shared_prompt_scoring_matches_separate_rows_in_logp_and_gradient(tiny):
     _, samples, batch = rollout(pol, max_new=10, n=3)  # 4 ragged prompts x 3 rows each
     longest = max(len(p) for p in map(pol.encode_prompt, PROMPTS))
     assert seen[0] == (4, longest) and seen[1] == (12, 1)  # the sampler's prefill: each prompt once
-    batch["mask"][1, 7:9] = 0  # a hole, like an environment reply inside a multi-turn completion
+    batch.mask[1, 7:9] = 0  # a hole, like an environment reply inside a multi-turn completion
     n = len(samples)
 
     def run(share: bool):
@@ -224,10 +226,10 @@ def test_shared_prompt_scoring_matches_separate_rows_in_logp_and_gradient(tiny):
     assert calls1[1][0] == n and calls1[1][1] < calls0[0][1]
     torch.testing.assert_close(lp1, lp0, rtol=0, atol=1e-5)
     # the sampler ran each prompt once too: its log-probs match rows scored one by one
-    torch.testing.assert_close(batch["logp"][batch["mask"] > 0], lp0[batch["mask"] > 0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(batch.logp[batch.mask > 0], lp0[batch.mask > 0], rtol=0, atol=1e-5)
     torch.testing.assert_close(h1, h0, rtol=0, atol=1e-5)
     torch.testing.assert_close(ref1, ref0, rtol=0, atol=1e-5)
-    assert (lp1[1, 7:9] == 0).all() and (lp1[batch["mask"] > 0] < 0).all()
+    assert (lp1[1, 7:9] == 0).all() and (lp1[batch.mask > 0] < 0).all()
     assert max(g.abs().max() for g in g0.values()) > 1e-3  # not trivially zero
     for k in g0:  # sums in another order: equal to float32 rounding of the tensor's own scale
         torch.testing.assert_close(g1[k], g0[k], rtol=1e-4, atol=1e-4 * float(g0[k].abs().max()))
@@ -257,12 +259,12 @@ def test_other_architectures_sample_and_score_exactly_with_shared_prompts(tiny, 
     assert pol.model.get_base_model().config.model_type == arch
     randomise_adapter(pol)
     _, _, batch = rollout(pol, max_new=10, n=2)  # 12 characters of prompt and more: past gemma's window of 4
-    mask = batch["mask"] > 0
+    mask = batch.mask > 0
     pol.share_prompts = False
     one_by_one = pol.score(batch, torch.arange(len(mask)))[0].detach()
     pol.share_prompts = True
     torch.testing.assert_close(pol.score(batch, torch.arange(len(mask)))[0].detach(), one_by_one, rtol=0, atol=1e-5)
-    torch.testing.assert_close(batch["logp"][mask], one_by_one[mask], rtol=0, atol=1e-5)  # the sampler's, prefilled once per prompt
+    torch.testing.assert_close(batch.logp[mask], one_by_one[mask], rtol=0, atol=1e-5)  # the sampler's, prefilled once per prompt
 
 
 def test_lora_trains_only_adapter_and_base_stays_bit_identical(tiny):
@@ -279,7 +281,7 @@ def test_lora_trains_only_adapter_and_base_stays_bit_identical(tiny):
     opt = torch.optim.Adam([p for p in pol.parameters() if p.requires_grad], lr=1e-2)
     _, _, batch = rollout(pol, max_new=6, n=1)
     logp, _, _ = pol.score(batch, slice(0, 4))
-    (-(logp * batch["mask"]).sum()).backward()
+    (-(logp * batch.mask).sum()).backward()
     opt.step()
     assert all(torch.equal(p, base[k]) for k, p in pol.named_parameters() if not p.requires_grad)
     moved = {k for k, p in pol.named_parameters() if p.requires_grad and not torch.equal(p, before[k])}
@@ -296,11 +298,11 @@ def test_lora_targets_comma_list_and_unknown_name(tiny):
 def test_ref_logp_is_the_base_model_with_the_adapter_off(tiny):
     pol = policy(tiny)
     _, _, batch = rollout(pol, max_new=8, n=1)
-    rows, mask = slice(0, 4), batch["mask"] > 0
+    rows, mask = slice(0, 4), batch.mask > 0
     assert torch.equal(pol.ref_logp(batch, rows), pol.score(batch, rows)[0].detach())  # lora_B == 0: adapter is a no-op
     randomise_adapter(pol)
     ref = pol.ref_logp(batch, rows)
-    assert (ref[mask] - batch["logp"][mask]).abs().max() < 1e-5  # still the model that sampled
+    assert (ref[mask] - batch.logp[mask]).abs().max() < 1e-5  # still the model that sampled
     assert (pol.score(batch, rows)[0][mask] - ref[mask]).abs().max() > 1e-3
 
 
@@ -323,9 +325,9 @@ def test_bf16_autocast_runs_and_keeps_trainable_params_fp32(tiny):
     assert {p.dtype for p in pol.parameters() if not p.requires_grad} == {torch.bfloat16}  # the frozen LoRA base
     _, samples, batch = rollout(pol, max_new=8, n=1)
     logp, entropy, _ = pol.score(batch, slice(0, 4))
-    mask = batch["mask"] > 0
-    assert logp.dtype == torch.float32 and (logp[mask] - batch["logp"][mask]).abs().max() < 0.05  # bf16, not exact
-    (logp * batch["mask"]).sum().backward()
+    mask = batch.mask > 0
+    assert logp.dtype == torch.float32 and (logp[mask] - batch.logp[mask]).abs().max() < 0.05  # bf16, not exact
+    (logp * batch.mask).sum().backward()
     grads = [p.grad for p in pol.parameters() if p.requires_grad]
     assert all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
 
@@ -390,7 +392,7 @@ def test_encode_prompt_plain_text_and_chat_template_with_thinking(tiny, tmp_path
 
 def test_policy_without_weights_holds_no_memory_yet_agrees_on_tokens_eos_and_adapter_names(tiny, tmp_path):
     path = variant(tiny, tmp_path, eos_token_id=[2, 7])  # a second end token only generation_config.json names
-    full, light = policy(path), LLMPolicy(path, weights=False)  # what a --vllm worker builds
+    full, light = policy(path), LLMPolicy(train.Config(model=path, vllm=True))  # what a --vllm worker builds
     assert {p.device.type for p in light.parameters()} == {"meta"}
     assert light.eos_ids == full.eos_ids == {2, 7} and light.pad_id == full.pad_id
     assert [light.encode_prompt(p) for p in PROMPTS] == [full.encode_prompt(p) for p in PROMPTS]

@@ -1,8 +1,11 @@
 """The `add` task for pretrained chat models: its strict reward accepts the bare sum only, its
-lenient score finds the sum anywhere, and its held-out problems never reach training."""
+lenient score finds the sum anywhere, and its held-out problems never reach training, and every eval logs the lenient score."""
 import pytest
 
 import tasks
+import train
+import utils
+from model import build_tiny_model
 from tasks import Problem, bare_int_correct, bare_int_format, make_task
 
 P = Problem("Compute 23 + 58. Write only the result, as digits.", "81", key="23+58")
@@ -74,3 +77,22 @@ def test_the_format_reward_pays_a_bare_integer_right_or_wrong_and_nothing_else()
     assert task.score(P.prompt, "81", P.answer) == (1.1, {"bare_int_correct": 1.0, "bare_int_format": 1.0})
     assert task.score(P.prompt, "80", P.answer)[0] == 0.1  # the format alone: a tenth of a right answer
     assert task.score(P.prompt, "23 + 58 = 81", P.answer)[0] == 0.0
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), layers=2, hidden=128, heads=2, intermediate=256)
+
+
+def test_every_eval_logs_the_lenient_score_beside_the_strict_one_when_the_task_has_one(tmp_path, tiny):
+    for task, want in (("add", True), ("arith", False)):
+        out = tmp_path / task
+        cfg = utils.load_config(train.Config, ["--model", tiny, "--out", str(out), "--no-progress", "--task", task,
+                                               "--algo", "grpo", "--group-size", "2", "--batch", "4", "--steps", "2",
+                                               "--eval-every", "1", "--eval-size", "4", "--max-new-tokens", "3"])
+        train.train(cfg)
+        series = utils.read_metrics(out / "metrics.csv")
+        assert [s for s, _, _ in series["eval_accuracy"]] == [0, 1, 2]
+        lenient = series.get("eval_accuracy_lenient", [])
+        assert [s for s, _, _ in lenient] == ([0, 1, 2] if want else [])
+        assert all(strict <= easy for (_, _, strict), (_, _, easy) in zip(series["eval_accuracy"], lenient))

@@ -11,10 +11,12 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+import rollouts
 import train
 import utils
 from envs import EVAL_SEED, CartPole
 from model import MLPPolicy
+from rollouts import rollout_control
 
 CONFIGS = sorted(Path(__file__).parent.parent.glob("configs/cartpole_*.yaml"))
 
@@ -86,28 +88,28 @@ def test_main_reports_config_errors_without_a_traceback(capsys):
 def test_cartpole_rollout_masks_steps_after_each_episode_ends():
     torch.manual_seed(0)
     policy = MLPPolicy(4, 2)
-    b = CartPole().rollout(policy, 6, seed=1)
-    lengths = b["mask"].sum(1)
-    assert torch.equal(b["rewards"].sum(1), lengths)  # +1 per live step and nothing after
-    for row, n in zip(b["mask"], lengths.long()):
+    b = rollout_control(CartPole(), policy, 6, seed=1)
+    lengths = b.mask.sum(1)
+    assert torch.equal(b.rewards.sum(1), lengths)  # +1 per live step and nothing after
+    for row, n in zip(b.mask, lengths.long()):
         assert row[:n].all() and not row[n:].any()  # a contiguous prefix
-    assert b["terminated"].all()  # a random policy drops the pole long before 500 steps
+    assert not b.truncated.any()  # a random policy drops the pole long before 500 steps
 
 
 def test_cartpole_time_limit_is_truncation_not_termination():
-    b = CartPole(max_steps=5).rollout(MLPPolicy(4, 2), 3, seed=0)
-    assert b["mask"].shape == (3, 5) and b["mask"].all() and not b["terminated"].any()
+    b = rollout_control(CartPole(max_steps=5), MLPPolicy(4, 2), 3, seed=0)
+    assert b.mask.shape == (3, 5) and b.mask.all() and b.truncated.all()
 
 
 def test_grouped_episodes_start_from_their_leaders_state():
-    b = CartPole().rollout(MLPPolicy(4, 2), 8, seed=3, group_size=4)
-    assert torch.equal(b["obs"][0, 0].expand(4, 4), b["obs"][:4, 0])
-    assert not torch.equal(b["obs"][0, 0], b["obs"][4, 0])
-    assert b["group"].tolist() == [0, 0, 0, 0, 4, 4, 4, 4]
+    b = rollout_control(CartPole(), MLPPolicy(4, 2), 8, seed=3, group_size=4)
+    assert torch.equal(b.obs[0, 0].expand(4, 4), b.obs[:4, 0])
+    assert not torch.equal(b.obs[0, 0], b.obs[4, 0])
+    assert b.group.tolist() == [0, 0, 0, 0, 4, 4, 4, 4]
 
 
 def test_training_seeds_never_reach_the_held_out_eval_seeds():
-    src = train.ControlRollouts(cfg_from(["--seed", "99999"]), MLPPolicy(4, 2))
+    src = rollouts.ControlRollouts(cfg_from(["--seed", "99999"]), MLPPolicy(4, 2))
     seeds = []
     for step in range(50):
         seeds.append((src.cfg.seed * 100_003 + src.position) % EVAL_SEED)
@@ -119,7 +121,7 @@ def test_training_seeds_never_reach_the_held_out_eval_seeds():
 def prepared(cfg, seed=0):
     torch.manual_seed(seed)
     policy = MLPPolicy(4, 2, critic=cfg.algo == "ppo")
-    batch = CartPole().rollout(policy, cfg.batch, seed=seed, group_size=cfg.group_size)
+    batch = rollout_control(CartPole(), policy, cfg.batch, seed=seed, group_size=cfg.group_size)
     return policy, train.prepare(policy, batch, cfg)
 
 
@@ -127,8 +129,8 @@ def test_first_inner_epoch_ratio_is_exactly_one():
     cfg = cfg_from(["--algo", "ppo", "--inner-epochs", "3", "--micro-batch", "5"])
     policy, batch = prepared(cfg)
     for rows in train.micro_slices(torch.arange(cfg.batch), cfg.micro_batch):
-        logp = policy.score(batch, rows)[0] * batch["mask"][rows]
-        assert torch.equal(logp, batch["old_logp"][rows])
+        logp = policy.score(batch, rows)[0] * batch.mask[rows]
+        assert torch.equal(logp, batch.old_logp[rows])
     opt = torch.optim.Adam(policy.parameters(), lr=1e-2)
     stats = train.update(policy, opt, batch, dataclasses.replace(cfg, inner_epochs=1))
     assert stats["ratio"] == pytest.approx(1.0, abs=1e-6) and stats["clip_frac_low"] == stats["clip_frac_high"] == 0.0
@@ -205,7 +207,7 @@ def test_checkpoints_keep_only_the_newest_k(tmp_path):
 
 
 def test_second_ctrl_c_stops_a_source_that_never_returns_and_keeps_the_checkpoints(tmp_path, monkeypatch):
-    real_next = train.ControlRollouts.next
+    real_next = rollouts.ControlRollouts.next
 
     def next_then_hang(self, step):
         if step == 2:
@@ -215,7 +217,7 @@ def test_second_ctrl_c_stops_a_source_that_never_returns_and_keeps_the_checkpoin
                 time.sleep(0.01)
         return real_next(self, step)
 
-    monkeypatch.setattr(train.ControlRollouts, "next", next_then_hang)
+    monkeypatch.setattr(rollouts.ControlRollouts, "next", next_then_hang)
     cfg = quick(tmp_path, "--steps", "50", "--ckpt-every", "1")
     with pytest.raises(KeyboardInterrupt):
         train.train(cfg)
@@ -231,14 +233,14 @@ def test_resume_refuses_a_checkpoint_of_another_policy(tmp_path):
 
 
 def test_ctrl_c_finishes_the_step_then_checkpoints(tmp_path, monkeypatch):
-    real_next = train.ControlRollouts.next
+    real_next = rollouts.ControlRollouts.next
 
     def next_then_interrupt(self, step):
         if step == 2:
             os.kill(os.getpid(), signal.SIGINT)  # arrives mid-step, like a user's Ctrl-C
         return real_next(self, step)
 
-    monkeypatch.setattr(train.ControlRollouts, "next", next_then_interrupt)
+    monkeypatch.setattr(rollouts.ControlRollouts, "next", next_then_interrupt)
     out = train.train(quick(tmp_path, "--steps", "50"))
     assert utils.latest_checkpoint(out).name == "ckpt-0000003"
     assert [s for s, _, _ in utils.read_metrics(out / "metrics.csv")["loss"]][-1] == 3

@@ -7,11 +7,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import rollouts
 import train
 import utils
 from algos import group_baseline
 from envs import CartPole
 from model import MLPPolicy
+from rollouts import rollout_control
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -24,7 +26,7 @@ def cfg_from(*argv):
 def cartpole(cfg, seed=0):
     torch.manual_seed(seed)
     policy = MLPPolicy(4, 2, critic=cfg.algo == "ppo")
-    return policy, CartPole().rollout(policy, cfg.batch, seed=seed, group_size=cfg.group_size)
+    return policy, rollout_control(CartPole(), policy, cfg.batch, seed=seed, group_size=cfg.group_size)
 
 
 def sgd_delta(cfg, edit=lambda policy, batch: None):
@@ -51,10 +53,10 @@ def test_every_aggregation_is_invariant_to_micro_batch_size(agg, loss):
 def test_aggregation_modes_weigh_rows_as_documented():
     cfg = cfg_from("--algo", "grpo", "--group-size", "4", "--loss-agg", "seq_mean")
     _, _, batch = sgd_delta(cfg)
-    per_row = batch["weights"].sum(1)  # seq_mean: every episode weighs 1 / N, however long
+    per_row = batch.weights.sum(1)  # seq_mean: every episode weighs 1 / N, however long
     assert torch.allclose(per_row, torch.full_like(per_row, 1 / cfg.batch))
     _, _, batch = sgd_delta(dataclasses.replace(cfg, loss_agg="constant", loss_agg_constant=500))
-    assert torch.allclose(batch["weights"].sum(1), batch["mask"].sum(1) / (cfg.batch * 500))
+    assert torch.allclose(batch.weights.sum(1), batch.mask.sum(1) / (cfg.batch * 500))
 
 
 # ---------------------------------------------------------------- sampler/trainer mismatch
@@ -64,12 +66,12 @@ def test_corrections_are_exactly_neutral_when_sampler_and_trainer_agree(level):
 
     def same_as_trainer(policy, batch):  # the sampler's log-probs, bit for bit the trainer's
         with torch.no_grad():
-            batch["sampler_logp"] = policy.score(batch, slice(None))[0] * batch["mask"]
+            batch.logp = policy.score(batch, slice(None))[0] * batch.mask
 
     plain, _, _ = sgd_delta(cfg, same_as_trainer)
     corrected, stats, batch = sgd_delta(dataclasses.replace(cfg, tis=level, mis=level, tis_cap=1.0, mis_low=1.0, mis_high=1.0),
                                         same_as_trainer)
-    assert torch.equal(batch["is_weight"], torch.ones_like(batch["mask"])) and torch.equal(batch["loss_mask"], batch["mask"])
+    assert torch.equal(batch.is_weight, torch.ones_like(batch.mask)) and torch.equal(batch.loss_mask, batch.mask)
     assert stats["is_ratio_mean"] == 1.0 and stats["is_capped_frac"] == 0 and stats["is_masked_frac"] == 0
     for a, b in zip(plain, corrected):
         assert torch.equal(a, b)
@@ -78,34 +80,34 @@ def test_corrections_are_exactly_neutral_when_sampler_and_trainer_agree(level):
 def test_sync_prepare_recomputes_old_logp_once_a_correction_is_on():
     cfg = cfg_from("--algo", "reinforce", "--tis", "token")
     policy, batch = cartpole(cfg)
-    batch["logp"] = batch["logp"] - 0.1 * batch["mask"]  # a sampler 10% less sure of every action than the trainer
+    batch.logp = batch.logp - 0.1 * batch.mask  # a sampler 10% less sure of every action than the trainer
     batch = train.prepare(policy, batch, cfg)
     ratio = torch.tensor(0.1).exp()  # trainer / sampler = e^0.1 on every step
-    assert torch.allclose(batch["is_weight"][batch["mask"] > 0], ratio)
-    assert batch["metrics"]["is_ratio_mean"] == pytest.approx(ratio.item(), rel=1e-5)
+    assert torch.allclose(batch.is_weight[batch.mask > 0], ratio)
+    assert batch.metrics["is_ratio_mean"] == pytest.approx(ratio.item(), rel=1e-5)
 
 
 # ---------------------------------------------------------------- KL in the reward, overlong masking
 def test_kl_in_reward_subtracts_the_penalty_from_each_token_before_the_advantage(monkeypatch):
     cfg = cfg_from("--algo", "reinforce", "--gamma", "1", "--kl-coef", "0.1", "--kl-in-reward", "--kl-estimator", "k1")
     policy, batch = cartpole(cfg)
-    monkeypatch.setattr(policy, "ref_logp", lambda b, rows: b["logp"][rows] + 0.5, raising=False)
-    before = batch["rewards"].clone()
+    monkeypatch.setattr(policy, "ref_logp", lambda b, rows: b.logp[rows] + 0.5, raising=False)
+    before = batch.rewards.clone()
     batch = train.prepare(policy, batch, cfg)
     # k1 = logp - ref = -0.5 on every policy step: the reward rises by 0.1 * 0.5
-    assert torch.allclose(batch["rewards"], before + 0.05 * batch["mask"])
-    assert batch["metrics"]["kl"] == pytest.approx(-0.5)
-    assert batch["metrics"]["reward_mean"] == pytest.approx((before * batch["mask"]).sum(1).mean().item())  # task reward
+    assert torch.allclose(batch.rewards, before + 0.05 * batch.mask)
+    assert batch.metrics["kl"] == pytest.approx(-0.5)
+    assert batch.metrics["reward_mean"] == pytest.approx((before * batch.mask).sum(1).mean().item())  # task reward
 
 
 def test_masked_truncated_rows_leave_the_loss_and_its_denominator():
     cfg = cfg_from("--algo", "reinforce", "--mask-truncated")
     policy, batch = cartpole(cfg)
-    batch["truncated"] = torch.arange(cfg.batch) % 2 == 0  # [N]
+    batch.truncated = torch.arange(cfg.batch) % 2 == 0  # [N]
     batch = train.prepare(policy, batch, cfg)
-    assert not batch["weights"][batch["truncated"]].any()
-    assert batch["weights"].sum().item() == pytest.approx(1.0)  # token mean over the kept rows only
-    assert batch["metrics"]["truncated_frac"] == 0.5
+    assert not batch.weights[batch.truncated].any()
+    assert batch.weights.sum().item() == pytest.approx(1.0)  # token mean over the kept rows only
+    assert batch.metrics["truncated_frac"] == 0.5
 
 
 # ---------------------------------------------------------------- tiny language model
@@ -138,34 +140,34 @@ def counting(policy, monkeypatch):
 
 def test_dynamic_sampling_returns_only_groups_with_reward_spread(llm_policy, monkeypatch):
     cfg = cfg_from(*LLM, "--algo", "grpo", "--dynamic-sampling", "--max-gen-batches", "5")
-    source = train.TaskRollouts(cfg, llm_policy)
+    source = rollouts.TaskRollouts(cfg, llm_policy)
     scripted(source, {2, 5, 6})  # 2 groups per round: rounds (0, 1), (2, 3), (4, 5) fill the batch
     calls = counting(llm_policy, monkeypatch)
     batch = source.next(0)
-    score = (batch["rewards"] * batch["mask"]).sum(1)
-    assert len(score) == 8 and (group_baseline(score, batch["group"])[1] > 0).all()
-    assert len(calls) == 3 and source.breakdown["gen_rounds"] == 3 and source.breakdown["gen_frac_zero_std"] == 4 / 6
+    score = (batch.rewards * batch.mask).sum(1)
+    assert len(score) == 8 and (group_baseline(score, batch.group)[1] > 0).all()
+    assert len(calls) == 3 and source.metrics()["gen_rounds"] == 3 and source.metrics()["gen_frac_zero_std"] == 4 / 6
 
 
 def test_dynamic_sampling_stops_at_its_generation_bound(llm_policy, monkeypatch):
     cfg = cfg_from(*LLM, "--algo", "grpo", "--dynamic-sampling", "--max-gen-batches", "2")
-    source = train.TaskRollouts(cfg, llm_policy)
+    source = rollouts.TaskRollouts(cfg, llm_policy)
     scripted(source, {3})
     calls = counting(llm_policy, monkeypatch)
     batch = source.next(0)
-    assert len(calls) == 2 and len(batch["mask"]) == 4  # the one informative group, a short batch
+    assert len(calls) == 2 and len(batch.mask) == 4  # the one informative group, a short batch
     scripted(source, set())
     batch = source.next(1)
-    assert len(calls) == 4 and len(batch["mask"]) == 8  # nothing informative: the first round, untouched
+    assert len(calls) == 4 and len(batch.mask) == 8  # nothing informative: the first round, untouched
 
 
 def test_prompt_reweight_replays_recent_prompts_with_spread_and_survives_a_checkpoint(llm_policy):
     cfg = cfg_from(*LLM, "--algo", "grpo", "--prompt-reweight", "0.5")
-    source = train.TaskRollouts(cfg, llm_policy)
+    source = rollouts.TaskRollouts(cfg, llm_policy)
     scripted(source, {1})
     source.next(0)  # problems 0, 1: only problem 1's group had spread
     state = source.state()
-    again = train.TaskRollouts(cfg, llm_policy)
+    again = rollouts.TaskRollouts(cfg, llm_policy)
     again.load_state(state)
     picked = again.pick(2)  # fresh problems 2, 3: the first swapped for the replay
     assert picked == [source.task.train_problem(1), source.task.train_problem(3)]
@@ -211,11 +213,11 @@ def test_llm_values_sit_on_completion_tokens_only():
     cfg = cfg_from(*LLM, "--algo", "ppo")
     policy = train.build(cfg)[0]
     torch.nn.init.ones_(policy.v.bias)
-    batch = train.TaskRollouts(cfg, policy).next(0)
+    batch = rollouts.TaskRollouts(cfg, policy).next(0)
     logp, _, values = policy.score(batch, slice(None))
-    assert torch.equal(values, batch["mask"])  # a bias-only head: value 1 exactly where a token is scored
+    assert torch.equal(values, batch.mask)  # a bias-only head: value 1 exactly where a token is scored
     batch = train.prepare(policy, batch, cfg)
-    assert batch["terminated"].all() and not batch["last_value"].any()
+    assert batch.last_value.shape == (8,) and not batch.last_value.any()  # nothing to bootstrap
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -1,0 +1,485 @@
+"""Where batches come from: the typed Batch, what a batch source promises the loop, and the
+three rollouts (control episodes, single-turn completions, multi-turn episodes).
+
+A source runs stage 1 of the loop (`next(step) -> Batch`) and stage 4 (`publish`). The sync
+sources below generate with the live policy; serve.AsyncRollouts takes batches that rollout
+workers made by calling these very sources (`--role rollout`), so every rollout option behaves
+the same in both modes.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+import tasks
+import utils
+from envs import EVAL_SEED, TEXT_ENVS, CartPole, TextEnv
+from model import Sample
+from tasks import Problem
+
+
+@dataclass
+class Batch:
+    """One step's rows. N rows; T steps (control) or prompt + completion tokens (LLM), right-padded.
+    Stage 1 (a source) fills every field above the line, with the neutral value where it has
+    nothing; stage 2 (train.prepare) fills the rest."""
+
+    tokens: Tensor  # [N, T] int64: prompt + completion ids (LLM); the action taken at each step (control)
+    attn: Tensor  # [N, T] float32: 1 on real positions (prompt and completion); control: the mask
+    obs: Tensor  # [N, T, D] float32: the state before each step (control); LLM: [N, 0, 0]
+    last_obs: Tensor  # [N, D] float32: the state after the last step, to bootstrap from; LLM: [N, 0]
+    mask: Tensor  # [N, T] float32: 1 on the policy's own steps (never prompt or environment tokens)
+    logp: Tensor  # [N, T] float32: the sampler's log-prob of each masked step, 0 elsewhere
+    rewards: Tensor  # [N, T] float32: per-step reward; a completion's sits on its last sampled token
+    truncated: Tensor  # [N] bool: cut by the token budget or the time limit, not ended by policy or env
+    group: Tensor  # [N] int64: rows with one id share a prompt (or start state): GRPO/RLOO's groups
+    version: Tensor  # [N] int64: the weights version that sampled the row (sync: the step)
+    # [N] float32 each, logged as batch means: reward_<fn> per reward, solved, turns
+    stats: dict[str, Tensor]
+    texts: list[tuple[str, str, str]]  # [N] (prompt, completion, answer) as text; control: ("", "", "")
+    # ---- stage 2 (train.prepare)
+    old_logp: Tensor | None = None  # [N, T] under the weights that sampled each row; not filled in one
+    # on-policy pass (train.on_policy), where the update's forward is the old policy
+    values: Tensor | None = None  # [N, T] the critic's, before the update (PPO only)
+    # [N] the critic's value of last_obs; 0 for completions (nothing follows)
+    last_value: Tensor | None = None
+    ref_logp: Tensor | None = None  # [N, T] under the KL reference (kl_coef > 0 only)
+    adv: Tensor | None = None  # [N, T] ALGOS[cfg.algo]
+    returns: Tensor | None = None  # [N, T] the critic's targets (PPO only)
+    is_weight: Tensor | None = None  # [N, T] truncated-IS weight on the policy term; 1 when off
+    loss_mask: Tensor | None = None  # [N, T] mask minus truncated rows and masked-IS tokens
+    weights: Tensor | None = None  # [N, T] loss weights with the whole batch's denominator
+    metrics: dict[str, float] = field(default_factory=dict)  # what the batch looked like, for the log
+
+    def __len__(self) -> int:
+        return len(self.mask)
+
+    def select(self, rows: slice) -> Batch:
+        """Rows `rows` of the stage-1 fields, e.g. one rank's share."""
+        t = [getattr(self, n)[rows] for n in ("tokens", "attn", "obs", "last_obs", "mask", "logp", "rewards",
+                                               "truncated", "group", "version")]
+        return Batch(*t, {k: v[rows] for k, v in self.stats.items()}, self.texts[rows])
+
+    def wire(self) -> dict[str, Tensor]:
+        """An LLM batch's rows as named tensors for transport.encode (stats under their own names)."""
+        return {n: getattr(self, n) for n in WIRE} | self.stats
+
+
+WIRE = ("tokens", "attn", "mask", "logp", "rewards", "truncated", "group", "version")  # what workers send
+
+
+def from_wire(t: dict[str, Tensor], texts: list[tuple[str, str, str]]) -> Batch:
+    """The inverse of Batch.wire, for rows already checked (serve.check_batch)."""
+    n = len(t["tokens"])
+    return Batch(**{k: t[k] for k in WIRE}, obs=torch.zeros(n, 0, 0), last_obs=torch.zeros(n, 0),
+                 stats={k: v.float() for k, v in t.items() if k not in WIRE}, texts=texts)
+
+
+def make_batch(prefixes: list[list[int]], samples: list, rewards: list[float], pad_id: int,
+               loss_mask: list[list[int]] | None = None) -> Batch:
+    """Collates (prefix, completion) rows into a Batch, each row its own group at version 0.
+    `loss_mask` (0/1 per completion token) masks out tokens the policy did not sample, e.g.
+    environment replies inside a multi-turn episode; the row's reward then sits on its last
+    token with mask 1."""
+    N, L = len(prefixes), max(len(p) + len(s.ids) for p, s in zip(prefixes, samples))
+    tokens, attn = torch.full((N, L), pad_id, dtype=torch.long), torch.zeros(N, L)  # [N, L] each
+    mask, logp, reward = torch.zeros(N, L), torch.zeros(N, L), torch.zeros(N, L)  # [N, L] each
+    for r, (p, s) in enumerate(zip(prefixes, samples)):
+        a, e = len(p), len(p) + len(s.ids)
+        m = torch.tensor(loss_mask[r] if loss_mask else [1] * len(s.ids), dtype=torch.float)
+        if len(m) != len(s.ids):
+            raise ValueError(f"row {r}: loss_mask has {len(m)} entries for {len(s.ids)} completion tokens")
+        tokens[r, :e], attn[r, :e], mask[r, a:e] = torch.tensor(p + s.ids), 1.0, m
+        logp[r, a:e] = torch.tensor(s.logps) * m
+        reward[r, a + int(m.nonzero().max()) if m.any() else e - 1] = rewards[r]
+    return Batch(tokens, attn, torch.zeros(N, 0, 0), torch.zeros(N, 0), mask, logp, reward,
+                 torch.tensor([s.truncated for s in samples], dtype=torch.bool), torch.arange(N),
+                 torch.zeros(N, dtype=torch.long), {}, [("", "", "")] * N)
+
+
+# ================================================================ the three rollouts
+def rollout_control(env: CartPole, policy, n: int, seed: int, group_size: int = 1,
+                    greedy: bool = False) -> Batch:
+    """n episodes in lockstep from `seed`, one policy forward per time step for all of them.
+    Episodes in the same group of `group_size` start from the same state, so GRPO/RLOO compare
+    like with like. The time limit truncates (bootstrapped by PPO); a fallen pole terminates."""
+    vec = env.reset(n, seed, group_size)
+    obs = vec.state.T.astype("float32")
+    alive, truncated = torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)
+    obs_t, act_t, logp_t, alive_t, last_obs = [], [], [], [], torch.zeros(n, env.obs_dim)
+    for _ in range(env.max_steps):
+        actions, logp, _ = policy.act(torch.from_numpy(obs), greedy=greedy)
+        obs_t.append(torch.tensor(obs))
+        act_t.append(actions)
+        logp_t.append(logp)
+        alive_t.append(alive.float())
+        obs, _, term, trunc, _ = vec.step(actions.numpy())
+        ended = alive & torch.from_numpy(term | trunc)
+        truncated |= ended & ~torch.from_numpy(term)
+        last_obs[ended] = torch.from_numpy(obs)[ended]  # the state after the final step, for bootstrapping
+        alive &= ~ended
+        if not alive.any():
+            break
+    mask = torch.stack(alive_t, 1)  # [N, T]
+    leader = torch.arange(n) // group_size * group_size  # [N]
+    logp = torch.stack(logp_t, 1) * mask  # [N, T]
+    return Batch(torch.stack(act_t, 1), mask, torch.stack(obs_t, 1), last_obs, mask, logp,
+                 # +1 a step
+                 mask.clone(), truncated, leader, torch.zeros(n, dtype=torch.long), {}, [("", "", "")] * n)
+
+
+class Row(NamedTuple):
+    """One scored completion of a single-turn task, before collation."""
+    problem: Problem
+    prefix: list[int]
+    sample: Sample
+    text: str
+    reward: float  # the task's weighted total
+    parts: dict[str, float]  # each reward function's unweighted value
+
+
+def rollout_single(policy, task: tasks.Task, problems: list[Problem], group_size: int, max_new_tokens: int,
+                   gen_batch: int, greedy: bool = False) -> list[list[Row]]:
+    """group_size completions per problem, scored by the task's reward functions: a group per problem."""
+    prefixes = [policy.encode_prompt(p.prompt) for p in problems]
+    rows = [x for x in prefixes for _ in range(group_size)]
+    samples = iter(policy.generate(rows, max_new_tokens, gen_batch, greedy=greedy))
+    groups = []
+    for p, x in zip(problems, prefixes):
+        texts = [(s, policy.decode(s.ids)) for s in (next(samples) for _ in range(group_size))]
+        groups.append([Row(p, x, s, t, *task.score(p.prompt, t, p.answer)) for s, t in texts])
+    return groups
+
+
+def collate_groups(groups: list[list[Row]], pad_id: int, version: int) -> Batch:
+    rows = [r for g in groups for r in g]
+    batch = make_batch([r.prefix for r in rows], [r.sample for r in rows], [r.reward for r in rows], pad_id)
+    batch.group = torch.arange(len(groups)).repeat_interleave(len(groups[0]))  # [N]
+    batch.version = torch.full((len(rows),), version)  # [N]
+    batch.stats = {f"reward_{n}": torch.tensor([r.parts[n] for r in rows]) for n in rows[0].parts}
+    batch.texts = [(r.problem.prompt, r.text, r.problem.answer) for r in rows]
+    return batch
+
+
+@dataclass
+class Episode:
+    """One conversation as ONE token sequence after the prompt: model turns and environment
+    replies in order. Has the `ids`, `logps` and `truncated` that make_batch reads."""
+
+    env: TextEnv
+    problem: Problem
+    prompt: list[int]
+    ids: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)  # 0.0 on environment tokens
+    mask: list[int] = field(default_factory=list)  # 1 on the model's own tokens
+    reward: float = 0.0  # sum of the per-turn rewards
+    turns: int = 0
+    solved_at_turn: int = 0  # 0: never
+    truncated: bool = False  # a turn hit its token budget, or max_len ended the episode
+    done: bool = False
+    text: str = ""  # the model's turns, decoded
+
+
+def _chat(policy, messages: list[dict]) -> str:
+    return policy.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                enable_thinking=policy.thinking)
+
+
+def encode_reply(policy, messages: list[dict], eos_id: int) -> list[int]:
+    """Tokens that follow a model turn which ended with `eos_id`, when the environment answers
+    `messages` and the model speaks next. Only this delta is tokenized: re-rendering the whole
+    chat would let templates that rewrite history (Qwen3 drops earlier <think> blocks) change
+    tokens the model already sampled, and the mask would no longer cover what was sampled."""
+    if not policy.use_template:
+        text = "\n" + "\n\n".join(m["content"] for m in messages) + "\n"
+    else:  # render after a stand-in turn, and keep what follows that turn's end token
+        mark, eos = "NANORL-TURN-MARK", policy.tokenizer.decode([eos_id])
+        stand_in = [{"role": "user", "content": "?"}, {"role": "assistant", "content": mark}]
+        text = _chat(policy, stand_in + messages)
+        start = text.index(mark) + len(mark)
+        end = text.find(eos, start)
+        text = text[end + len(eos) :] if end >= 0 else text[start:]
+    return policy.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _start(policy, env_factory, problem: Problem) -> Episode:
+    env = env_factory()
+    messages, _ = env.reset(problem)
+    if len(messages) == 1 or not policy.use_template:  # as single-turn tasks encode their prompts
+        return Episode(env, problem, policy.encode_prompt("\n\n".join(m["content"] for m in messages)))
+    return Episode(env, problem, policy.tokenizer.encode(_chat(policy, messages), add_special_tokens=False))
+
+
+def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: int, max_turns: int,
+                      max_new_tokens: int, max_len: int, greedy: bool = False, workers: int = 8) -> Batch:
+    """group_size episodes per problem, up to max_turns model turns each, with one policy.generate
+    call per turn for all live episodes; env steps run in `workers` threads (the sandbox and
+    SQLite release the GIL). Only the model's tokens have mask 1, and all carry the episode's
+    reward; stats: turns, solved (by the last turn), solved_first_turn. An episode whose next
+    turn would pass max_len ends there, marked truncated."""
+    eps = [_start(policy, env_factory, p) for p in problems for _ in range(group_size)]
+    if (longest := max(len(e.prompt) for e in eps)) >= max_len:
+        raise utils.ConfigError(f"a prompt has {longest} tokens, not fewer than max_len={max_len}; "
+                                "raise max_len (--max-len)")
+    with ThreadPoolExecutor(workers) as pool:
+        for _ in range(max_turns):
+            if not (live := [e for e in eps if not e.done]):
+                break
+            room = [min(max_new_tokens, max_len - len(e.prompt) - len(e.ids)) for e in live]
+            samples = policy.generate([e.prompt + e.ids for e in live], max(room), greedy=greedy)
+            for e, s, r in zip(live, samples, room):  # a smaller budget cuts the sample: still token-exact
+                e.ids, e.logps = e.ids + s.ids[:r], e.logps + s.logps[:r]
+                e.mask += [1] * len(s.ids[:r])
+                e.truncated = s.truncated or len(s.ids) > r
+            texts = [policy.decode(s.ids[:r]) for s, r in zip(samples, room)]
+            steps = pool.map(lambda e, t: e.env.step(t), live, texts)
+            for e, t, (obs, reward, done, info) in zip(live, texts, steps):
+                e.reward, e.turns = e.reward + reward, e.turns + 1
+                e.solved_at_turn = info.get("solved_at_turn", 0)
+                e.text += t
+                # A turn cut off mid-way ends the episode: a reply must follow the turn's end token.
+                e.done = done or e.truncated or e.turns == max_turns
+                if not e.done:
+                    reply = encode_reply(policy, obs, e.ids[-1])
+                    if len(e.prompt) + len(e.ids) + len(reply) >= max_len:
+                        e.done = e.truncated = True
+                    else:
+                        e.ids, e.logps = e.ids + reply, e.logps + [0.0] * len(reply)
+                        e.mask += [0] * len(reply)
+                        e.text += policy.decode(reply)
+    rewards, masks = [e.reward for e in eps], [e.mask for e in eps]
+    batch = make_batch([e.prompt for e in eps], eps, rewards, policy.pad_id, masks)
+    batch.group = torch.arange(len(problems)).repeat_interleave(group_size)  # [N]
+    at = torch.tensor([float(e.solved_at_turn) for e in eps])  # [N], 0 = never
+    batch.stats = {"solved": (at > 0).float(), "solved_first_turn": (at == 1).float(),
+                   "turns": torch.tensor([float(e.turns) for e in eps])}
+    batch.texts = [(e.problem.prompt, e.text, e.problem.answer) for e in eps]
+    return batch
+
+
+# ================================================================ batch sources
+def live_weights(version: int) -> contextlib.AbstractContextManager:
+    """The policy as it is: in sync mode the live weights sampled every row."""
+    return contextlib.nullcontext()
+
+
+class BatchSource:
+    """What the loop asks of wherever batches come from. Sync sources generate with the live
+    policy, so `weights` and `publish` have nothing to do there."""
+
+    def next(self, step: int) -> Batch:
+        """Stage 1: this rank's rows for `step`."""
+        raise NotImplementedError
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out greedy metrics with the live weights, summed or averaged over ranks."""
+        raise NotImplementedError
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers about the last next() to log with the step (same keys on every rank)."""
+        return {}
+
+    def weights(self, version: int) -> contextlib.AbstractContextManager:
+        """A context in which the policy holds the weights that sampled `version` (stage 2 scores
+        old log-probs there)."""
+        return live_weights(version)
+
+    def demonstrations(self, n: int) -> Batch:
+        """n solver-written (prompt, answer) rows for the supervised warm-start (--sft-steps)."""
+        raise utils.ConfigError(f"{type(self).__name__} has no demonstrations to warm-start on")
+
+    def publish(self, step: int) -> None:
+        """Stage 4: hand the weights of version `step` to whoever generates."""
+
+    def state(self) -> dict:
+        """What a checkpoint must hold so a resumed run sees the data it would have seen."""
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ControlRollouts(BatchSource):
+    """CartPole episodes. The seed position is part of the checkpoint."""
+
+    def __init__(self, cfg, policy):
+        self.env, self.policy, self.cfg = CartPole(), policy, cfg
+        self.position = 0  # training seeds used so far, one per rank per step
+
+    def next(self, step: int) -> Batch:
+        """This rank's batch / W episodes, from its own seed (rank r of W uses position + r)."""
+        # always below the eval seeds
+        seed = (self.cfg.seed * 100_003 + self.position + utils.rank()) % EVAL_SEED
+        self.position += utils.world()
+        n = self.cfg.batch // utils.world()
+        batch = rollout_control(self.env, self.policy, n, seed, self.cfg.group_size)
+        batch.version.fill_(step)
+        return batch
+
+    def evaluate(self) -> dict:
+        """Not sharded: every rank plays the same greedy episodes, cheaper than sharding them."""
+        batch = rollout_control(self.env, self.policy, self.cfg.eval_episodes, EVAL_SEED, greedy=True)
+        return {"eval_return": batch.rewards.sum(1).mean().item()}
+
+    def state(self) -> dict:
+        return {"position": self.position}
+
+    def load_state(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+class TaskRollouts(BatchSource):
+    """Single-turn verifiable-reward tasks: batch / group_size prompts, group_size completions
+    each. Optional dynamic sampling (drop groups whose rewards all agree) and prompt replay."""
+
+    def __init__(self, cfg, policy):
+        self.cfg, self.policy = cfg, policy
+        try:
+            self.task = self.make_task(cfg)
+        except (ValueError, OSError) as e:  # bad --data rows, a missing file, too small a split
+            raise utils.ConfigError(f"--task {cfg.task}: {e}") from None
+        self.position = 0  # training problems drawn so far, by all ranks together
+        # recent problems whose groups had reward spread (prompt_reweight replays them)
+        self.spread: list = []
+        self.last: dict[str, float] = {}
+
+    def make_task(self, cfg) -> tasks.Task:
+        task = tasks.make_task(cfg.task, seed=cfg.seed, eval_size=cfg.eval_size, data=cfg.data or None,
+                               bad_rows=cfg.bad_rows)
+        if cfg.overlong_buffer:
+            count = lambda text: len(self.policy.tokenizer.encode(text, add_special_tokens=False))
+            penalty = tasks.overlong_penalty(cfg.max_new_tokens, cfg.overlong_buffer, count)
+            task.rewards.append((penalty, 1.0))
+        return task
+
+    def draw(self, n: int) -> list[Problem]:
+        """This rank's share of the next n problems: indices position + r, + r + W, ... (disjoint)."""
+        indices = range(self.position + utils.rank(), self.position + n, utils.world())
+        problems = [self.task.train_problem(i) for i in indices]
+        self.position += n
+        return problems
+
+    def pick(self, n: int) -> list[Problem]:
+        """This rank's share of the next n problems, its first prompt_reweight share swapped for
+        recent prompts whose groups had reward spread (oldest first). The fresh ones it replaces
+        are skipped, so every rank advances the stream alike."""
+        fresh = self.draw(n)
+        r = min(int(self.cfg.prompt_reweight * len(fresh)), len(self.spread))
+        replay, self.spread = self.spread[:r], self.spread[r:]
+        return replay + fresh[r:]
+
+    def next(self, step: int) -> Batch:
+        cfg, want = self.cfg, self.cfg.batch // self.cfg.group_size
+        need = want // utils.world()  # this rank's groups
+        kept, flat, rounds = [], [], 0
+        # Dynamic sampling (DAPO): a group whose rewards all agree has zero advantage under GRPO and
+        # RLOO, so it is set aside and fresh prompts are generated, at most max_gen_batches rounds.
+        while len(kept) < need and rounds < (cfg.max_gen_batches if cfg.dynamic_sampling else 1):
+            rounds += 1
+            for group in rollout_single(self.policy, self.task, self.pick(want), cfg.group_size,
+                                        cfg.max_new_tokens, cfg.gen_batch):
+                spread = len({r.reward for r in group}) > 1
+                self.spread += [group[0].problem] if spread and cfg.prompt_reweight else []
+                (kept if spread or not cfg.dynamic_sampling else flat).append(group)
+        self.spread = self.spread[-cfg.batch :]  # "recent": the last batch-many prompts with spread
+        if cfg.dynamic_sampling:
+            self.last = {"gen_rounds": rounds, "gen_frac_zero_std": len(flat) / (len(flat) + len(kept))}
+        # Nothing informative within the bound: train on what there is (no GRPO/RLOO gradient).
+        return collate_groups(kept[:need] or flat[:need], self.policy.pad_id, step)
+
+    def metrics(self) -> dict[str, float]:
+        return self.last
+
+    def evaluate(self) -> dict:
+        """Rank r of W scores eval problems r, r + W, ...; summed over ranks, as one process would."""
+        problems, cfg = self.task.eval_problems()[utils.rank() :: utils.world()], self.cfg
+        greedy = rollout_single(self.policy, self.task, problems, 1, cfg.max_new_tokens, cfg.gen_batch, True)
+        hits = sum(self.task.correct(p, g[0].text) for p, g in zip(problems, greedy))
+        sums = {"n": len(problems), "eval_accuracy": hits}
+        lenient = [self.task.lenient(p, g[0].text) for p, g in zip(problems, greedy)]
+        if None not in lenient:  # the right answer anywhere, any format: what is left is format
+            sums["eval_accuracy_lenient"] = sum(lenient)
+        if cfg.pass_k:
+            k = cfg.pass_k
+            groups = rollout_single(self.policy, self.task, problems, k, cfg.max_new_tokens, cfg.gen_batch)
+            c = [sum(self.task.correct(r.problem, r.text) for r in g) for g in groups]
+            sums["eval_pass@1"] = sum(c) / cfg.pass_k
+            sums[f"eval_pass@{cfg.pass_k}"] = sum(tasks.pass_at_k(cfg.pass_k, ci, cfg.pass_k) for ci in c)
+        sums = utils.reduce_dict(sums)
+        n = sums.pop("n")
+        if cfg.debug_samples and greedy:
+            show_samples(collate_groups(greedy, self.policy.pad_id, 0), "eval", cfg.debug_samples)
+        return {k: v / n for k, v in sums.items()}
+
+    def demonstrations(self, n: int) -> Batch:
+        problems = self.draw(n)
+        eos = self.policy.tokenizer.eos_token_id
+        encode = lambda text: self.policy.tokenizer.encode(text, add_special_tokens=False)
+        ids = [encode(self.task.solve(p)) + [eos] for p in problems]
+        demos = [Sample(d, [0.0] * len(d), False) for d in ids]
+        prefixes = [self.policy.encode_prompt(p.prompt) for p in problems]
+        return make_batch(prefixes, demos, [0.0] * n, self.policy.pad_id)
+
+    def state(self) -> dict:
+        if not self.cfg.prompt_reweight:
+            return {"position": self.position}
+        return {"position": self.position, "spread": [dataclasses.astuple(p) for p in self.spread]}
+
+    def load_state(self, state: dict) -> None:
+        self.position = state["position"]
+        self.spread = [Problem(*p) for p in state.get("spread", [])]  # absent: prompt_reweight was off
+
+
+class EnvRollouts(TaskRollouts):
+    """Multi-turn episodes: the model acts, the environment replies, up to max_turns times. One
+    episode is one token sequence; only the model's own tokens are trained."""
+
+    def make_task(self, cfg) -> tasks.Task:
+        self.env = TEXT_ENVS[cfg.task]
+        return self.env.task(seed=cfg.seed, eval_size=cfg.eval_size)
+
+    def episodes(self, problems: list[Problem], k: int, greedy: bool = False) -> Batch:
+        cfg = self.cfg
+        return rollout_multiturn(self.policy, self.env, problems, k, cfg.max_turns, cfg.max_new_tokens,
+                                 cfg.max_len, greedy)
+
+    def next(self, step: int) -> Batch:
+        batch = self.episodes(self.draw(self.cfg.batch // self.cfg.group_size), self.cfg.group_size)
+        batch.version.fill_(step)
+        return batch
+
+    def evaluate(self) -> dict:
+        """Rank r plays eval problems r, r + W, ...; per-rank sums are added over ranks."""
+        problems = self.task.eval_problems()[utils.rank() :: utils.world()]
+        stats = self.episodes(problems, 1, greedy=True).stats if problems else {}
+        names = {"solved": "eval_accuracy", "solved_first_turn": "eval_accuracy_first_turn",
+                 "turns": "eval_turns"}
+        sums = {k: float(stats[k].sum()) if problems else 0.0 for k in names}
+        sums = utils.reduce_dict({"n": len(problems), **sums})
+        return {name: sums[k] / sums["n"] for k, name in names.items()}
+
+
+def show_samples(batch: Batch, label: str, n: int) -> None:
+    """Prints the first n rows' prompt, completion, answer and reward breakdown (--debug-samples)."""
+    for r, (prompt, completion, answer) in enumerate(batch.texts[:n]):
+        parts = {k.removeprefix("reward_"): round(float(v[r]), 4) for k, v in batch.stats.items()}
+        tqdm.write(f"--- {label} prompt: {prompt!r}\n    completion: {completion!r}\n"
+                   f"    answer: {answer!r} reward {float(batch.rewards[r].sum()):.3g}: {parts}")
+
+
+CONTROL = {"cartpole": ControlRollouts}
+
+
+def sources() -> dict[str, type[BatchSource]]:
+    """--task name -> its source; read at call time, so a task or env registered after import counts."""
+    return {**CONTROL, **dict.fromkeys(tasks.TASKS, TaskRollouts), **dict.fromkeys(TEXT_ENVS, EnvRollouts)}
