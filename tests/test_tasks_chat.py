@@ -1,5 +1,6 @@
 """The `add` task for pretrained chat models: its strict reward accepts the bare sum only, its
-lenient score finds the sum anywhere, and its held-out problems never reach training, and every eval logs the lenient score."""
+lenient score finds the sum anywhere and is logged at every eval, and its held-out problems never
+reach training."""
 import pytest
 
 import tasks
@@ -81,18 +82,20 @@ def test_the_format_reward_pays_a_bare_integer_right_or_wrong_and_nothing_else()
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), layers=2, hidden=128, heads=2, intermediate=256)
+    path = str(tmp_path_factory.mktemp("tiny") / "m")
+    return build_tiny_model(path, layers=2, hidden=128, heads=2, intermediate=256)
 
 
 def test_every_eval_logs_the_lenient_score_beside_the_strict_one_when_the_task_has_one(tmp_path, tiny):
     for task, want in (("add", True), ("arith", False)):
         out = tmp_path / task
-        cfg = utils.load_config(train.Config, ["--model", tiny, "--out", str(out), "--no-progress", "--task", task,
-                                               "--algo", "grpo", "--group-size", "2", "--batch", "4", "--steps", "2",
-                                               "--eval-every", "1", "--eval-size", "4", "--max-new-tokens", "3"])
-        train.train(cfg)
+        argv = ["--model", tiny, "--out", str(out), "--no-progress", "--task", task, "--algo", "grpo",
+                "--group-size", "2", "--batch", "4", "--steps", "2", "--eval-every", "1", "--eval-size", "4",
+                "--max-new-tokens", "3"]
+        train.train(utils.load_config(train.Config, argv))
         series = utils.read_metrics(out / "metrics.csv")
         assert [s for s, _, _ in series["eval_accuracy"]] == [0, 1, 2]
         lenient = series.get("eval_accuracy_lenient", [])
         assert [s for s, _, _ in lenient] == ([0, 1, 2] if want else [])
-        assert all(strict <= easy for (_, _, strict), (_, _, easy) in zip(series["eval_accuracy"], lenient))
+        pairs = zip(series["eval_accuracy"], lenient)
+        assert all(strict <= easy for (_, _, strict), (_, _, easy) in pairs)  # a bare right sum is right anywhere
