@@ -98,4 +98,4 @@ def test_every_eval_logs_the_lenient_score_beside_the_strict_one_when_the_task_h
         lenient = series.get("eval_accuracy_lenient", [])
         assert [s for s, _, _ in lenient] == ([0, 1, 2] if want else [])
         pairs = zip(series["eval_accuracy"], lenient)
-        assert all(strict <= easy for (_, _, strict), (_, _, easy) in pairs)  # a bare right sum is right anywhere
+        assert all(strict <= easy for (_, _, strict), (_, _, easy) in pairs)
