@@ -2,9 +2,10 @@
 
 Contract: every estimator is `fn(batch, cfg) -> adv [N, T]`, reading a rollouts.Batch's per-step
 `rewards`, `mask` (1 on the policy's own steps) and, where it needs them, `group` [N], `values`
-[N, T], `last_value` [N] and `truncated` [N] (bootstrap only a truncation). Positions with mask == 0 get advantage 0. An estimator
-that trains a critic also stores its regression targets in `batch.returns`. Adding an
-algorithm is one function and one entry in ALGOS; the loss below never changes.
+[N, T], `last_value` [N], `truncated` [N] (bootstrap only a truncation), `old_logp` and
+`teacher_logp` [N, T]. Positions with mask == 0 get advantage 0. An estimator that trains a
+critic also stores its regression targets in `batch.returns`. Adding an algorithm is one
+function and one entry in ALGOS; the loss below never changes.
 
 Below the estimators: `loss_weights` (how tokens are aggregated: AGGREGATIONS), the one
 `policy_loss` (PPO clip / GSPO / CISPO: LOSSES), `value_loss`, the KL estimators (KL) and the
@@ -119,6 +120,14 @@ def rloo(batch, cfg):
     return adv.unsqueeze(1) * batch.mask
 
 
+def opd(batch, cfg):
+    """On-policy distillation: the per-token advantage teacher_logp - old_logp (minus the teacher's
+    per-token reverse KL on the student's own samples), plus opd_reward_coef x the task's return."""
+    m = batch.mask
+    adv = (batch.teacher_logp - batch.old_logp) * m  # [N, T]
+    return adv + cfg.opd_reward_coef * discounted_returns(batch.rewards, m, cfg.gamma)
+
+
 ALGOS = {
     "reinforce": reinforce,
     "reinforce_baseline": reinforce_baseline,
@@ -126,6 +135,7 @@ ALGOS = {
     "ppo": ppo,
     "grpo": grpo,
     "rloo": rloo,
+    "opd": opd,
 }
 GROUPED = {"grpo", "rloo"}  # estimators that need group_size >= 2
 

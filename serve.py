@@ -43,6 +43,7 @@ FINGERPRINT = ("task", "seed", "eval_size", "data", "model", "lora", "lora_rank"
 ROWS = {"tokens": torch.int64, "attn": torch.float32, "mask": torch.float32, "logp": torch.float32,
         "rewards": torch.float32, "truncated": torch.bool, "group": torch.int64, "version": torch.int64}
 STATS = r"reward_\w{1,64}|solved|solved_first_turn|turns"  # [N] float32 per-row stats (rollouts.Batch.stats)
+MULTITURN = {"solved", "solved_first_turn", "turns"}  # a multi-turn source sends all of these
 STRIDE = 1_000_000  # worker w samples train problems w*STRIDE, w*STRIDE+1, ...: workers never share a prompt
 LONG_POLL = 2.0  # seconds GET /adapter waits for a newer version; also the workers' heartbeat period
 HEARTBEAT = 10.0  # a worker silent for longer is not counted as live
@@ -53,13 +54,20 @@ def fingerprint(cfg) -> dict:
     return {k: getattr(cfg, k) for k in FINGERPRINT}
 
 
-def check_batch(t: dict, k: int, newest: int, vocab: int) -> str | None:
-    """Why a worker's batch must not be trained on, or None. Runs before the model sees it."""
+def check_batch(t: dict, k: int, newest: int, vocab: int, max_len: int, max_groups: int,
+                keys: set | None) -> str | None:
+    """Why a worker's batch must not be trained on, or None: every key, dtype, shape and value the
+    training loop relies on, before the model sees it. `keys`: the run's first accepted batch's key
+    set (None before it), which every batch repeats, so that groups collate and stats stay whole."""
     missing = [n for n in ROWS if n not in t]
     extra = [n for n in t if n not in ROWS and not re.fullmatch(STATS, n)]
     if missing or extra or t["tokens"].ndim != 2:
         return f"batch keys: missing {missing}, unexpected {extra}" if missing or extra else "tokens must be [N, L]"
+    if keys not in (None, set(t)) or len(MULTITURN & set(t)) not in (0, len(MULTITURN)):
+        return f"batch keys {sorted(t)}; this run's: {sorted(keys or [])} ({sorted(MULTITURN)}: all or none)"
     N, L = t["tokens"].shape
+    if L > max_len or N > max_groups * k:
+        return f"{N} rows of {L} tokens; at most {max_groups} groups of {k} rows of at most {max_len} tokens"
     for n, x in t.items():
         want, dtype = ((N, L) if n in ("tokens", "attn", "mask", "logp", "rewards") else (N,)), ROWS.get(n, torch.float32)
         if x.dtype != dtype or tuple(x.shape) != want or x.is_floating_point() and not torch.isfinite(x).all():
@@ -87,8 +95,9 @@ class Inbox:
     newest adapter payload, POST /batch checks groups and queues them. The routes run in the
     server's threads; everything they share with the training thread is guarded by `cond`."""
 
-    def __init__(self, cfg, vocab: int, pad_id: int):
+    def __init__(self, cfg, vocab: int, pad_id: int, max_len: int):
         self.cfg, self.vocab, self.pad_id, self.groups = cfg, vocab, pad_id, cfg.batch // cfg.group_size
+        self.max_len, self.keys = max_len, None  # longest row; the key set of every batch (the first's)
         # Groups. A batch ages a step while it is generated and one per batch ahead of it here, so a queue of
         # max_staleness - 1 batches keeps most inside the bound (bench/async.py's workload: ~10% of the
         # groups
@@ -100,15 +109,18 @@ class Inbox:
         self.seen, self.told = {}, set()  # worker -> time of its last request; workers told "finished"
         self.counts, self.apply_s, self.publish_s, self.rollout_metrics = Counter(), [], 0.0, []
         url = urlsplit(cfg.trainer_url)  # "" (the usual case) binds an ephemeral loopback port
-        self.server = Server({("POST", "/hello"): self.hello, ("GET", "/adapter"): self.adapter,
-                              ("POST", "/batch"): self.receive}, url.hostname or "127.0.0.1", url.port or 0)
+        try:
+            self.server = Server({("POST", "/hello"): self.hello, ("GET", "/adapter"): self.adapter,
+                                  ("POST", "/batch"): self.receive}, url.hostname or "127.0.0.1", url.port or 0)
+        except ValueError as e:  # no token off loopback, or a short one
+            raise utils.ConfigError(str(e)) from None
         alone = "" if os.environ.get("NANORL_TOKEN") else " (none is set: only --workers started here can join)"
         utils.stderr(f"trainer listening on {self.server.url}; start workers with --role rollout "
                      f"--trainer-url {self.server.url} and the same NANORL_TOKEN{alone}")
 
     def _heard(self, worker) -> bool:
         """Heartbeat; True once the run is over (the route answers 410 and the worker exits)."""
-        if type(worker) is int:
+        if type(worker) is int and 0 <= worker < self.next_worker:  # only ids /hello issued count as live
             self.seen[worker] = time.time()
             if self.finished:
                 self.told.add(worker)
@@ -145,11 +157,13 @@ class Inbox:
         with self.cond:
             if self._heard(meta.get("worker")):
                 return 410, {"finished": True}
-            why = check_batch(tensors, self.cfg.group_size, self.version, self.vocab)
+            why = check_batch(tensors, self.cfg.group_size, self.version, self.vocab, self.max_len, self.capacity,
+                              self.keys)
             why = why or check_texts(meta, tensors)
             if why:
                 self.counts["batches_rejected"] += 1
                 return 400, {"error": why}
+            self.keys = self.keys or set(tensors)
             texts = meta.get("texts") or [["", "", ""]] * len(tensors["tokens"])
             groups = [({n: x[tensors["group"] == g] for n, x in tensors.items()},
                        [texts[i] for i in (tensors["group"] == g).nonzero().flatten().tolist()])
@@ -163,10 +177,11 @@ class Inbox:
                 return 410, {"finished": True}
             fresh = [g for g in groups if self.fresh(g[0], self.version)]
             self.counts.update(groups_received=len(groups), dropped_stale=len(groups) - len(fresh))
-            self.apply_s += [float(meta["apply_s"])] if isinstance(meta.get("apply_s"), (int, float)) else []
+            a = meta.get("apply_s")  # seconds: 1e400 (inf), NaN or 10**400 is not a time
+            self.apply_s += [float(a)] if type(a) in (int, float) and 0 <= a < 3600 else []
             theirs = meta.get("metrics") if isinstance(meta.get("metrics"), dict) else {}  # e.g. gen_rounds
             self.rollout_metrics.append({k: float(v) for k, v in theirs.items() if type(v) in (int, float)
-                                         and re.fullmatch(r"[a-z_]{1,40}", k)})
+                                         and abs(v) < 1e12 and re.fullmatch(r"[a-z_]{1,40}", k)})
             self.queue.extend(fresh)
             self.cond.notify_all()
             return 200, {"queued": len(fresh), "dropped": len(groups) - len(fresh)}
@@ -197,7 +212,8 @@ class Inbox:
                         got.append(g)
             meta = dict(queue_depth=len(self.queue), live_workers=len(self.live()),
                         sync_bytes=len(self.payload), sync_publish_s=self.publish_s,
-                        sync_apply_s=statistics.median(self.apply_s or [0.0]), **self.counts)
+                        sync_apply_s=statistics.median(self.apply_s or [0.0]), **self.counts,
+                        **self.server.counts)  # refused requests (http_401, ...) and dropped connections
             for k in {k for m in self.rollout_metrics for k in m}:  # the workers' source.metrics(), averaged
                 meta[k] = statistics.mean(m[k] for m in self.rollout_metrics if k in m)
             self.apply_s, self.rollout_metrics = [], []
@@ -237,10 +253,17 @@ def spawn_workers(cfg, url: str, token: str) -> list[subprocess.Popen]:
     match) and the token, without torchrun's rank variables."""
     ranks = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
     env = {k: v for k, v in os.environ.items() if k not in ranks}
-    path = Path(tempfile.mkdtemp(prefix="nanorl-worker-")) / "config.yaml"
-    utils.save_config(replace(cfg, role="rollout", trainer_url=url, workers=0, out="", resume=""), path)
-    argv = [sys.executable, str(Path(__file__).with_name("train.py")), "--config", str(path)]
-    return [subprocess.Popen(argv, env=env | {"NANORL_TOKEN": token}) for _ in range(cfg.workers)]
+    with tempfile.TemporaryDirectory(prefix="nanorl-worker-") as tmp:  # the config goes by pipe: no file stays
+        path = Path(tmp) / "config.yaml"
+        utils.save_config(replace(cfg, role="rollout", trainer_url=url, workers=0, out="", resume=""), path)
+        config = path.read_bytes()
+    argv = [sys.executable, str(Path(__file__).with_name("train.py")), "--config", "/dev/stdin"]
+    procs = [subprocess.Popen(argv, env=env | {"NANORL_TOKEN": token}, stdin=subprocess.PIPE)
+             for _ in range(cfg.workers)]
+    for p in procs:
+        p.stdin.write(config)
+        p.stdin.close()
+    return procs
 
 
 def shard(rows: dict, meta: dict, groups: int, k: int) -> tuple[dict, dict]:
@@ -264,7 +287,8 @@ class AsyncRollouts(BatchSource):
         self.config_json = policy.adapter_config()
         self.inbox, self.procs = None, []  # under torchrun rank 0 alone serves the workers
         if utils.rank() == 0:
-            self.inbox = Inbox(cfg, policy.model.get_input_embeddings().num_embeddings, policy.pad_id)
+            limit = min(cfg.max_len, getattr(policy.model.config, "max_position_embeddings", cfg.max_len))
+            self.inbox = Inbox(cfg, policy.model.get_input_embeddings().num_embeddings, policy.pad_id, limit)
             self.procs = spawn_workers(cfg, self.inbox.server.url, self.inbox.server.token)
 
     def next(self, step: int) -> Batch:

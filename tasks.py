@@ -3,8 +3,8 @@
 `Task.rewards` lists (fn, weight); `rewards[0]` is the correctness reward (1.0 = right).
 `eval_problems()` is fixed by (seed, eval_size); `train_problem(index)` depends only on
 (seed, index) and never returns a problem whose `key` is in the eval split, so rank r of W
-shards by asking for indices r, r+W, r+2W, ... Answers go in `<answer>...</answer>` tags,
-except in `arith`, whose tiny character-level model just emits the number.
+shards by asking for indices r, r+W, r+2W, ... Answers go in one `<answer>...</answer>` pair,
+except in `arith`, whose completion is exactly the number (the tiny character-level model's format).
 Adding a task is one class and one registry entry:
 
     class Parity(ProceduralTask):
@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
+from judge import JudgeUnavailable
+
 Reward = Callable[[str, str, str], float]  # (prompt, completion, answer) -> reward
 
 
@@ -49,12 +51,12 @@ _MAX_DIGITS = 40  # longer numbers are refused: int() of over 4300 digits raises
 
 
 def extract_answer(completion: str) -> str | None:
-    """Content of the LAST `<answer>...</answer>` pair (hedging with several gains nothing)."""
-    end = completion.rfind("</answer>")  # rfind, not a regex: linear even on "<answer>" * 10**5
-    start = completion.rfind("<answer>", 0, max(end, 0))
-    if end < 0 or start < 0:
+    """Content of the one `<answer>...</answer>` pair, None unless there is exactly one, in
+    order: a second answer is a hedge (or the prompt's example echoed), not an answer."""
+    if completion.count("<answer>") != 1 or completion.count("</answer>") != 1:
         return None
-    return completion[start + len("<answer>") : end].split("</answer>")[0].strip()
+    start, end = completion.index("<answer>") + len("<answer>"), completion.index("</answer>")
+    return completion[start:end].strip() if start <= end else None
 
 
 def last_boxed(text: str) -> str | None:
@@ -171,32 +173,38 @@ def format_reward(prompt: str, completion: str, answer: str) -> float:
 
 
 def numeric_correct(prompt: str, completion: str, answer: str) -> float:
-    """1.0 iff the completion's number (see `completion_number`) equals the reference exactly."""
+    """1.0 iff the answer-tag content is ONE number (`parse_number`: "$1,000", "3/4", "\\boxed{72}")
+    equal to the reference. No tags, or words beside the number, score 0: the last number of
+    free text would pay for listing candidates."""
     ref = parse_number(answer)
     if ref is None:  # references are validated at load time: this is a bug, not a bad sample
         raise ValueError(f"reference answer {answer!r} is not a number")
-    return float(completion_number(completion) == ref)
+    text = extract_answer(completion)
+    return float(text is not None and parse_number(text) == ref)
 
 
-_INT = re.compile(r"-?\d+")
+_INT = re.compile(r"\s*(-?\d{1,40})\s*")  # int() of over 4300 digits raises; 40 is plenty
 
 
 def int_correct(prompt: str, completion: str, answer: str) -> float:
-    """1.0 iff the FIRST integer of the completion (of the answer-tag content if tags are
-    present) equals the reference. First, not last: "12+7=19" echoes the prompt and scores 0."""
-    text = extract_answer(completion)
-    m = _INT.search(completion if text is None else text)
-    return float(m is not None and len(m.group()) <= _MAX_DIGITS and int(m.group()) == int(answer))
+    """1.0 iff the whole completion is the reference integer, written as `solve` writes it ("-2",
+    never "02" or "+2"), give or take surrounding whitespace: anything else ("12+7=19", "19 20",
+    "///7") would let garbage around a lucky digit score."""
+    m = _INT.fullmatch(completion)
+    return float(m is not None and m.group(1) == answer)
 
 
 def countdown_correct(prompt: str, completion: str, answer: str) -> float:
     """1.0 iff the answer-tag expression equals the target and uses the given numbers once each
-    (as a multiset). Of "expr = 24" only expr is evaluated. Refusals and x/0 score 0."""
+    (as a multiset); "expr = target" is accepted, "expr = anything else" is not. Refusals and x/0 score 0."""
     ref, expr = json.loads(answer), extract_answer(completion)
     if expr is None:
         return 0.0
+    lhs, eq, rhs = expr.partition("=")
+    if eq and rhs.strip() != str(ref["target"]):
+        return 0.0
     try:
-        value, used = safe_eval(expr.split("=")[0])
+        value, used = safe_eval(lhs)
     except ExprError:  # the model wrote an invalid expression: a wrong answer, not a bug
         return 0.0
     return float(value == ref["target"] and sorted(used) == sorted(ref["numbers"]))
@@ -238,12 +246,20 @@ class Task:
     def eval_problems(self) -> list[Problem]:
         return list(self._eval)
 
-    def score(self, prompt: str, completion: str, answer: str) -> tuple[float, dict[str, float]]:
-        """Weighted total, and each reward's unweighted value keyed by its function's name."""
+    def score(self, prompt: str, completion: str, answer: str,
+              drop: bool = False) -> tuple[float, dict[str, float]]:
+        """Weighted total, and each reward's unweighted value keyed by its function's name. A judge
+        without a score raises JudgeUnavailable, or with drop=True scores NaN (and so does the total)."""
         total, parts = 0.0, {}
         for i, (fn, weight) in enumerate(self.rewards):
             name = getattr(fn, "__name__", f"reward{i}")
-            r = float(fn(prompt, completion, answer))
+            try:
+                r = float(fn(prompt, completion, answer))
+            except JudgeUnavailable as e:
+                if not drop:
+                    raise
+                warnings.warn(f"a sample is dropped: {e}")  # once per distinct cause; the loop counts them
+                r = math.nan
             parts[name if name not in parts else f"{name}_{i}"] = r
             total += weight * r
         return total, parts

@@ -8,6 +8,7 @@ without NANORL_TOKEN refuses to start.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import http.client
@@ -21,9 +22,10 @@ import secrets
 import socket
 import socketserver
 import struct
+import sys
 import time
 import threading
-from collections import namedtuple
+from collections import Counter, namedtuple
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qsl, urlsplit
 
@@ -32,6 +34,10 @@ import torch
 log = logging.getLogger("nanorl.transport")
 
 DEFAULT_MAX_BODY = 1 << 30  # 1 GiB: a full-model weight push fits, a 2 GB lie does not
+# Whatever clients do, the server holds at most MAX_CONNS connections (and threads), gives each HEADER_S
+# to send its headers, then BODY_S plus a second per BODY_RATE bytes to finish, and holds at most max_body
+# bytes of bodies at once, counted as they arrive: stalled uploads cannot reserve what they announce.
+MAX_CONNS, HEADER_S, BODY_S, BODY_RATE = 64, 10.0, 30.0, 1 << 20
 
 
 class ServeError(RuntimeError):
@@ -40,9 +46,9 @@ class ServeError(RuntimeError):
 
 # ---------------------------------------------------------------- HTTP: an authenticated server, a retrying client
 def _check_token(token: str) -> str:
-    if not re.fullmatch(r"[\x21-\x7e]+", token):
-        raise ValueError("NANORL_TOKEN must be non-empty printable ASCII without spaces "
-                         "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+    if not re.fullmatch(r"[\x21-\x7e]{16,}", token):  # 16 random characters: far beyond guessing over HTTP
+        raise ValueError(f"NANORL_TOKEN must be at least 16 printable ASCII characters without spaces (got "
+                         f"{len(token)}); make one with python -c 'import secrets; print(secrets.token_urlsafe(32))'")
     return token
 
 
@@ -50,7 +56,7 @@ Request = namedtuple("Request", "path query body peer")  # str, dict[str, str] f
 
 
 class _Handler(BaseHTTPRequestHandler):
-    timeout = 60  # socket timeout: a client that stalls mid-request cannot hold a thread forever
+    timeout = 10  # per socket operation; the server's deadlines bound a whole request
 
     def log_message(self, fmt, *args):
         log.debug("%s " + fmt, self.client_address[0], *args)
@@ -58,6 +64,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _reply(self, status: int, body: bytes | dict | list | None):
         is_json = isinstance(body, (dict, list))
         body = json.dumps(body).encode() if is_json else body or b""
+        if status >= 400:
+            self.server.count(f"http_{status}")
         self.send_response(status)
         if body:
             self.send_header("Content-Type", "application/json" if is_json else "application/octet-stream")
@@ -91,16 +99,28 @@ class _Handler(BaseHTTPRequestHandler):
             return self.send_error(400, f"malformed Content-Length {length[:40]!r}; expected a non-negative integer")
         if (n := int(length)) > srv.max_body:
             return self.send_error(413, f"body of {n} bytes exceeds the server limit of {srv.max_body} bytes")
-        if len(body := self.rfile.read(n)) < n:
-            return self.send_error(400, f"body truncated: got {len(body)} of {n} bytes")
-        req = Request(url.path, dict(parse_qsl(url.query, keep_blank_values=True)), body, self.client_address[0])
+        srv.admit(self.request, BODY_S + n / BODY_RATE)
+        body = bytearray()  # filled as the bytes arrive, each chunk held against the server's budget first
+        try:
+            while len(body) < n and (chunk := self.rfile.read1(min(n - len(body), 1 << 20))):
+                if not srv.hold(len(chunk)):
+                    return self.send_error(503, f"the server holds {srv.max_body} bytes of uploads; retry shortly")
+                body += chunk
+            if len(body) < n:
+                return self.send_error(400, f"body truncated: got {len(body)} of {n} bytes")
+            self._route(route, Request(url.path, dict(parse_qsl(url.query, keep_blank_values=True)), body,
+                                       self.client_address[0]))
+        finally:
+            srv.hold(-len(body))
+
+    def _route(self, route, req: Request):
         try:
             status, out = route(req)
         except PayloadError as e:
             return self.send_error(400, f"bad payload: {e}")
         except Exception as e:  # a route bug must not take the server down; log it and answer 500
-            log.exception("route %s %s failed", self.command, url.path)
-            return self.send_error(500, f"internal error in {url.path}: {type(e).__name__}: {e}")
+            log.exception("route %s %s failed", self.command, req.path)
+            return self.send_error(500, f"internal error in {req.path}: {type(e).__name__}: {e}")
         self._reply(status, out)
 
     do_GET = do_POST = _dispatch
@@ -125,6 +145,7 @@ class Server(ThreadingHTTPServer):
                              "secret on the trainer and every worker, or bind 127.0.0.1")
         self.token = _check_token(token or secrets.token_urlsafe(32))
         self.routes, self.max_body = dict(routes), max_body
+        self.lock, self.conns, self.held, self.counts = threading.Lock(), {}, 0, Counter()
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET  # read when the socket is made
         super().__init__((host, port), _Handler)
         host, port = self.server_address[:2]
@@ -138,8 +159,62 @@ class Server(ThreadingHTTPServer):
         socketserver.TCPServer.server_bind(self)
         self.server_name, self.server_port = self.server_address[:2]
 
-    def handle_error(self, request, client_address):  # e.g. the peer hung up mid-response
-        log.warning("connection from %s failed", client_address[0], exc_info=True)
+    request_queue_size = 128  # the listen backlog: a flood is accepted (and evicted) instead of stalling SYNs
+
+    def count(self, what: str, n: int = 1):
+        with self.lock:
+            self.counts[what] += n
+
+    def process_request(self, request, client_address):
+        """At MAX_CONNS, a new connection evicts the oldest one still sending its headers (a real
+        client sends them at once); when all are past their headers it is closed."""
+        with self.lock:
+            if len(self.conns) >= MAX_CONNS:
+                if (old := next((c for c, (_, admitted) in self.conns.items() if not admitted), None)) is None:
+                    self.counts["connections_refused"] += 1
+                    return self.shutdown_request(request)
+                self._drop(old, "connections_evicted")
+            self.conns[request] = (time.monotonic() + HEADER_S, False)
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self.lock:
+                self.conns.pop(request, None)
+
+    def admit(self, request, seconds: float):
+        """An authenticated request gets `seconds` more to send its body and read the reply."""
+        with self.lock:
+            if request in self.conns:  # not already evicted
+                self.conns[request] = (time.monotonic() + seconds, True)
+
+    def hold(self, n: int) -> bool:
+        """Accounts n more (or, negative, fewer) bytes of request bodies; False past max_body in all."""
+        with self.lock:
+            if n > 0 and self.held + n > self.max_body:
+                self.counts["bodies_refused"] += 1
+                return False
+            self.held += n
+            return True
+
+    def service_actions(self):  # serve_forever calls it every poll interval (0.1 s)
+        with self.lock:
+            for c in [c for c, (deadline, _) in self.conns.items() if time.monotonic() > deadline]:
+                self._drop(c, "connections_timed_out")
+
+    def _drop(self, conn, why: str):  # under self.lock; its thread sees EOF or an error and ends
+        self.counts[why] += 1
+        del self.conns[conn]
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
+
+    def handle_error(self, request, client_address):  # e.g. the peer hung up, or was dropped, mid-request
+        self.count("connections_failed")  # one line: a flood of aborted connections must not flood the log
+        e = sys.exc_info()[1]
+        log.log(logging.DEBUG if isinstance(e, OSError) else logging.WARNING, "connection from %s failed: %r",
+                client_address[0], e)
 
     def close(self, *exc):
         self.shutdown()

@@ -52,8 +52,9 @@ def coerce(field: dataclasses.Field, value, source: str):
     raise ConfigError(f"{source}: '{field.name}' must be {kind}, got {value!r}")
 
 
-def load_config(cls, argv: list[str]):
-    """Defaults <- --config YAML <- command-line flags. Unknown keys stop the run."""
+def load_config(cls, argv: list[str], defaults=lambda given: {}):
+    """Defaults <- defaults(what YAML and flags gave) <- --config YAML <- command-line flags.
+    Unknown keys stop the run."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     parser = argparse.ArgumentParser(description=cls.__doc__, allow_abbrev=False)
     parser.add_argument("--config", help="YAML preset in configs/; flags override it")
@@ -84,7 +85,7 @@ def load_config(cls, argv: list[str]):
         raw = getattr(args, name)
         if raw is not None:
             values[name] = raw if isinstance(raw, bool) else coerce_cli(f, raw)
-    return cls(**values)
+    return cls(**{**defaults(values), **values})
 
 
 def coerce_cli(f: dataclasses.Field, raw: str):

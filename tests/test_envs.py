@@ -306,6 +306,9 @@ def test_sql_reward_compares_result_sets_with_the_gold_query():
     assert sql_correct("", "<answer>SELECT name FROM customers WHERE city = 'Lima'</answer>", answer) == 0.0
     assert sql_correct("", "<answer>SELEC name FROM customers</answer>", answer) == 0.0
     assert sql_correct("", "SELECT name FROM customers WHERE city = 'Oslo'", answer) == 0.0  # no answer tags
+    hedge = "<answer>SELECT name FROM customers</answer><answer>SELECT name FROM customers WHERE city = 'Oslo'</answer>"
+    assert sql_correct("", hedge, answer) == 0.0  # two answers: neither counts
+    assert sql_correct("", "<answer>SELECT name FROM customers WHERE city = 'Oslo'", answer) == 0.0  # unclosed tag
     ordered = json.dumps({"db": "shop", "gold": "SELECT name FROM customers WHERE city = 'Oslo' ORDER BY name"})
     assert sql_correct("", "<answer>SELECT name FROM customers WHERE city = 'Oslo' ORDER BY name</answer>",
                        ordered) == 1.0

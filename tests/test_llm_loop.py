@@ -1,6 +1,7 @@
 """The one loop on language-model tasks: GRPO on the tiny model, warm-start, multi-turn, debug samples."""
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 import tasks
@@ -89,3 +90,33 @@ def test_multiturn_grpo_run_completes_with_the_tiny_model(tmp_path, tiny):
 
 def test_ppo_on_an_llm_task_is_accepted_now_that_the_policy_has_a_critic():
     train.validate(utils.load_config(train.Config, ["--task", "arith", "--algo", "ppo"]))  # trained in test_variants.py
+
+
+# ---------------------------------------------------------------- defaults by kind of task
+def parse(*argv):
+    return utils.load_config(train.Config, list(argv), train.task_defaults)
+
+
+def test_an_llm_run_without_flags_records_the_llm_defaults_in_its_config_yaml(tmp_path, tiny):
+    argv = ["--task", "arith", "--model", tiny, "--steps", "1", "--eval-size", "4", "--out", str(tmp_path / "run"),
+            "--no-progress"]
+    assert train.main(argv) == 0
+    used = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert {k: used[k] for k in ("algo", "group_size", "batch", "lr", "max_new_tokens", "lora")} == \
+        {"algo": "grpo", "group_size": 8, "batch": 64, "lr": 5e-4, "max_new_tokens": 8, "lora": True}
+
+
+def test_defaults_follow_the_task_and_lora_and_never_override_what_was_given(tmp_path):
+    cartpole = parse("--task", "cartpole")
+    assert (cartpole.algo, cartpole.lr, cartpole.batch, cartpole.group_size) == ("reinforce", 0.005, 16, 1)
+    assert parse("--task", "countdown").max_new_tokens == tasks.Countdown.max_new_tokens == 512
+    assert parse("--task", "countdown_multiturn").max_new_tokens == 512  # the env's task's budget
+    assert parse("--task", "arith", "--no-lora").lr == 5e-5  # full fine-tuning moves every weight
+    given = parse("--task", "arith", "--algo", "rloo", "--lr", "0.003", "--group-size", "4", "--batch", "8",
+                  "--max-new-tokens", "5")
+    assert (given.algo, given.lr, given.group_size, given.batch, given.max_new_tokens) == ("rloo", 0.003, 4, 8, 5)
+    preset = parse("--config", "configs/arith_tiny_cpu.yaml")  # a preset's keys win too
+    assert (preset.lr, preset.batch, preset.max_new_tokens, preset.algo) == (5e-5, 128, 4, "grpo")
+    (tmp_path / "p.yaml").write_text("task: arith\nlora: false\n")
+    assert parse("--config", str(tmp_path / "p.yaml")).lr == 5e-5  # defaults read the preset's lora
+    train.validate(parse("--task", "gsm8k"))  # the LLM defaults pass validation as they are

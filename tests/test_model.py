@@ -10,7 +10,7 @@ import torch
 import train
 import utils
 from algos import loss_weights, policy_loss
-from model import CHARS, SPECIALS, LLMPolicy, Sample, build_tiny_model, resolve_model
+from model import CHARS, SPECIALS, LLMPolicy, Sample, add_lora, build_tiny_model, resolve_model
 from rollouts import make_batch
 
 DIMS = dict(layers=2, hidden=128, heads=2, intermediate=256, max_len=256)  # 2 x 64 heads: small and fast
@@ -397,3 +397,73 @@ def test_policy_without_weights_holds_no_memory_yet_agrees_on_tokens_eos_and_ada
     assert light.eos_ids == full.eos_ids == {2, 7} and light.pad_id == full.pad_id
     assert [light.encode_prompt(p) for p in PROMPTS] == [full.encode_prompt(p) for p in PROMPTS]
     assert light.wire_names() == full.wire_names()
+
+
+# ---------------------------------------------------------------- GPT-2: Conv1D projections
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    """A random-init GPT-2 (c_attn, c_proj, c_fc are transformers' Conv1D, not nn.Linear) with the
+    character tokenizer, built here: no download."""
+    from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
+
+    from model import char_tokenizer
+
+    path, tok = tmp_path_factory.mktemp("gpt2"), char_tokenizer(256)
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    lm = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=256, n_embd=128, n_layer=2, n_head=2, **ids))
+    lm.generation_config = GenerationConfig(**ids)
+    lm.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("targets", ["c_attn,c_proj,c_fc", "all-linear"])
+def test_gpt2_conv1d_projections_get_lora_and_sampled_logps_rescore_exactly(gpt2, targets):
+    from transformers.pytorch_utils import Conv1D
+
+    pol = policy(gpt2, lora_targets=targets, lora_rank=4)
+    adapted = {n.removesuffix(".lora_A") for n, m in pol.model.named_modules() if n.endswith(".lora_A")}
+    assert adapted == {f"base_model.model.transformer.h.{i}.{m}" for i in range(2)
+                       for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    assert all(isinstance(pol.model.get_submodule(n).base_layer, Conv1D) for n in adapted)
+    randomise_adapter(pol)
+    _, samples, batch = rollout(pol, max_new=10, n=2)
+    mask = batch.mask > 0
+    assert mask.sum() == sum(len(s.ids) for s in samples) > 8
+    torch.testing.assert_close(pol.score(batch, slice(None))[0].detach()[mask], batch.logp[mask], rtol=0, atol=1e-5)
+
+
+def test_gpt2_grpo_update_changes_only_the_adapters(gpt2):
+    pol = policy(gpt2, lora_targets="c_attn,c_proj,c_fc", lora_rank=4)
+    randomise_adapter(pol)  # lora_B != 0, so lora_A gets a gradient too
+    base = {k: p.detach().clone() for k, p in pol.named_parameters() if not p.requires_grad}
+    before = pol.trainable_state()
+    _, _, batch = rollout(pol, max_new=6, n=2)  # rewards 0..7: every group has a spread
+    rewards = batch.rewards.sum(1).view(-1, 2)  # [4 prompts, 2]
+    adv = ((rewards - rewards.mean(1, keepdim=True)) / rewards.std(1, keepdim=True)).view(-1, 1) * batch.mask
+    logp, _, _ = pol.score(batch, slice(None))
+    opt = torch.optim.Adam(pol.trained.values(), lr=1e-2)
+    policy_loss(logp, batch.logp, adv, loss_weights(batch.mask), batch.mask)[0].backward()
+    opt.step()
+    assert all(torch.equal(p, base[k]) for k, p in pol.named_parameters() if not p.requires_grad)
+    assert all(not torch.equal(p, before[k]) for k, p in pol.trained.items())  # every A and B moved
+
+
+def test_lora_target_errors_list_what_the_model_has(gpt2):
+    with pytest.raises(utils.ConfigError, match=r"--lora-targets q_proj: this model's linear layers are "
+                       r"c_attn,c_fc,c_proj \(or all-linear\); other layers LoRA can adapt when named: wpe,wte$"):
+        policy(gpt2, lora_targets="q_proj")
+    pol = policy(gpt2, lora_targets="c_attn,wte", lora_rank=4)  # an embedding, because it was named
+    assert any(".wte.lora_embedding_A" in k for k in pol.trained)
+
+    class NoProjections(torch.nn.Module):  # nothing PEFT's LoRA can adapt
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(4)
+
+        def get_output_embeddings(self):
+            return None
+
+    with pytest.raises(utils.ConfigError, match="no layer LoRA adapts, only LayerNorm,NoProjections$"):
+        add_lora(NoProjections(), "all-linear", 4, 8, 0.0)

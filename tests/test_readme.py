@@ -29,9 +29,10 @@ def test_the_section_has_the_two_blocks():
 def test_an_extra_weighted_reward_joins_the_existing_one(registry):
     exec(blocks()[0], {})
     arith = tasks.make_task("arith", seed=0, eval_size=4)
-    # int_correct 1 + 0.2 * brevity 1; a rambling right answer keeps int_correct only; "12" is wrong but short
+    # int_correct 1 + 0.2 * brevity 1; a rambling right answer earns neither (int_correct takes the bare
+    # number only); "12" is wrong but short
     assert arith.score("3+4=", "7", "7") == (pytest.approx(1.2), {"int_correct": 1.0, "brevity": 1.0})
-    assert arith.score("3+4=", "it is 7", "7")[0] == pytest.approx(1.0)
+    assert arith.score("3+4=", "it is 7", "7") == (0.0, {"int_correct": 0.0, "brevity": 0.0})
     assert arith.score("3+4=", "12", "7") == (pytest.approx(0.2), {"int_correct": 0.0, "brevity": 1.0})
 
 

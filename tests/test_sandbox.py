@@ -5,6 +5,7 @@ import os
 import random
 import signal
 import socket
+import sqlite3
 import tempfile
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from envs import PythonToolEnv
 from sandbox import SANDBOX_UID_BASE, run_python, sandbox_plan
 from tasks import Problem
 
-PYTHON, FLAGS, UID_BASE, BWRAP = sandbox_plan()
+PYTHON, FLAGS, UID_BASE = sandbox_plan()
 # Without a pid namespace or a uid of its own, code that signals "its parent" would hit pytest.
 contained = pytest.mark.skipif(not (FLAGS & sandbox._NEWPID or UID_BASE),
                                reason="needs a pid namespace or root (a throwaway uid per run)")
@@ -77,8 +78,10 @@ def test_10gb_allocation_fails_inside_the_address_space_limit():
 def test_1gb_file_write_stops_at_the_file_size_limit():
     r = run_python("import os\nfd = os.open('big', os.O_WRONLY | os.O_CREAT)\nn = 0\ntry:\n    for _ in range(1024):\n"
                    "        n += os.write(fd, b'x' * 2**20)\nexcept OSError as e:\n    print(n, e.errno)", fsize_mb=16)
-    # SIGXFSZ kills a plain process; pid 1 of a namespace ignores it, and the write fails instead
-    assert r.returncode == -signal.SIGXFSZ or r.stdout.split() == [str(16 * 2**20), str(errno.EFBIG)]
+    # SIGXFSZ kills a plain process; pid 1 of a namespace ignores it, and the write fails instead: past the
+    # file size limit, or when the 16 MB scratch (which also holds main.py) is full
+    n, err = map(int, r.stdout.split() or (0, 0))
+    assert r.returncode == -signal.SIGXFSZ or (err, n) in ((errno.EFBIG, 16 << 20), (errno.ENOSPC, (16 << 20) - 4096))
 
 
 def test_cpu_limit_kills_a_busy_loop_before_the_wall_clock():
@@ -151,13 +154,10 @@ def test_huge_output_is_truncated_while_reading():
     assert r.truncated and r.stdout == "x" * 1000 and r.returncode == 0
 
 
-def test_working_directory_is_deleted_and_tmp_writes_vanish():
+def test_writes_land_in_a_private_scratch_that_vanishes():
     leak = f"/tmp/nanorl-leak-{random.getrandbits(32):x}"
     r = run_python(f"import os\nopen('here.txt', 'w').write('x')\nopen('{leak}', 'w').write('x')\nprint(os.getcwd())")
-    cwd = r.stdout.strip()
-    assert cwd.startswith(tempfile.gettempdir()) and not os.path.exists(cwd)
-    if FLAGS & sandbox._NEWNS:  # without a mount namespace /tmp is the host's
-        assert not os.path.exists(leak)
+    assert r.stdout == "/tmp\n" and not os.path.exists(leak) and not os.path.exists("/tmp/here.txt")
 
 
 @pytest.mark.skipif(not UID_BASE, reason="a uid per run needs root")
@@ -172,7 +172,7 @@ def test_each_run_gets_its_own_unprivileged_uid_and_no_groups():
 def test_root_without_namespaces_still_reaps_detached_children_and_spares_the_trainer():
     """What holds where unshare is refused (e.g. Docker's default seccomp) but setuid works."""
     marker = f"{random.randint(10_000, 99_999)}.{random.randint(1, 999_999)}"
-    limits = (5, 512 << 20, 16 << 20, 64, 32)
+    limits = (5, 512 << 20, 16 << 20, 64, 32, 256)
     r = sandbox._sandboxed(PYTHON, 0, UID_BASE, detach(marker), 5.0, limits, 4000)
     assert r.stdout == "detached child running\n" and not r.timed_out and survivors(marker) == []
     r = sandbox._sandboxed(PYTHON, 0, UID_BASE, f"import os, signal\nfor pid in (os.getppid(), {os.getpid()}, -1):\n"
@@ -181,19 +181,110 @@ def test_root_without_namespaces_still_reaps_detached_children_and_spares_the_tr
     assert r.stdout == "PermissionError\nPermissionError\n" and r.returncode == 0  # kill(-1) reaches only its uid
 
 
-@pytest.mark.skipif(not FLAGS & sandbox._NEWNET, reason="no network namespace on this machine")
-@pytest.mark.parametrize("bwrap", [True, False], ids=["bubblewrap", "own-namespaces"])
-def test_with_and_without_bubblewrap_runs_are_contained_and_bubblewrap_makes_host_files_read_only(bwrap):
+def escape_suite_as(user: str, *flags: str) -> dict:
+    """Runs tests/sandbox_escapes.py as `user` with the system's python3, from a world-readable copy
+    of sandbox.py, against a work directory in the user's home (the project, run dir and home it
+    attacks must lie outside /tmp, which the sandbox replaces)."""
+    import json
+    import pwd
     import shutil
-    assert not bwrap or shutil.which("bwrap"), "bubblewrap is missing: apt-get install bubblewrap (.ci/run does)"
-    marker = f"{random.randint(10_000, 99_999)}.{random.randint(1, 999_999)}"
-    code = detach(marker) + ("import os, socket\nprint(sorted(os.environ))\ntry:\n"
-                             "    socket.create_connection(('127.0.0.1', 22), timeout=1)\nexcept OSError as e:\n"
-                             "    print('no network')\ntry:\n    open('/etc/nanorl-sandbox-test', 'w')\n"
-                             "except OSError as e:\n    print(type(e).__name__, e.errno)\nprint(len(open('main.py').read()) > 0)")
-    r = sandbox._sandboxed(PYTHON, FLAGS, UID_BASE, code, 5.0, (5, 512 << 20, 16 << 20, 64, 32), 4000, bwrap)
-    running, environ, network, write, own_file = r.stdout.splitlines()
-    assert running == "detached child running" and environ in ("[]", "['LC_CTYPE']") and network == "no network"
-    assert own_file == "True" and survivors(marker) == [] and not os.path.exists("/etc/nanorl-sandbox-test")
-    # EROFS (30): bubblewrap's read-only view of the host; without it the run's own uid is refused (EACCES, 13)
-    assert write == ("OSError 30" if bwrap else "PermissionError 13")
+    import subprocess
+
+    if subprocess.run(["id", user], capture_output=True).returncode:
+        subprocess.run(["useradd", "-m", user], check=True)
+    pw = pwd.getpwnam(user)
+    code = Path(tempfile.mkdtemp())
+    work = Path(tempfile.mkdtemp(dir=pw.pw_dir))
+    try:
+        for f in (Path(sandbox.__file__), Path(__file__).with_name("sandbox_escapes.py")):
+            shutil.copy(f, code)
+        os.chmod(code, 0o755)
+        os.chown(work, pw.pw_uid, pw.pw_gid)
+        r = subprocess.run(["setpriv", "--reuid", user, "--regid", user, "--clear-groups", "/usr/bin/python3",
+                            str(code / "sandbox_escapes.py"), str(code), str(work), *flags],
+                           capture_output=True, text=True, timeout=300, cwd=code, env={"PATH": os.environ["PATH"]})
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+    finally:
+        shutil.rmtree(code)
+        shutil.rmtree(work)
+
+
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (to act as another user, too)")
+
+
+@as_root
+def test_escape_suite_is_contained_as_root():
+    from sandbox_escapes import escapes
+
+    work = Path(tempfile.mkdtemp(dir=Path.home()))
+    try:
+        failed = {k: v for k, v in escapes(run_python, work).items() if not v[0]}
+    finally:
+        import shutil
+
+        shutil.rmtree(work)
+    assert failed == {}
+
+
+@as_root
+def test_escape_suite_is_contained_as_an_ordinary_user():
+    failed = {k: v for k, v in escape_suite_as("nanorl-tester").items() if not v[0]}
+    assert failed == {}
+
+
+@as_root
+def test_without_user_namespaces_an_ordinary_user_is_refused_in_one_line_unless_weak():
+    refused = escape_suite_as("nanorl-tester", "--plan", "--no-userns")
+    assert refused.startswith("sandbox: cannot isolate model code here (sandbox setup failed: unshare:")
+    assert "NANORL_SANDBOX=weak" in refused and "\n" not in refused
+    assert escape_suite_as("nanorl-tester", "--plan", "--no-userns", "--weak")[1:] == [0, 0]
+
+
+@as_root
+def test_root_where_unshare_is_denied_is_refused_unless_weak_which_keeps_the_uid_per_run():
+    refused = escape_suite_as("root", "--plan", "--no-unshare")  # a seccomp filter, as Docker's default profile
+    assert refused.startswith("sandbox: cannot isolate model code here (sandbox setup failed: unshare: Operation")
+    assert escape_suite_as("root", "--plan", "--no-unshare", "--weak")[1:] == [0, SANDBOX_UID_BASE]
+
+
+# ---------------------------------------------------------------- SQL: limits a query cannot call its way out of
+SORT_BLOBS = ("WITH RECURSIVE r(i, b) AS (SELECT 1, zeroblob(900000) UNION ALL SELECT i + 1, zeroblob(900000) FROM r "
+              "LIMIT 3000) SELECT i, length(b) FROM r ORDER BY b DESC LIMIT 1")  # a 2.7 GB sort
+
+
+def peak_rss_mb(reset: bool = False) -> int:
+    if reset:  # "5" resets the peak (VmHWM) to the current RSS
+        Path("/proc/self/clear_refs").write_text("5")
+    return int(Path("/proc/self/status").read_text().split("VmHWM:")[1].split()[0]) >> 10
+
+
+def test_sql_one_function_call_cannot_outrun_the_wall_clock():
+    from envs import sql_database
+
+    start = time.monotonic()
+    with pytest.raises(sqlite3.OperationalError, match="interrupted"):  # ran 25 s in one printf call in-process
+        sandbox.run_sql(sql_database("shop"), "SELECT length(printf('%.*c', 999999999, name)) FROM customers",
+                        timeout_s=1.0)
+    assert time.monotonic() - start < 2.5
+
+
+def test_eight_concurrent_runaway_queries_leave_the_callers_memory_flat():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from envs import sql_database
+
+    path, errors = sql_database("shop"), []
+    before = peak_rss_mb(reset=True)
+
+    def attack(query):
+        with pytest.raises(sqlite3.Error) as e:
+            sandbox.run_sql(path, query, timeout_s=3.0)
+        errors.append(str(e.value))
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(attack, [SORT_BLOBS] * 4 + [SORT_BLOBS.replace("UNION ALL", "UNION")] * 4))
+    assert len(errors) == 8 and peak_rss_mb() - before < 50, (errors, before, peak_rss_mb())
+    with pytest.raises(sqlite3.DataError, match="result over"):  # 1,000 rows of 900 kB: 900 MB of results
+        sandbox.run_sql(path, "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r LIMIT 1000) "
+                              "SELECT zeroblob(900000) FROM r")

@@ -60,10 +60,13 @@ def test_last_boxed_balances_braces_and_last_wins():
     assert last_boxed("\\boxed{1") is None and last_boxed("none") is None
 
 
-def test_extract_answer_uses_last_complete_pair():
-    assert extract_answer("<answer> 1 </answer> <answer>2</answer>") == "2"
-    assert extract_answer("<answer>a\nb</answer>") == "a\nb"
+def test_extract_answer_needs_exactly_one_pair_in_order():
+    assert extract_answer("think <answer> 1 </answer> done") == "1"
+    assert extract_answer("<answer>a\nb</answer>") == "a\nb" and extract_answer("<answer></answer>") == ""
+    assert extract_answer("<answer> 1 </answer> <answer>2</answer>") is None  # a hedge is no answer
     assert extract_answer("<answer>7") is None and extract_answer("7</answer>") is None
+    assert extract_answer("</answer>7<answer>") is None and extract_answer("<answer><answer>7</answer>") is None
+    assert extract_answer("<answer>" * 10**5 + "7</answer>") is None  # linear, not a backtracking regex
 
 
 # ---------------------------------------------------------------- reward functions
@@ -79,16 +82,18 @@ def test_format_reward_grades_tag_shape(completion, reward):
 
 @pytest.mark.parametrize("completion, answer, reward", [
     ("<answer>72</answer>", "72", 1.0), ("<answer>$72.00</answer>", "72", 1.0),
-    ("<answer>1,234</answer>", "1234", 1.0), ("<answer>72 clips</answer>", "72", 1.0),
-    ("so \\boxed{\\frac{1}{2}}", "1/2", 1.0), ("<answer>0.5</answer>", "1/2", 1.0),
+    ("<answer>1,234</answer>", "1234", 1.0), ("<answer> 72. </answer>", "72", 1.0),
+    ("<answer>\\boxed{\\frac{1}{2}}</answer>", "1/2", 1.0), ("<answer>0.5</answer>", "1/2", 1.0),
     ("<answer>50%</answer>", "50", 1.0), ("<answer>0.5</answer>", "50", 0.0),  # % is not /100
-    ("48/2 = 24, 48 + 24 = 72", "72", 1.0),  # no tags: the last number
-    ("The answer is 72. Check: 48 + 24", "72", 0.0),  # ...and only the last
-    ("<answer>72</answer> since 48 + 24", "72", 1.0),  # tags win over trailing numbers
-    ("<answer>70</answer> or maybe 72", "72", 0.0),
-    ("<answer>72</answer><answer>71</answer>", "72", 0.0),  # hedging: the last pair counts
-    ("<answer>" + "9" * 100_000 + "</answer>", "72", 0.0), ("<answer>-72</answer>", "72", 0.0),
-    ("", "72", 0.0),
+    ("48 + 24 = <answer>72</answer> since 48/2 = 24", "72", 1.0),  # work around the one pair is fine
+    ("48/2 = 24, 48 + 24 = 72", "72", 0.0), ("so \\boxed{72}", "72", 0.0),  # no tags: no answer
+    ("<answer>72 clips</answer>", "72", 0.0), ("<answer>48 + 24 = 72</answer>", "72", 0.0),  # not ONE number
+    ("<answer>70 71 72</answer>", "72", 0.0), ("<answer>70 or 72</answer>", "72", 0.0),  # candidates listed
+    ("<answer>72</answer><answer>72</answer>", "72", 0.0), ("<answer>70</answer><answer>72</answer>", "72", 0.0),
+    ("<answer>72", "72", 0.0), ("72</answer>", "72", 0.0), ("</answer>72<answer>", "72", 0.0),  # malformed tags
+    ("<Answer>72</Answer>", "72", 0.0), ("<answer><answer>72</answer>", "72", 0.0),
+    ("<answer>" + "9" * 100_000 + "</answer>", "72", 0.0), ("<answer>72" + "0" * 60 + "</answer>", "72", 0.0),
+    ("<answer>-72</answer>", "72", 0.0), ("<answer></answer>", "72", 0.0), ("", "72", 0.0),
 ])
 def test_numeric_correct_hand_examples(completion, answer, reward):
     assert numeric_correct("p", completion, answer) == reward
@@ -105,21 +110,24 @@ def test_numeric_correct_raises_on_a_broken_reference_instead_of_scoring_zero():
         numeric_correct("p", "<answer>1</answer>", "seventy")
 
 
-@pytest.mark.parametrize("completion, reward", [
-    ("19", 1.0), (" 19\n", 1.0), ("19 20", 1.0), ("<answer>19</answer>", 1.0),
-    ("12+7=19", 0.0),  # echoing the prompt: the first integer is 12
-    ("91", 0.0), ("1 9", 0.0), ("", 0.0), ("abc", 0.0), ("9" * 100_000, 0.0),
+@pytest.mark.parametrize("prompt, completion, answer, reward", [
+    ("12+7=", "19", "19", 1.0), ("12+7=", " 19\n", "19", 1.0), ("3-5=", "-2", "-2", 1.0), ("3-3=", "0", "0", 1.0),
+    ("12+7=", "12+7=19", "19", 0.0), ("12+7=", "19=12+7", "19", 0.0),  # the prompt echoed around the answer
+    ("0+7=", "///////7", "7", 0.0), ("8-5=", "tN/UO=><pad>;<PMT=N3!L", "3", 0.0),  # garbage around a digit
+    ("12+7=", "19 20", "19", 0.0), ("12+7=", "19,19", "19", 0.0), ("12+7=", "1 9", "19", 0.0),  # several answers
+    ("12+7=", "19.", "19", 0.0), ("12+7=", "019", "19", 0.0), ("12+7=", "+19", "19", 0.0),  # not as solve() writes it
+    ("3-5=", "2", "-2", 0.0), ("3-5=", "- 2", "-2", 0.0), ("3-3=", "-0", "0", 0.0),
+    ("12+7=", "<answer>19</answer>", "19", 0.0), ("12+7=", "91", "19", 0.0), ("12+7=", "", "19", 0.0),
+    ("12+7=", "9" * 100_000, "19", 0.0), ("12+7=", "1" + "0" * 50, "1" + "0" * 50, 0.0),  # over 40 digits: refused
 ])
-def test_int_correct_reads_the_first_integer(completion, reward):
-    assert int_correct("12+7=", completion, "19") == reward
-
-
-def test_int_correct_handles_negative_answers():
-    assert int_correct("3-5=", "-2", "-2") == 1.0 and int_correct("3-5=", "2", "-2") == 0.0
+def test_int_correct_accepts_only_the_bare_integer(prompt, completion, answer, reward):
+    assert int_correct(prompt, completion, answer) == reward
 
 
 @pytest.mark.parametrize("expr, reward", [
     ("(3 + 5) * 3", 1.0), ("3 * (5 + 3)", 1.0), ("(3+5)*3 = 24", 1.0), ("((3 + 5)) * 3", 1.0),
+    ("(3+5)*3 = 25", 0.0), ("(3+5)*3 = 24 = 24", 0.0), ("24 = (3+5)*3", 0.0),  # a wrong or backwards claim
+    ("(3 + 5) * 3</answer><answer>(3 + 5) * 3", 0.0),  # two answers
     ("24", 0.0),  # echoes the target, uses no numbers
     ("3 5 3 24", 0.0), ("8 * 3", 0.0),  # 5 missing, 8 not given
     ("(3 + 5) * 3 * 3 / 3", 0.0),  # 3 reused

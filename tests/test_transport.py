@@ -1,4 +1,5 @@
 """transport.py: payload codec and the authenticated HTTP transport, over real 127.0.0.1 sockets."""
+import contextlib
 import io
 import json
 import pickle
@@ -6,6 +7,7 @@ import resource
 import socket
 import struct
 import threading
+import time
 from urllib.parse import urlsplit
 
 import pytest
@@ -424,3 +426,126 @@ def test_client_retries_get_but_never_resends_a_delivered_post(method, attempts)
             stop.set()
             t.join()
     assert len(seen) == attempts
+
+
+# ---------------------------------------------------------------- whatever clients do, the server keeps serving
+def rss_mb() -> int:
+    return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) >> 10
+
+
+def requests_per_s(srv, seconds: float) -> tuple[float, int]:
+    """A real client's GET rate against `srv` for `seconds`, and how many requests failed."""
+    client, n, failed, end = Client(srv.url, TOKEN, timeout=5, retries=1), 0, 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            n += client.get("/hello")[0] == 200
+        except ServeError:
+            failed += 1
+    return n / seconds, failed
+
+
+def test_slow_connection_flood_at_the_cap_leaves_a_real_client_served_with_bounded_threads(server):
+    undisturbed, _ = requests_per_s(server, 2.0)
+    u, stop, opened = urlsplit(server.url), threading.Event(), []
+
+    def flood():  # 3x the cap of connections that send a byte of headers every 0.5 s; reopens dropped ones
+        socks = []
+        while not stop.is_set():
+            while len(socks) < 3 * transport.MAX_CONNS:
+                socks.append(socket.create_connection((u.hostname, u.port)))
+                opened.append(1)
+            for s in list(socks):
+                try:
+                    s.send(b"G")
+                except OSError:
+                    socks.remove(s)
+                    s.close()
+            stop.wait(0.5)
+        for s in socks:
+            s.close()
+
+    before = server.counts["connections_evicted"]
+    flooder = threading.Thread(target=flood)
+    flooder.start()
+    try:
+        time.sleep(1.0)
+        threads = threading.active_count()
+        flooded, failed = requests_per_s(server, 3.0)
+    finally:
+        stop.set()
+        flooder.join()
+    print(f"real client: {flooded:.0f} req/s under the flood vs {undisturbed:.0f} undisturbed; "
+          f"{len(opened)} flood connections")
+    assert failed == 0 and flooded >= 0.1 * undisturbed
+    assert threads <= 3 + 2 * transport.MAX_CONNS  # the server's handlers, this flood's thread, pytest's
+    assert server.counts["connections_evicted"] - before >= len(opened) - transport.MAX_CONNS - 10
+
+
+def test_headers_and_bodies_have_overall_deadlines(server, monkeypatch):
+    monkeypatch.setattr(transport, "HEADER_S", 0.5)
+    monkeypatch.setattr(transport, "BODY_S", 0.5)
+    u, start = urlsplit(server.url), time.monotonic()
+    with socket.create_connection((u.hostname, u.port)) as slow, socket.create_connection((u.hostname, u.port)) as stall:
+        stall.sendall(post_head(str(MAX_BODY // 2)) + b"x" * 1000)  # authenticated, then stalls
+        for _ in range(40):  # one byte every 0.1 s keeps every read inside its 10 s socket timeout
+            try:
+                slow.send(b"G")
+            except OSError:
+                break
+            time.sleep(0.1)
+        assert stall.recv(100) == b"" and time.monotonic() - start < 2.0  # both closed by the server
+    time.sleep(0.2)  # for the handler thread to give its bytes back
+    assert server.held == 0
+    assert_still_serves_valid_batch(server)
+
+
+def test_stalled_uploads_hold_only_what_they_sent_and_all_bodies_stay_under_max_body(monkeypatch):
+    monkeypatch.setattr(transport, "BODY_S", 2.0)
+    monkeypatch.setattr(transport, "BODY_RATE", 1 << 40)
+    with Server({("POST", "/batch"): lambda req: (200, None)}, token=TOKEN, max_body=1 << 30) as srv:
+        u, base = urlsplit(srv.url), rss_mb()
+        socks = [socket.create_connection((u.hostname, u.port)) for _ in range(4)]
+        for s in socks:  # 4 uploads announce 1 GiB - 1 MiB each and send 8 MiB, then stall
+            s.sendall(post_head(str((1 << 30) - (1 << 20))) + b"x" * (8 << 20))
+        time.sleep(1.0)
+        held, grew = srv.held, rss_mb() - base
+        print(f"4 stalled 1 GiB uploads: {held >> 20} MiB held, RSS +{grew} MiB")
+        assert held == 4 * (8 << 20) and grew < 100
+        time.sleep(1.5)  # past BODY_S the stalled uploads are dropped
+        assert srv.held == 0 and srv.counts["connections_timed_out"] == 4
+        for s in socks:
+            s.close()
+
+
+def test_an_upload_past_the_servers_byte_budget_gets_503_while_others_hold_it():
+    with Server({("POST", "/batch"): lambda req: (200, None)}, token=TOKEN, max_body=32 << 20) as srv:
+        u = urlsplit(srv.url)
+        with socket.create_connection((u.hostname, u.port)) as stalled:
+            stalled.sendall(post_head(str(30 << 20)) + b"x" * (20 << 20))
+            time.sleep(0.5)
+            status, body = Client(srv.url, TOKEN, retries=1).post("/batch", b"x" * (16 << 20))
+            assert status == 503 and "retry" in json.loads(body)["error"] and srv.counts["bodies_refused"] == 1
+            time.sleep(0.2)  # for the refused request's thread to give back what it held
+            assert srv.held == 20 << 20
+            assert Client(srv.url, TOKEN).post("/batch", b"x" * (8 << 20))[0] == 200  # what fits still lands
+
+
+@pytest.mark.parametrize("token", ["", "short-token", "x" * 15])
+def test_tokens_under_16_characters_are_refused_at_start_up(token):
+    with pytest.raises(ValueError, match="at least 16"):
+        Server({}, token=token or "t" * 15)
+    with pytest.raises(ValueError, match="at least 16"):
+        Client("http://127.0.0.1:1", token=token or "t" * 15)
+
+
+def test_aborted_connections_log_one_line_each_not_a_traceback(server, caplog):
+    u = urlsplit(server.url)
+    with caplog.at_level("DEBUG", logger="nanorl.transport"):
+        for _ in range(20):
+            s = socket.create_connection((u.hostname, u.port))
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST on close
+            s.sendall(post_head(str(MAX_BODY // 2)) + b"x" * 100)
+            s.close()
+        time.sleep(0.5)
+    assert all("Traceback" not in r.getMessage() and r.exc_info is None for r in caplog.records)
+    assert sum(len(r.getMessage()) for r in caplog.records) < 20 * 200

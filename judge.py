@@ -1,0 +1,82 @@
+"""Rewards from a judge model: `Judge(rubric, endpoint, model)` is a reward function that asks any
+OpenAI-compatible chat-completions endpoint (`vllm serve`, a hosted API) to grade a completion. Its
+API key comes from $NANORL_JUDGE_KEY (or `key_env`), never from a config file or the logs. A judge
+that is down or answers garbage never becomes a reward (a silent 0 would train the policy toward
+whatever makes it fail): the call raises JudgeUnavailable, and `--judge-down` fails or drops."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+
+_SCORE = re.compile(r"score[\s:=*]*(?:is[\s*]+)?(-?\d+(?:\.\d+)?)(?:\s*/\s*(\d+))?", re.IGNORECASE)
+_BARE = re.compile(r"\s*(-?\d+(?:\.\d+)?)(?:\s*/\s*(\d+))?\s*\.?\s*")
+
+
+class JudgeUnavailable(RuntimeError):
+    """The judge gave no usable score; the message names the cause and the fix."""
+
+
+def parse_score(text: str, high: int) -> float | None:
+    """The score scaled to [0, 1] (score / high), None for garbage. Read from the LAST "score: N"
+    ("Score = 7", "score is 7/10", "**Score:** 7"), else from a reply that is one number ("7", "7/10",
+    "7.5."). In "N/D", D must equal high; a score outside [0, high] is garbage, never clipped."""
+    found, bare = _SCORE.findall(text), _BARE.fullmatch(text)
+    value, den = found[-1] if found else bare.groups() if bare else (None, None)
+    if value is None or (den and int(den) != high) or not 0 <= float(value) <= high:
+        return None
+    return float(value) / high
+
+
+class Judge:
+    """At most `concurrency` requests in flight (callers score rows from a pool that wide), `timeout` s
+    each; a transport error, 429 or 5xx is retried `retries` times after backoff, 2 x backoff, ... s.
+    `extra` is merged into the request (e.g. vLLM's {"structured_outputs": {"regex": ...}})."""
+
+    def __init__(self, rubric: str, endpoint: str, model: str, *, high: int = 10, concurrency: int = 8,
+                 timeout: float = 60.0, retries: int = 3, backoff: float = 1.0,
+                 key_env: str = "NANORL_JUDGE_KEY", extra: dict | None = None):
+        path = "" if endpoint.endswith("/chat/completions") else "/chat/completions"  # a base url, as clients
+        self.url = endpoint.rstrip("/") + path
+        self.rubric, self.model, self.high, self.concurrency = rubric, model, high, concurrency
+        self.timeout, self.retries, self.backoff, self.key_env = timeout, retries, backoff, key_env
+        self.extra, self.cache, self.slots = extra or {}, {}, threading.Semaphore(concurrency)
+        self.__name__ = "judge"  # logged as reward_judge
+
+    def __call__(self, prompt: str, completion: str, answer: str) -> float:
+        key = (prompt, completion, self.rubric)
+        if key not in self.cache:  # two threads asking for one key at once both get the same score
+            self.cache[key] = self.ask(prompt, completion)
+        return self.cache[key]
+
+    def ask(self, prompt: str, completion: str) -> float:
+        system = f"{self.rubric}\nEnd your reply with 'Score: N', N a whole number from 0 to {self.high}."
+        messages = [{"role": "system", "content": system},
+                    {"role": "user", "content": f"Prompt:\n{prompt}\n\nResponse:\n{completion}"}]
+        body = {"model": self.model, "messages": messages, "temperature": 0, "max_tokens": 64, **self.extra}
+        key = os.environ.get(self.key_env)
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        request = urllib.request.Request(self.url, json.dumps(body).encode(), headers)
+        fix = f"check that it is up, serves {self.model!r} and (if it needs a key) ${self.key_env} holds it"
+        for attempt in range(self.retries + 1):
+            time.sleep(self.backoff * 2 ** (attempt - 1) if attempt else 0)
+            try:
+                with self.slots, urllib.request.urlopen(request, timeout=self.timeout) as r:
+                    reply = json.load(r)["choices"][0]["message"]["content"] or ""
+            except urllib.error.HTTPError as e:  # before OSError, which it is
+                cause = f"HTTP {e.code} {e.reason}"
+                if e.code != 429 and e.code < 500:  # a bad request, key or model: asking again cannot help
+                    break
+            except (OSError, ValueError, KeyError, IndexError, TypeError) as e:  # down, timed out, not JSON
+                cause = f"{type(e).__name__}: {e}"
+            else:
+                if (score := parse_score(reply, self.high)) is not None:
+                    return score
+                cause, fix = f"no score in its reply {reply[:60]!r}", "constrain its reply (Judge's `extra`)"
+                break  # at temperature 0, asking again gets the same reply
+        raise JudgeUnavailable(f"judge {self.url} gave no score after {attempt + 1} tries ({cause}); {fix}, "
+                               "or pass --judge-down drop to drop such samples and count them")

@@ -1,0 +1,137 @@
+"""The sandbox escape suite, standard library only, so that it runs as any uid with the system's
+python3 (tests/test_sandbox.py runs it as root and as an unprivileged user; bench/attacks.py
+prints it). `python3 sandbox_escapes.py SANDBOX_DIR WORK_DIR` prints {attack: [contained, observed]}
+as JSON; WORK_DIR stands for the caller's project, run directory and home, owned by the caller."""
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _survivors(marker: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:  # it exited while we looked
+            pass
+    return found
+
+
+def escapes(run_python, work: Path) -> dict[str, tuple[bool, str]]:
+    """Runs each attack through `run_python` and checks the host afterwards: (contained, what was seen)."""
+    project, run_dir, home = work / "project", work / "runs" / "r1", work / "home"
+    for d in (project, run_dir, home):
+        d.mkdir(parents=True, exist_ok=True)
+    (project / "train.py").write_text("print('train')\n")
+    (run_dir / "meta.json").write_text("{}")
+    out = {}
+    for name, path in (("append to the project's train.py", project / "train.py"),
+                       ("rewrite the run's meta.json", run_dir / "meta.json"), ("create ~/.bashrc", home / ".bashrc")):
+        before = path.read_bytes() if path.exists() else None
+        r = run_python(f"open({str(path)!r}, 'a').write('import os; os.system(\"id\")')")
+        after = path.read_bytes() if path.exists() else None
+        out[name] = (before == after, (r.stderr.strip().splitlines() or ["no error"])[-1][:80])
+
+    # The caller's processes, standing in for the trainer: one holds the token in its environment
+    token = f"tok-{random.getrandbits(64):x}"
+    os.environ["NANORL_TOKEN"] = token
+    victim = subprocess.Popen(["/bin/sleep", "60"], env={"NANORL_TOKEN": token})
+    r = run_python(f"import os\nprint(dict(os.environ))\nfor p in [{victim.pid}, os.getppid()] + os.listdir('/proc'):\n"
+                   "    try:\n        print(open(f'/proc/{p}/environ').read())\n    except (OSError, ValueError):\n"
+                   "        pass")
+    out["read NANORL_TOKEN from the environment or /proc"] = (token not in r.stdout + r.stderr, r.stdout[:40])
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        server.setblocking(False)
+        r = run_python(f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {server.getsockname()[1]}), "
+                       "timeout=2)\n    print('connected')\nexcept OSError as e:\n    print(e)")
+        try:
+            server.accept()
+            reached = True
+        except BlockingIOError:
+            reached = False
+    out["connect to the trainer's port on 127.0.0.1"] = (not reached, r.stdout.strip()[:80])
+
+    free = shutil.disk_usage(work).free, shutil.disk_usage("/tmp").free
+    r = run_python("import os\nn = 0\ntry:\n    for i in range(128):\n        with open(f'f{i}', 'wb') as f:\n"
+                   "            for _ in range(16):\n                n += f.write(b'x' * 2**20)\nexcept OSError as e:\n"
+                   "    print(n, e.strerror)", timeout_s=20.0)
+    grew = max(a - b for a, b in zip(free, (shutil.disk_usage(work).free, shutil.disk_usage("/tmp").free)))
+    written = int(r.stdout.split()[0]) if r.stdout else -1  # -1: killed (by the CPU limit) before a write failed
+    out["fill the disk: 128 files of 16 MB"] = (0 <= written <= 16 << 20 and grew < 64 << 20,
+                                                f"{written >> 20} MB written: {r.stdout.strip()[-40:]}" if r.stdout
+                                                else f"no write failed; exit {r.returncode}")
+    r = run_python("n = 0\ntry:\n    while n < 100_000:\n        open(f'e{n}', 'w').close()\n        n += 1\n"
+                   "except OSError as e:\n    print(n, e.strerror)", timeout_s=20.0)
+    out["fill the disk: 100,000 empty files"] = (r.stdout[:1].isdigit() and int(r.stdout.split()[0]) < 100_000,
+                                                  r.stdout.strip()[:60] or f"no create failed; exit {r.returncode}")
+
+    marker = f"{random.randint(10_000, 99_999)}.{random.randint(1, 999_999)}"
+    r = run_python(f"import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+                   f"        os.execv('/bin/sleep', ['/bin/sleep', '{marker}'])\n    os._exit(0)\ntime.sleep(0.5)\n"
+                   "print('forked')")
+    out["double-forked setsid survivor"] = (_survivors(marker) == [], f"{r.stdout.strip()}; survivors "
+                                                                      f"{_survivors(marker)}")
+    for pid in _survivors(marker):  # (weak mode) not left behind by this script
+        os.kill(pid, 9)
+    r = run_python(f"import os, signal\ntry:\n    os.kill({victim.pid}, signal.SIGKILL)\n    print('sent')\n"
+                   "except OSError as e:\n    print(e.strerror)")
+    time.sleep(0.2)
+    out["SIGKILL a process of the caller"] = (victim.poll() is None, r.stdout.strip())
+    victim.kill()
+    victim.wait()
+    return out
+
+
+def forbid_user_namespaces():
+    """Makes this process a machine without unprivileged user namespaces: it enters one of its own
+    (mapping only its uid) and sets that namespace's limit on nested ones to 0."""
+    import ctypes
+
+    ids = os.getuid(), os.getgid()
+    if ctypes.CDLL(None, use_errno=True).unshare(0x10000000) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER)")
+    for name, text in (("self/setgroups", "deny"), ("self/uid_map", f"{ids[0]} {ids[0]} 1"),
+                       ("self/gid_map", f"{ids[1]} {ids[1]} 1"), ("sys/user/max_user_namespaces", "0")):
+        with open(f"/proc/{name}", "w") as f:
+            f.write(text)
+
+
+def forbid_unshare():
+    """Makes unshare(2) fail with EPERM in this process and its children, as Docker's default seccomp
+    profile does: a seccomp filter (load the syscall number; unshare, 272 on x86-64: EPERM; else allow)."""
+    import ctypes
+    import struct
+
+    code = struct.pack("HBBI" * 4, 0x20, 0, 0, 0, 0x15, 0, 1, 272, 0x06, 0, 0, 0x50001, 0x06, 0, 0, 0x7FFF0000)
+    buf = ctypes.create_string_buffer(code)
+    prog = struct.pack("HxxxxxxQ", 4, ctypes.addressof(buf))
+    if ctypes.CDLL(None, use_errno=True).prctl(22, 2, prog) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+        raise OSError(ctypes.get_errno(), "seccomp")
+
+
+if __name__ == "__main__":  # SANDBOX_DIR WORK_DIR [--plan] [--no-userns] [--no-unshare] [--weak]
+    sys.path.insert(0, sys.argv[1])
+    os.environ["NANORL_SANDBOX"] = "weak" if "--weak" in sys.argv else "strict"
+    import sandbox
+
+    if "--no-userns" in sys.argv:
+        forbid_user_namespaces()
+    if "--no-unshare" in sys.argv:
+        forbid_unshare()
+    if "--plan" in sys.argv:  # only what sandbox_plan decides here
+        try:
+            print(json.dumps(sandbox.sandbox_plan()))
+        except sandbox.SandboxUnavailable as e:
+            print(json.dumps(str(e)))
+    else:
+        print(json.dumps(escapes(sandbox.run_python, Path(sys.argv[2]))))

@@ -1,0 +1,118 @@
+"""What a client may POST to the trainer's inbox (serve.Inbox, behind a real HTTP server): every
+batch the training loop cannot use gets a 4xx and is counted, and whatever was accepted collates."""
+import math
+
+import pytest
+import torch
+
+import serve
+import train
+import utils
+from transport import Request, encode
+
+K, VOCAB, MAX_LEN = 4, 50, 64
+
+
+@pytest.fixture
+def inbox():
+    cfg = utils.load_config(train.Config, ["--task", "arith", "--batch", "8", "--group-size", str(K), "--role",
+                                           "trainer", "--max-staleness", "2"])
+    box = serve.Inbox(cfg, VOCAB, 0, MAX_LEN)
+    box.serve(0, bytearray(b"v0"), 0.0)
+    yield box
+    box.close()
+
+
+def forge(groups: int = 1, length: int = 12, **extra) -> dict:
+    """A batch every check passes (a 4-token prompt), for the cases below to break."""
+    n = groups * K
+    t = {"tokens": torch.ones(n, length, dtype=torch.int64), "attn": torch.ones(n, length),
+         "mask": torch.cat([torch.zeros(n, 4), torch.ones(n, length - 4)], 1), "logp": torch.zeros(n, length),
+         "rewards": torch.zeros(n, length), "truncated": torch.zeros(n, dtype=torch.bool),
+         "group": torch.arange(n) // K, "version": torch.zeros(n, dtype=torch.int64), "reward_int_correct": torch.zeros(n)}
+    return {k: v for k, v in {**t, **extra}.items() if v is not None}
+
+
+def post(box, batch: dict, **meta):
+    return box.receive(Request("/batch", {}, encode(batch, {"worker": 0} | meta), "127.0.0.1"))
+
+
+MULTI = {"turns": torch.ones(K), "solved": torch.zeros(K), "solved_first_turn": torch.zeros(K)}
+
+
+@pytest.mark.parametrize("name,batch", [
+    ("turns without solved", forge(turns=torch.ones(K))),
+    ("multi-turn stats but one", forge(**(MULTI | {"solved": None}))),
+    ("reward keys unlike the run's first batch", forge(reward_int_correct=None, reward_other=torch.zeros(K))),
+    ("an extra reward key", forge(reward_other=torch.zeros(K))),
+    ("multi-turn stats after single-turn batches", forge(**MULTI)),
+    ("a sequence longer than the model's maximum", forge(length=MAX_LEN + 1)),
+    ("more groups in one POST than the queue holds", forge(groups=3 * 2 + 1)),
+    ("NaN in a reward stat", forge(reward_int_correct=torch.full((K,), math.nan))),
+])
+def test_a_batch_the_loop_cannot_use_gets_400_is_counted_and_the_queue_still_collates(inbox, name, batch):
+    assert post(inbox, forge())[0] == 200  # the run's first batch fixes its keys
+    status, reply = post(inbox, batch)
+    assert status == 400 and inbox.counts["batches_rejected"] == 1, (name, reply)
+    assert post(inbox, forge())[0] == 200
+    rows, meta = inbox.take(0, {0})
+    assert rows["tokens"].shape == (2 * K, 12) and meta["batches_rejected"] == 1
+
+
+def test_a_multi_turn_first_batch_fixes_the_run_to_multi_turn(inbox):
+    assert post(inbox, forge(**MULTI))[0] == 200
+    assert post(inbox, forge())[0] == 400
+    assert post(inbox, forge(**MULTI))[0] == 200
+    rows, _ = inbox.take(0, {0})
+    assert set(MULTI) <= set(rows) and rows["turns"].shape == (2 * K,)
+
+
+@pytest.mark.parametrize("apply_s", [1e400, -1e400, math.nan, 10**400, -1.0, "1", None])
+def test_sync_times_that_are_not_times_are_ignored_and_the_batch_still_lands(inbox, apply_s):
+    assert post(inbox, forge(), apply_s=apply_s, metrics={"gen_rounds": apply_s})[0] == 200
+    assert post(inbox, forge(), apply_s=0.25)[0] == 200
+    _, meta = inbox.take(0, {0})
+    assert meta["sync_apply_s"] == 0.25 and math.isfinite(meta.get("gen_rounds", 0.0))
+
+
+def test_liveness_counts_only_worker_ids_the_trainer_issued(inbox):
+    assert inbox.hello(Request("/hello", {}, encode_hello(inbox), "127.0.0.1"))[0] == 200  # issues worker 0
+    for spoofed in (1, 7, 10**9, -1, "0", None):
+        post(inbox, forge(), worker=spoofed)
+    assert inbox.live() == {0}
+
+
+def encode_hello(inbox) -> bytes:
+    import json
+
+    return json.dumps({"fingerprint": serve.fingerprint(inbox.cfg)}).encode()
+
+
+def one_line_error(capsys, argv) -> str:
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and not any("Traceback" in line for line in err), err
+    return err[-1]
+
+
+@pytest.mark.parametrize("token, url, fix", [("short-token", "", "at least 16 printable ASCII characters without spaces (got 11)"),
+                                             (None, "http://0.0.0.0:0", "refusing to serve on '0.0.0.0' without a token")])
+def test_a_trainer_that_would_serve_unsafely_stops_in_one_line(capsys, monkeypatch, tmp_path, token, url, fix):
+    monkeypatch.delenv("NANORL_TOKEN", raising=False)
+    if token:
+        monkeypatch.setenv("NANORL_TOKEN", token)
+    argv = ["--task", "arith", "--model", "tiny", "--no-progress", "--role", "trainer", "--steps", "1",
+            "--out", str(tmp_path / "r"), *(["--trainer-url", url] if url else [])]
+    assert fix in one_line_error(capsys, argv)
+
+
+def test_python_tool_without_an_isolating_sandbox_stops_in_one_line(capsys, monkeypatch, tmp_path):
+    import sandbox
+
+    def unavailable():
+        raise sandbox.SandboxUnavailable("sandbox: cannot isolate model code here (...); or set NANORL_SANDBOX=weak")
+
+    monkeypatch.setattr(sandbox, "sandbox_plan", unavailable)
+    err = one_line_error(capsys, ["--task", "python_tool", "--model", "tiny", "--no-progress", "--steps", "1",
+                                  "--out", str(tmp_path / "r")])
+    assert "NANORL_SANDBOX=weak" in err

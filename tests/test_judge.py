@@ -1,0 +1,223 @@
+"""The judge client against a real local HTTP server (stdlib, loopback) that answers as a
+chat-completions endpoint would, fails on purpose, or answers garbage."""
+import json
+import math
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from judge import Judge, JudgeUnavailable, parse_score
+
+
+@pytest.mark.parametrize("reply, score", [
+    ("Score: 7", 0.7), ("score: 10", 1.0), ("The answer is fine. Score = 3", 0.3), ("SCORE is 4/10", 0.4),
+    ("**Score:** 7", 0.7), ("Score: **7/10**", 0.7), ("7", 0.7), (" 7/10. ", 0.7), ("7.5", 0.75), ("0", 0.0),
+    ("Score: 2 ... on reflection, Score: 9", 0.9),  # the last one counts: a judge may revise
+    ("Step 1 scores 3 of 5. Score: 8", 0.8),  # numbers outside the "score:" pattern are ignored
+])
+def test_parse_score_reads_the_last_score_and_scales_it(reply, score):
+    assert parse_score(reply, 10) == pytest.approx(score)
+
+
+@pytest.mark.parametrize("reply", [
+    "", "I cannot grade this.", "Score: 11", "Score: -1", "12", "Score: 7/5",  # 7/5 is not on the 0-10 scale
+    "7 and 8", "The response is good", "Score: high",
+])
+def test_parse_score_refuses_garbage_and_out_of_range_scores(reply):
+    assert parse_score(reply, 10) is None
+
+
+def test_parse_score_other_scales():
+    assert parse_score("Score: 4", 5) == 0.8
+    assert parse_score("4/5", 5) == 0.8
+    assert parse_score("Score: 6", 5) is None
+
+
+class FakeJudge(BaseHTTPRequestHandler):
+    """A real HTTP endpoint: fails the first `server.fail` requests with `server.status`, then
+    answers `server.reply`; records each request's body and headers."""
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        s = self.server
+        with s.lock:
+            s.requests.append((self.path, body, dict(self.headers)))
+            failing = len(s.requests) <= s.fail
+        if failing:
+            self.send_error(s.status)
+            return
+        time.sleep(s.delay)
+        out = json.dumps({"choices": [{"message": {"role": "assistant", "content": s.reply}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    s = ThreadingHTTPServer(("127.0.0.1", 0), FakeJudge)
+    s.lock, s.requests, s.fail, s.status, s.reply, s.delay = threading.Lock(), [], 0, 503, "Score: 6", 0.0
+    threading.Thread(target=s.serve_forever, daemon=True).start()
+    s.url = f"http://127.0.0.1:{s.server_port}/v1"
+    yield s
+    s.shutdown()
+    s.server_close()
+
+
+def test_request_carries_rubric_prompt_completion_and_key_from_env(server, monkeypatch):
+    monkeypatch.setenv("NANORL_JUDGE_KEY", "sekrit")
+    judge = Judge("Grade politeness.", server.url, "judge-model", extra={"max_tokens": 8})
+    assert judge("Say hi", "Hello!", "") == 0.6
+    path, body, headers = server.requests[0]
+    assert path == "/v1/chat/completions" and body["model"] == "judge-model" and body["max_tokens"] == 8
+    assert body["temperature"] == 0
+    assert "Grade politeness." in body["messages"][0]["content"]
+    assert "Say hi" in body["messages"][1]["content"] and "Hello!" in body["messages"][1]["content"]
+    assert headers["Authorization"] == "Bearer sekrit"
+
+
+def test_no_key_no_authorization_header(server, monkeypatch):
+    monkeypatch.delenv("NANORL_JUDGE_KEY", raising=False)
+    Judge("r", server.url + "/chat/completions", "m")("p", "c", "")
+    assert "Authorization" not in server.requests[0][2] and server.requests[0][0] == "/v1/chat/completions"
+
+
+def test_cache_is_keyed_by_prompt_completion_and_rubric(server):
+    a, b = Judge("rubric A", server.url, "m"), Judge("rubric B", server.url, "m")
+    for _ in range(3):
+        a("p", "c", "answer 1")
+        a("p", "c", "answer 2")  # the reference answer is not part of what the judge reads
+    assert len(server.requests) == 1
+    a("p", "c2", "")
+    a("p2", "c", "")
+    b("p", "c", "")
+    assert len(server.requests) == 4
+
+
+def test_retries_with_backoff_then_succeeds(server):
+    server.fail = 2
+    judge = Judge("r", server.url, "m", retries=3, backoff=0.1)
+    start = time.perf_counter()
+    assert judge("p", "c", "") == 0.6
+    assert len(server.requests) == 3
+    assert time.perf_counter() - start >= 0.1 + 0.2  # slept backoff, then 2 x backoff
+
+
+def test_gives_up_after_retries_naming_cause_and_fix(server):
+    server.fail = 10
+    judge = Judge("r", server.url, "m", retries=2, backoff=0.01)
+    with pytest.raises(JudgeUnavailable, match=r"after 3 tries \(HTTP 503.*--judge-down drop") as e:
+        judge("p", "c", "")
+    assert len(server.requests) == 3 and "\n" not in str(e.value)
+    assert ("p", "c", "r") not in judge.cache  # a failure is never cached as a score
+
+
+def test_client_errors_are_not_retried(server):
+    server.fail, server.status = 10, 401
+    with pytest.raises(JudgeUnavailable, match=r"after 1 tries \(HTTP 401.*NANORL_JUDGE_KEY"):
+        Judge("r", server.url, "m", retries=3, backoff=0.01)("p", "c", "")
+    assert len(server.requests) == 1
+
+
+def test_garbage_reply_raises_instead_of_scoring_zero(server):
+    server.reply = "What a lovely response!"
+    with pytest.raises(JudgeUnavailable, match="no score in its reply 'What a lovely"):
+        Judge("r", server.url, "m", backoff=0.01)("p", "c", "")
+    assert len(server.requests) == 1  # temperature 0: the same question gets the same garbage
+
+
+def test_judge_down_raises_after_retries():
+    with pytest.raises(JudgeUnavailable, match="URLError.*refused"):
+        Judge("r", "http://127.0.0.1:9/v1", "m", retries=1, backoff=0.01)("p", "c", "")
+
+
+def test_timeout_is_retried(server):
+    server.delay = 0.5
+    with pytest.raises(JudgeUnavailable, match="after 2 tries .*timed out"):
+        Judge("r", server.url, "m", timeout=0.1, retries=1, backoff=0.01)("p", "c", "")
+
+
+def test_semaphore_caps_requests_in_flight(server):
+    server.delay = 0.2
+    judge = Judge("r", server.url, "m", concurrency=2)
+    threads = [threading.Thread(target=judge, args=("p", f"c{i}", "")) for i in range(6)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    took = time.perf_counter() - start
+    assert len(server.requests) == 6 and len(judge.cache) == 6
+    assert 0.6 <= took < 1.2  # 6 requests of 0.2 s, 2 at a time: 3 rounds (unlimited would be 1)
+
+
+# ---------------------------------------------------------------- the loop's policy for a judge that goes down
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from model import build_tiny_model
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), layers=1, hidden=64, heads=1, intermediate=128)
+
+
+def judged_run(monkeypatch, tmp_path, tiny, reward, *argv):
+    import tasks
+    import train
+
+    class Judged(tasks.Arith):
+        name, rewards = "arith_judged", [(tasks.int_correct, 1.0), (reward, 1.0)]
+
+    monkeypatch.setitem(tasks.TASKS, "arith_judged", Judged)
+    return train.main(["--task", "arith_judged", "--model", tiny, "--out", str(tmp_path / "run"), "--no-progress",
+                       "--algo", "grpo", "--batch", "8", "--group-size", "4", "--eval-size", "4",
+                       "--max-new-tokens", "3", "--steps", "4", "--ckpt-every", "1", *argv])
+
+
+def dies_at_call(server, n, judge):
+    """The judge reward, whose server goes away (connections refused) before call n. Calls come
+    one at a time (a plain function has no `concurrency`): 4 for the eval at step 0, then 8 a step."""
+    calls = []
+
+    def reward(prompt, completion, answer):
+        calls.append(1)
+        if len(calls) == n:
+            server.shutdown()
+            server.server_close()
+        return judge(prompt, completion, answer)
+
+    reward.__name__ = "judge"
+    return reward
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_judge_down_mid_run_with_fail_stops_with_one_line_and_keeps_checkpoints(server, tmp_path, tiny, monkeypatch,
+                                                                                 capfd):
+    import utils
+    reward = dies_at_call(server, 4 + 2 * 8 + 1, Judge("r", server.url, "m", retries=1, backoff=0.01))
+    assert judged_run(monkeypatch, tmp_path, tiny, reward) == 1  # the default: --judge-down fail
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: judge http://127.0.0.1") and "refused" in err[-1] and "--judge-down drop" in err[-1]
+    assert "Traceback" not in "\n".join(err)
+    ckpt = utils.latest_checkpoint(tmp_path / "run")
+    assert ckpt.name == "ckpt-0000002"  # steps 1-2 were saved; step 3 never happened
+    import train
+    policy, opt, _ = train.build(utils.load_config(train.Config, ["--task", "arith", "--model", tiny]))
+    assert utils.load_checkpoint(ckpt, policy, opt)["step"] == 2
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_judge_down_mid_run_with_drop_runs_on_and_counts(server, tmp_path, tiny, monkeypatch, capfd):
+    import utils
+    reward = dies_at_call(server, 4 + 2 * 8 + 1, Judge("r", server.url, "m", retries=1, backoff=0.01))
+    with pytest.warns(UserWarning, match=r"a sample is dropped: judge http://127.0.0.1.*refused"):
+        assert judged_run(monkeypatch, tmp_path, tiny, reward, "--judge-down", "drop") == 0
+    m = utils.read_metrics(tmp_path / "run" / "metrics.csv")
+    assert [(s, v) for s, _, v in m["judge_dropped_frac"]] == [(1, 0), (2, 0), (3, 1), (4, 1)]
+    assert [v for _, _, v in m["skipped"]] == [0, 0, 1, 1]  # nothing left to train on: no optimizer step
+    judged = [v for _, _, v in m["reward_judge"]]  # the fake judge's "Score: 6"; NaN: no score
+    assert judged[:2] == [0.6, 0.6] and all(math.isnan(v) for v in judged[2:])

@@ -1,0 +1,109 @@
+"""On-policy distillation (--algo opd): the advantage is the teacher's log-prob minus the student's,
+token by token, masked like the loss; a teacher identical to the student teaches nothing."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import train
+import utils
+from model import build_tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Two tiny models with the same character tokenizer and different random weights."""
+    root = tmp_path_factory.mktemp("models")
+    size = dict(layers=1, hidden=64, heads=1, intermediate=128)
+    return build_tiny_model(str(root / "student"), seed=0, **size), build_tiny_model(str(root / "teacher"), seed=1, **size)
+
+
+def setup(student, teacher, *argv):
+    cfg = utils.load_config(train.Config, ["--task", "arith", "--model", student, "--algo", "opd", "--teacher", teacher,
+                                           "--batch", "8", "--group-size", "4", "--max-new-tokens", "4", *argv])
+    train.validate(cfg)
+    policy, opt, source = train.build(cfg)
+    return cfg, policy, opt, source, train.load_teacher(cfg, policy)
+
+
+def reference_logp(model_dir, batch):
+    """log p(token) under a plain Hugging Face forward of each full row, no nanorl code involved."""
+    from transformers import AutoModelForCausalLM
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = lm(input_ids=batch.tokens, attention_mask=batch.attn.long()).logits  # [N, L, V]
+    out = torch.zeros_like(batch.mask)
+    out[:, 1:] = F.log_softmax(logits[:, :-1].float(), -1).gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
+    return out * batch.mask  # [N, L]
+
+
+@pytest.mark.parametrize("micro_batch", ["0", "3"])
+def test_opd_advantage_is_teacher_minus_student_logp_token_by_token(models, micro_batch):
+    student, teacher = models
+    cfg, policy, _, source, t = setup(student, teacher, "--micro-batch", micro_batch)
+    batch = train.prepare(policy, source.next(0), cfg, teacher=t)
+    mask = batch.mask
+    expected = reference_logp(teacher, batch) - reference_logp(student, batch)  # LoRA B = 0: the student is its base
+    assert mask.sum() > 8 and (batch.adv[mask == 0] == 0).all()  # masked like the loss
+    assert torch.allclose(batch.adv, expected, atol=1e-5)
+    assert expected.abs().max() > 0.1  # two different models: the test can fail
+    kl = ((reference_logp(student, batch) - reference_logp(teacher, batch)) * mask).sum() / mask.sum()
+    assert batch.metrics["opd_reverse_kl"] == pytest.approx(kl.item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("lora", ["--lora", "--no-lora"])
+def test_teacher_equal_to_student_gives_zero_advantage_and_leaves_the_weights_bitwise(models, lora):
+    student, _ = models
+    cfg, policy, opt, source, t = setup(student, student, lora, "--lr", "0.1")
+    before = {k: v.clone() for k, v in policy.trainable_state().items()}
+    for step in range(2):
+        batch = train.prepare(policy, source.next(step), cfg, teacher=t)
+        # The same weights through the same code: equal bit for bit, so the advantage is exactly 0
+        # (LoRA's zero-initialised B adds exact zeros). Zero advantage gives exactly zero gradients,
+        # and Adam's first steps from zero moments move nothing: the update is a no-op, bitwise.
+        assert torch.equal(batch.adv, torch.zeros_like(batch.adv)) and batch.mask.sum() > 0
+        assert batch.metrics["opd_reverse_kl"] == 0.0
+        stats = train.update(policy, opt, batch, cfg)
+        assert stats["grad_norm"] == 0.0
+    after = policy.trainable_state()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_reward_coef_mixes_the_task_return_in(models):
+    student, teacher = models
+    cfg, policy, _, source, t = setup(student, teacher, "--opd-reward-coef", "0.5")
+    batch = source.next(0)
+    batch.rewards = torch.rand(batch.rewards.shape) * batch.mask  # dense, so that the mix is visible
+    batch = train.prepare(policy, batch, cfg, teacher=t)
+    m, r = batch.mask, batch.rewards
+    g = r.clone()  # the discounted return, written out: G_t = r_t + gamma G_{t+1} within the completion
+    for t in reversed(range(r.shape[1] - 1)):
+        g[:, t] += cfg.gamma * g[:, t + 1] * m[:, t + 1]
+    expected = (batch.teacher_logp - batch.old_logp) * m + 0.5 * g * m
+    assert torch.allclose(batch.adv, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--algo", "opd"], "--algo opd and --teacher MODEL go together"),
+    (["--algo", "grpo", "--teacher", "tiny"], "--algo opd and --teacher MODEL go together"),
+    (["--task", "cartpole", "--algo", "opd", "--teacher", "tiny"], "on LLM tasks"),
+])
+def test_opd_flags_are_checked_up_front(argv, message):
+    cfg = utils.load_config(train.Config, ["--task", "arith", "--group-size", "4", "--batch", "8", *argv])
+    with pytest.raises(utils.ConfigError, match=message):
+        train.validate(cfg)
+
+
+def test_teacher_with_another_tokenizer_is_refused_in_one_line(models, tmp_path):
+    from transformers import AutoTokenizer
+    student, teacher = models
+    other = tmp_path / "other"
+    import shutil
+    shutil.copytree(teacher, other)
+    tok = AutoTokenizer.from_pretrained(other)
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(other)
+    with pytest.raises(utils.ConfigError, match=r"--teacher .*tokenizer differs from the student's") as e:
+        setup(student, str(other))
+    assert "\n" not in str(e.value)

