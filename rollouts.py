@@ -429,6 +429,9 @@ class TaskRollouts(BatchSource):
                                 greedy=True, drop=drop)
         hits = sum(self.task.correct(p, g[0].text) for p, g in zip(problems, greedy))
         sums = {"n": len(problems), "eval_accuracy": hits}
+        lenient = [self.task.lenient(p, g[0].text) for p, g in zip(problems, greedy)]
+        if None not in lenient:  # the right answer anywhere, any format: what is left is format
+            sums["eval_accuracy_lenient"] = sum(lenient)
         if cfg.pass_k:
             k = cfg.pass_k
             groups = rollout_single(self.policy, self.task, problems, k, cfg.max_new_tokens, cfg.gen_batch,

@@ -267,6 +267,12 @@ class Task:
     def correct(self, problem: Problem, completion: str) -> bool:
         return self.rewards[0][0](problem.prompt, completion, problem.answer) >= 1.0
 
+    def lenient(self, problem: Problem, completion: str) -> bool | None:
+        """Whether the right answer appears anywhere in the completion, whatever the format; None:
+        this task defines no such score. Logged beside the strict accuracy at every eval, it tells
+        a gain in correctness from a gain in format."""
+        return None
+
 
 class ProceduralTask(Task):
     """Problems from `generate(rng)`. The eval split draws from rng streams (seed, eval, i),
@@ -528,9 +534,59 @@ class MATH(DatasetTask):
     hub = ("DigitalLearningGmbH/MATH-lighteval", "default", "train")
 
 
+_BARE_INT = re.compile(r"\s*(\d{1,40})\.?\s*")
+
+
+def bare_int_correct(prompt: str, completion: str, answer: str) -> float:
+    """1.0 iff the completion is the reference integer and nothing else (surrounding whitespace and
+    one final period allowed): "81", " 81.". "23 + 58 = 81", "The answer is 81", "081" score 0."""
+    m = _BARE_INT.fullmatch(completion)
+    return float(m is not None and m.group(1) == answer)
+
+
+def bare_int_format(prompt: str, completion: str, answer: str) -> float:
+    """1.0 iff the completion is one bare integer, right or wrong (the form `bare_int_correct`
+    takes). Weighted low, it pays for the stated format alone: the untrained model samples the
+    bare right sum too rarely (0 of 64 samples per step) for GRPO to get any reward spread."""
+    return float(_BARE_INT.fullmatch(completion) is not None)
+
+
+class Add(ProceduralTask):
+    """"Compute 13 + 8. Write only the result, as digits." -> "21", for a pretrained chat model.
+    SmolLM2-135M-Instruct mostly answers "13 + 8 = 21." or starts explaining, so its strict score
+    (the bare number, `bare_int_correct`) starts near 0 while the lenient one (the sum anywhere)
+    shows how often it adds right: RL has both the format and the sums to learn."""
+
+    name = "add"
+    rewards = [(bare_int_correct, 1.0), (bare_int_format, 0.1)]
+    max_new_tokens = 10  # the bare sum is 2-3 tokens; the untrained model's "13 + 18 = 31" just fits
+
+    # Operands to 20 (441 problems): with operands to 50 the model's sampled sums were mostly wrong
+    # (greedy 38% right anywhere, sampled 8-20%), leaving GRPO almost no bare AND right sample.
+    def __init__(self, *, seed: int = 0, eval_size: int = 100, max_operand: int = 20):
+        if max_operand < 1:
+            raise ValueError(f"add needs max_operand >= 1 (got {max_operand})")
+        self.max_operand = max_operand
+        super().__init__(seed=seed, eval_size=eval_size)
+
+    def n_distinct(self) -> int:
+        return (self.max_operand + 1) ** 2
+
+    def generate(self, rng: random.Random) -> Problem:
+        a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
+        return Problem(f"Compute {a} + {b}. Write only the result, as digits.", str(a + b), key=f"{a}+{b}")
+
+    def solve(self, problem: Problem) -> str:
+        return problem.answer
+
+    def lenient(self, problem: Problem, completion: str) -> bool:
+        return problem.answer in re.findall(r"(?<![\d.-])\d+(?![\d.]\d)", completion)
+
+
 # ---------------------------------------------------------------- registry and evaluation
 TASKS: dict[str, type[Task]] = {
-    "arith": Arith, "arith_chain": ArithChain, "countdown": Countdown, "gsm8k": GSM8K, "math": MATH}
+    "arith": Arith, "arith_chain": ArithChain, "countdown": Countdown, "gsm8k": GSM8K, "math": MATH,
+    "add": Add}
 
 
 def make_task(name: str, *, seed: int, eval_size: int, data: str | None = None,

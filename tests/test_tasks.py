@@ -406,7 +406,7 @@ def test_make_task_checks_its_arguments():
     with pytest.raises(TypeError):
         make_task("arith", seed=0, eval_size=1, max_operandd=5)
     assert make_task("arith", seed=0, eval_size=1, max_operand=99).max_operand == 99
-    assert set(tasks.TASKS) == {"arith", "arith_chain", "countdown", "gsm8k", "math"}
+    assert set(tasks.TASKS) == {"add", "arith", "arith_chain", "countdown", "gsm8k", "math"}
 
 
 @pytest.mark.parametrize("n, c, k, expected", [

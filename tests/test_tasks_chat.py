@@ -1,0 +1,101 @@
+"""The `add` task for pretrained chat models: its strict reward accepts the bare sum only, its
+lenient score finds the sum anywhere and is logged at every eval, and its held-out problems never
+reach training."""
+import pytest
+
+import tasks
+import train
+import utils
+from model import build_tiny_model
+from tasks import Problem, bare_int_correct, bare_int_format, make_task
+
+P = Problem("Compute 23 + 58. Write only the result, as digits.", "81", key="23+58")
+
+
+@pytest.mark.parametrize("completion", ["81", " 81", "81.", "81\n", " 81. \n"])
+def test_bare_int_correct_takes_the_bare_sum(completion):
+    assert bare_int_correct(P.prompt, completion, P.answer) == 1.0
+
+
+@pytest.mark.parametrize("completion", [
+    "23 + 58 = 81",  # the untrained model's usual answer: right sum, wrong format
+    "The answer is 81.",
+    "81 is the answer",
+    "81.0", "081", "+81", "-81", "81!", "81..", "8 1", "81 81",
+    "",  # an empty completion
+    "23", "58", "2358",  # numbers echoed from the prompt
+    "<answer>81</answer>",  # a format the prompt did not ask for
+    "9" * 41,  # longer than any integer the reward parses
+    "８１",  # full-width digits: \d would take them, the reward must not
+])
+def test_bare_int_correct_refuses_everything_else(completion):
+    assert bare_int_correct(P.prompt, completion, P.answer) == 0.0
+
+
+def test_correct_is_the_strict_reward_and_lenient_finds_the_sum_anywhere():
+    task = make_task("add", seed=0, eval_size=10)
+    hand = {"81": (True, True), "23 + 58 = 81.": (False, True), "The sum is 81, I think": (False, True),
+            "23 + 58 = 71": (False, False), "81.5": (False, False), "181": (False, False),
+            "810": (False, False), "-81": (False, False), "0.81": (False, False)}
+    for completion, (strict, lenient) in hand.items():
+        assert (task.correct(P, completion), task.lenient(P, completion)) == (strict, lenient), completion
+
+
+def test_tasks_without_a_lenient_score_say_so():
+    task = make_task("arith", seed=0, eval_size=5)
+    assert task.lenient(task.eval_problems()[0], "12") is None
+
+
+def test_add_problems_are_right_and_held_out_ones_never_train():
+    task = make_task("add", seed=3, eval_size=100, max_operand=20)
+    held_out = {p.key for p in task.eval_problems()}
+    assert len(held_out) == 100
+    for i in range(500):
+        p = task.train_problem(i)
+        a, b = (int(x) for x in p.key.split("+"))
+        assert p.key not in held_out and 0 <= a <= 20 and 0 <= b <= 20
+        assert p.prompt == f"Compute {a} + {b}. Write only the result, as digits." and p.answer == str(a + b)
+        assert task.correct(p, task.solve(p))
+    assert task.train_problem(7) == make_task("add", seed=3, eval_size=100, max_operand=20).train_problem(7)
+
+
+def test_add_refuses_an_eval_split_that_leaves_too_little_to_train_on():
+    with pytest.raises(ValueError, match="lower --eval-size to 18"):
+        make_task("add", seed=0, eval_size=20, max_operand=5)  # 36 problems: at most 18 held out
+    with pytest.raises(ValueError, match="max_operand >= 1"):
+        make_task("add", seed=0, eval_size=1, max_operand=0)
+
+
+def test_add_is_registered():
+    assert tasks.TASKS["add"] is tasks.Add
+
+
+def test_the_format_reward_pays_a_bare_integer_right_or_wrong_and_nothing_else():
+    for completion, want in {"81": 1.0, " 12.\n": 1.0, "23 + 58 = 81": 0.0, "81 81": 0.0, "-81": 0.0,
+                             "": 0.0, "The answer is 81": 0.0, "81.0": 0.0}.items():
+        assert bare_int_format(P.prompt, completion, P.answer) == want, completion
+    task = make_task("add", seed=0, eval_size=10)
+    assert task.score(P.prompt, "81", P.answer) == (1.1, {"bare_int_correct": 1.0, "bare_int_format": 1.0})
+    assert task.score(P.prompt, "80", P.answer)[0] == 0.1  # the format alone: a tenth of a right answer
+    assert task.score(P.prompt, "23 + 58 = 81", P.answer)[0] == 0.0
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny") / "m")
+    return build_tiny_model(path, layers=2, hidden=128, heads=2, intermediate=256)
+
+
+def test_every_eval_logs_the_lenient_score_beside_the_strict_one_when_the_task_has_one(tmp_path, tiny):
+    for task, want in (("add", True), ("arith", False)):
+        out = tmp_path / task
+        argv = ["--model", tiny, "--out", str(out), "--no-progress", "--task", task, "--algo", "grpo",
+                "--group-size", "2", "--batch", "4", "--steps", "2", "--eval-every", "1", "--eval-size", "4",
+                "--max-new-tokens", "3"]
+        train.train(utils.load_config(train.Config, argv))
+        series = utils.read_metrics(out / "metrics.csv")
+        assert [s for s, _, _ in series["eval_accuracy"]] == [0, 1, 2]
+        lenient = series.get("eval_accuracy_lenient", [])
+        assert [s for s, _, _ in lenient] == ([0, 1, 2] if want else [])
+        pairs = zip(series["eval_accuracy"], lenient)
+        assert all(strict <= easy for (_, _, strict), (_, _, easy) in pairs)
