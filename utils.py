@@ -71,7 +71,8 @@ def field_docs(cls) -> dict[str, tuple[str, str]]:
 def load_config(cls, argv: list[str], choices: dict | None = None, base: Path | None = None,
                 defaults=lambda given: {}):
     """Defaults <- defaults(what the rest gave) <- `base` (a resumed run's config.yaml) <- --config
-    YAML <- command-line flags. Unknown keys stop the run. --help shows each field's comment, default and choices, grouped by `# ----` sections."""
+    YAML <- command-line flags. Unknown keys stop the run. --help shows each field's comment, default
+    and choices, grouped by `# ----` sections."""
     fields, docs, groups = {f.name: f for f in dataclasses.fields(cls)}, field_docs(cls), {}
     parser = argparse.ArgumentParser(description=cls.__doc__, allow_abbrev=False,
                                      usage="%(prog)s [--config YAML] [--FLAG VALUE ...]")

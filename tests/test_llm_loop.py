@@ -94,7 +94,7 @@ def test_ppo_on_an_llm_task_is_accepted_now_that_the_policy_has_a_critic():
 
 # ---------------------------------------------------------------- defaults by kind of task
 def parse(*argv):
-    return utils.load_config(train.Config, list(argv), train.task_defaults)
+    return utils.load_config(train.Config, list(argv), defaults=train.task_defaults)
 
 
 def test_an_llm_run_without_flags_records_the_llm_defaults_in_its_config_yaml(tmp_path, tiny):
