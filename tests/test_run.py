@@ -102,7 +102,7 @@ def in_child(argv: list[str]):
 
 
 def test_sigkill_at_random_moments_then_resume_alone_ends_with_the_uninterrupted_weights(tmp_path):
-    flags = cartpole(tmp_path / "full", "--steps", "16", "--ckpt-every", "2", "--target", "0", "--batch", "8")[2:]
+    flags = cartpole(tmp_path / "full", "--steps", "60", "--ckpt-every", "2", "--target", "0", "--batch", "8")[2:]
     (full := in_child(flags)).join()
     out, rng, kills = tmp_path / "killed", random.Random(0), 0
     for i in range(20):

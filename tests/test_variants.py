@@ -125,7 +125,7 @@ def scripted(source, spread_groups, k=4):
     """task.score returns 1 for the first row of every group index in spread_groups, else 0."""
     calls = itertools.count()
 
-    def score(prompt, completion, answer):
+    def score(prompt, completion, answer, drop=False):
         j = next(calls)
         return float(j // k in spread_groups and j % k == 0), {"scripted": 0.0}
 
@@ -197,8 +197,9 @@ def test_everything_switched_on_trains_the_tiny_model(tmp_path):
     m = llm_run(tmp_path, "--algo", "rloo", "--kl-coef", "0.01", "--kl-in-reward", "--kl-estimator", "k2",
                 "--tis", "token", "--mis", "sequence", "--mis-low", "0.1", "--mis-high", "10", "--mask-truncated",
                 "--loss-agg", "constant", "--dynamic-sampling", "--max-gen-batches", "2", "--prompt-reweight", "0.5")
-    assert m["skipped"] == [0, 0] and len(m["is_ratio_mean"]) == 2 and len(m["gen_rounds"]) == 2
-    assert abs(m["is_ratio_mean"][0] - 1) < 1e-3  # sync: the sampler is the trainer, up to kernel noise
+    # --mask-truncated: a step whose every completion ran out of budget has no token to train, and skips
+    assert m["skipped"] == [float(t == 1) for t in m["truncated_frac"]] and len(m["is_ratio_mean"]) == 2
+    assert len(m["gen_rounds"]) == 2 and abs(m["is_ratio_mean"][0] - 1) < 1e-3  # sync: the sampler is the trainer, up to kernel noise
 
 
 def test_ppo_trains_an_llm_critic_on_the_policy_trunk(tmp_path):
