@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerFast
 from envs import (TEXT_ENVS, CountdownEnv, PythonTask, PythonToolEnv, SQLEnv, SQLTask, TextEnv, _sql_tables,
                   format_rows, run_sql, sql_correct, sql_database)
 import train
+from exact import assert_sampled_ids_are_trained
 from model import LLMPolicy, Sample, build_tiny_model
 from rollouts import rollout_multiturn
 from tasks import Problem, ProceduralTask, completion_number
@@ -366,15 +367,7 @@ def test_multiturn_rollout_on_the_tiny_model_rescores_to_the_sampled_logps(one_t
     problems = [countdown_problem([i, 2], i + 2) for i in range(1, 5)]
     batch = rollout_multiturn(policy, CountdownEnv, problems, group_size=1, max_turns=3, max_new_tokens=16, max_len=300)
     assert batch.stats["turns"].max() >= 2  # some episodes really had several turns
-    rows = [batch.tokens[r, : int(batch.attn[r].sum())].tolist() for r in range(len(problems))]
-    trained = [0] * len(rows)
-    for call in sampled:
-        for prefix, s in call:
-            (r,) = [r for r, row in enumerate(rows) if row[: len(prefix)] == prefix]
-            end = len(prefix) + len(s.ids)
-            assert rows[r][len(prefix) : end] == s.ids and batch.mask[r, len(prefix) : end].sum() == len(s.ids)
-            trained[r] += len(s.ids)
-    assert batch.mask.sum(1).tolist() == trained  # and nothing else is trained
+    assert_sampled_ids_are_trained(batch, sampled)
     with torch.no_grad():
         logp, _, _ = policy.score(batch, slice(None))
     mask = batch.mask.bool()

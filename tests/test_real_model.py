@@ -14,6 +14,7 @@ import torch
 import train
 import utils
 from envs import TextEnv
+from exact import assert_sampled_ids_are_trained
 from model import LLMPolicy, VLLMGenerator, resolve_model
 from rollouts import make_batch, rollout_multiturn
 from tasks import Problem, ProceduralTask, completion_number
@@ -194,15 +195,7 @@ def test_multiturn_episode_with_the_bpe_tokenizer_trains_exactly_the_sampled_tok
     finally:
         del pol.generate  # back to the class's method
     assert batch.stats["turns"].max() >= 2  # environment replies really sit inside trained rows
-    rows = [batch.tokens[r, : int(batch.attn[r].sum())].tolist() for r in range(4)]
-    trained = [0] * 4
-    for call in sampled:
-        for prefix, s in call:
-            (r,) = [r for r, row in enumerate(rows) if row[: len(prefix)] == prefix]
-            end = len(prefix) + len(s.ids)
-            assert rows[r][len(prefix) : end] == s.ids and batch.mask[r, len(prefix) : end].sum() == len(s.ids)
-            trained[r] += len(s.ids)
-    assert batch.mask.sum(1).tolist() == trained  # the rest (prompt, replies, padding) is masked out
+    rows = assert_sampled_ids_are_trained(batch, sampled)
     for r in range(4):  # what is masked after the first model turn is the environment's replies, templated
         first = int(batch.mask[r].nonzero()[0])
         masked = pol.tokenizer.decode([t for i, t in enumerate(rows[r]) if i > first and batch.mask[r, i] == 0])
