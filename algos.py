@@ -7,9 +7,7 @@ Contract: every estimator is `fn(batch, cfg) -> adv [N, T]`, reading a rollouts.
 critic also stores its regression targets in `batch.returns`. Adding an algorithm is one
 function and one entry in ALGOS; the loss below never changes.
 
-Below the estimators: `loss_weights` (how tokens are aggregated: AGGREGATIONS), the one
-`policy_loss` (PPO clip / GSPO / CISPO: LOSSES), `value_loss`, the KL estimators (KL) and the
-sampler/trainer mismatch corrections (`importance_correction`: IS_LEVELS).
+Below them: `loss_weights`, the one `policy_loss`, `value_loss`, KL and `importance_correction`.
 """
 from __future__ import annotations
 
@@ -39,8 +37,7 @@ def next_mask(mask: torch.Tensor) -> torch.Tensor:
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """G_t = r_t + gamma * G_{t+1} inside each row's run of policy steps; [N, T] -> [N, T]."""
-    nxt = next_mask(mask)
-    out = torch.zeros_like(rewards)
+    nxt, out = next_mask(mask), torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
         running = rewards[:, t] + gamma * running * nxt[:, t]
@@ -57,27 +54,17 @@ def gae(rewards, values, mask, last_value, terminated, gamma: float, lam: float)
     bootstrap = (last_value * (~terminated).float()).unsqueeze(1)  # [N, 1]
     next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1) * nxt + is_last * bootstrap
     deltas = (rewards + gamma * next_values - values) * mask  # [N, T]
-    adv = torch.zeros_like(rewards)
-    running = torch.zeros_like(rewards[:, 0])
-    for t in reversed(range(rewards.shape[1])):
-        running = deltas[:, t] + gamma * lam * running * nxt[:, t]
-        adv[:, t] = running
-    return adv * mask
+    return discounted_returns(deltas, mask, gamma * lam)  # GAE: the TD errors' (gamma * lam)-discounted sum
 
 
 def group_baseline(scores: torch.Tensor, group: torch.Tensor):
     """Per-row mean, std (population) and size of the row's group; all [N]."""
     _, idx = torch.unique(group, return_inverse=True)
-    k = torch.zeros(int(idx.max()) + 1).index_add_(0, idx, torch.ones_like(scores))
-    total = torch.zeros_like(k).index_add_(0, idx, scores)
-    sq = torch.zeros_like(k).index_add_(0, idx, scores**2)
+    per_row = torch.stack([torch.ones_like(scores), scores, scores**2], 1)  # [N, 3]
+    k, total, sq = torch.zeros(int(idx.max()) + 1, 3).index_add_(0, idx, per_row).T  # each [groups]
     mean = total / k
     std = (sq / k - mean**2).clamp(min=0).sqrt()
     return mean[idx], std[idx], k[idx]
-
-
-def sequence_score(batch) -> torch.Tensor:
-    return (batch.rewards * batch.mask).sum(1)  # [N]
 
 
 def reinforce(batch, cfg):
@@ -106,7 +93,7 @@ def ppo(batch, cfg):
 def grpo(batch, cfg):
     """Group-relative: (R - mean_group) / std_group; Dr. GRPO drops the std division, which
     otherwise up-weights groups that are nearly all right or all wrong."""
-    r = sequence_score(batch)
+    r = (batch.rewards * batch.mask).sum(1)  # [N]: each row's return
     mean, std, _ = group_baseline(r, batch.group)
     adv = r - mean if cfg.dr_grpo else (r - mean) / (std + EPS)  # [N]
     return adv.unsqueeze(1) * batch.mask
@@ -114,7 +101,7 @@ def grpo(batch, cfg):
 
 def rloo(batch, cfg):
     """Leave-one-out: each row's baseline is the mean of the other rows of its group."""
-    r = sequence_score(batch)
+    r = (batch.rewards * batch.mask).sum(1)  # [N]
     mean, _, k = group_baseline(r, batch.group)
     adv = (r - mean) * k / (k - 1)  # == r - mean(others)
     return adv.unsqueeze(1) * batch.mask
@@ -128,22 +115,13 @@ def opd(batch, cfg):
     return adv + cfg.opd_reward_coef * discounted_returns(batch.rewards, m, cfg.gamma)
 
 
-ALGOS = {
-    "reinforce": reinforce,
-    "reinforce_baseline": reinforce_baseline,
-    "reinforce_pp": reinforce_pp,
-    "ppo": ppo,
-    "grpo": grpo,
-    "rloo": rloo,
-    "opd": opd,
-}
+ALGOS = {fn.__name__: fn for fn in (reinforce, reinforce_baseline, reinforce_pp, ppo, grpo, rloo, opd)}
 GROUPED = {"grpo", "rloo"}  # estimators that need group_size >= 2
-
-
 AGGREGATIONS = ("token_mean", "seq_mean", "constant")
 
 
-def loss_weights(mask: torch.Tensor, mode: str = "token_mean", total_tokens=None, total_rows=None, constant=None) -> torch.Tensor:
+def loss_weights(mask: torch.Tensor, mode: str = "token_mean", total_tokens=None, total_rows=None,
+                 constant=None) -> torch.Tensor:
     """Per-token loss weights [N, T] whose denominators span the whole batch, computed once before
     any micro-batching, so the sum of micro-batch gradients equals one big backward. A rank of a
     data-parallel run passes the all-reduced totals; by default they are this batch's.
@@ -151,16 +129,16 @@ def loss_weights(mask: torch.Tensor, mode: str = "token_mean", total_tokens=None
       seq_mean:   token-mean inside each row, then mean over rows (the GRPO paper): mask / (len_i * rows).
       constant:   mask / (rows * constant) (Dr. GRPO): no length bias; constant = the token budget."""
     tokens = mask.sum() if total_tokens is None else torch.as_tensor(float(total_tokens))
-    # a fully masked row is not counted
-    rows = float((mask.sum(1) > 0).sum()) if total_rows is None else float(total_rows)
+    rows = (mask.sum(1) > 0).sum() if total_rows is None else total_rows  # a fully masked row is no row
+    rows = max(float(rows), 1.0)
     if mode == "token_mean":
         return mask / tokens.clamp(min=1)
     if mode == "seq_mean":  # a row's length is its own: no collective needed
-        return mask / (mask.sum(1, keepdim=True).clamp(min=1) * max(rows, 1))
+        return mask / (mask.sum(1, keepdim=True).clamp(min=1) * rows)
     if mode == "constant":
         if not constant:
-            raise ValueError("loss aggregation 'constant' needs constant= (tokens per row, e.g. max_new_tokens)")
-        return mask / (max(rows, 1) * constant)
+            raise ValueError("aggregation 'constant' needs constant= (tokens per row, e.g. max_new_tokens)")
+        return mask / (rows * constant)
     raise ValueError(f"unknown loss aggregation '{mode}' (choices: {', '.join(AGGREGATIONS)})")
 
 
@@ -168,8 +146,8 @@ LOSSES = ("ppo", "gspo", "cispo")
 IS_LEVELS = ("off", "token", "sequence")  # sampler/trainer mismatch corrections
 
 
-def policy_loss(logp, old_logp, adv, weights, mask, loss: str = "ppo", eps_low: float = 0.2, eps_high: float = 0.2,
-                dual_clip: float = 0.0):
+def policy_loss(logp, old_logp, adv, weights, mask, loss: str = "ppo", eps_low: float = 0.2,
+                eps_high: float = 0.2, dual_clip: float = 0.0):
     """The one policy loss, summed with `weights`; all inputs [n, T], only logp carries grad.
       ppo:   max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), r = exp(logp - old_logp); eps_high >
              eps_low is DAPO's clip-higher. dual_clip = c > 1 caps a negative-advantage token's loss
@@ -193,9 +171,9 @@ def policy_loss(logp, old_logp, adv, weights, mask, loss: str = "ppo", eps_low: 
         if dual_clip:
             surr = torch.where(adv < 0, torch.min(surr, -dual_clip * adv), surr)
     r = ratio.detach()
-    stats = {"ratio": r, "clip_frac_low": (r < 1 - eps_low).float(), "clip_frac_high": (r > 1 + eps_high).float(),
-             # k3 of KL(old || new) per token, on the old policy's samples
-             "approx_kl": kl_k3(old_logp, logp.detach())}
+    stats = {"ratio": r, "clip_frac_low": (r < 1 - eps_low).float(),
+             "clip_frac_high": (r > 1 + eps_high).float(),
+             "approx_kl": KL["k3"](old_logp, logp.detach())}  # KL(old || new) per token, on old's samples
     return (surr * weights).sum(), stats
 
 
@@ -210,32 +188,28 @@ def value_loss(values, returns, weights, old_values=None, clip: float = 0.0):
 
 # KL(policy || ref) per token from samples of the policy, d = ref_logp - logp (Schulman's k1, k2, k3):
 # k1 is unbiased but goes negative, k2 is low variance but biased, k3 is unbiased and always >= 0.
-KL = {
-    "k1": lambda logp, ref_logp: logp - ref_logp,
-    "k2": lambda logp, ref_logp: 0.5 * (logp - ref_logp) ** 2,
-    "k3": lambda logp, ref_logp: torch.exp(ref_logp - logp) - (ref_logp - logp) - 1,
-}
+KL = {"k1": lambda logp, ref_logp: logp - ref_logp,
+      "k2": lambda logp, ref_logp: 0.5 * (logp - ref_logp) ** 2,
+      "k3": lambda logp, ref_logp: torch.exp(ref_logp - logp) - (ref_logp - logp) - 1}
 
 
-def kl_k3(logp, ref_logp):
-    return KL["k3"](logp, ref_logp)
-
-
-def importance_correction(old_logp, sampler_logp, mask, tis: str, tis_cap: float, mis: str, mis_low: float, mis_high: float):
+def importance_correction(old_logp, sampler_logp, mask, tis: str, tis_cap: float, mis: str, mis_low: float,
+                          mis_high: float):
     """Sampler/trainer mismatch (e.g. vLLM vs the trainer's kernels): r = p_trainer / p_sampler per
     token ("token") or the product over the row ("sequence"). Truncated IS multiplies the policy
     loss by min(r, tis_cap); masked IS drops tokens (rows) whose r leaves [mis_low, mis_high]
     (both ends kept). Returns (weight [N, T], keep [N, T], stats of the raw ratios)."""
     log_r = (old_logp - sampler_logp) * mask  # [N, T]
     level = {"token": log_r, "sequence": log_r.sum(1, keepdim=True).expand_as(log_r)}
-    weight, keep = torch.ones_like(mask), mask
+    weight, keep, capped = torch.ones_like(mask), mask, torch.zeros_like(mask)
     if tis != "off":
         weight = level[tis].exp().clamp(max=tis_cap)
+        capped = (level[tis].exp() > tis_cap).float()
     if mis != "off":
         r = level[mis].exp()
         keep = mask * ((r >= mis_low) & (r <= mis_high)).float()
     tokens = mask.sum().clamp(min=1)
     stats = {"is_ratio_mean": (log_r.exp() * mask).sum() / tokens, "is_ratio_max": (log_r.exp() * mask).max(),
-             "is_capped_frac": ((weight < level[tis].exp()).float() * mask).sum() / tokens if tis != "off" else 0.0,
+             "is_capped_frac": (capped * mask).sum() / tokens,
              "is_masked_frac": (mask - keep).sum() / tokens}
     return weight, keep, {k: float(v) for k, v in stats.items()}
