@@ -17,6 +17,7 @@ import math
 import signal
 import sys
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,13 +52,11 @@ class Config:
     lr: float = 0.005  # CartPole REINFORCE, 8 seeds: 5e-3 solved all (median 33k env steps); 1e-2 left one
     gamma: float = 0.99  # CartPole's 500-step horizon wants a long (~100-step) credit window
     lam: float = 0.95  # GAE bias/variance trade-off; 0.95 is the PPO paper's value and rarely worth tuning
-    # ppo (token ratio), gspo (sequence ratio: eps ~3e-4/4e-4), cispo (clipped IS weight: every token learns)
-    loss: str = "ppo"
+    loss: str = "ppo"  # gspo: sequence ratio (eps ~3e-4); cispo: clipped IS weight, every token learns
     eps_low: float = 0.2  # ratio clip below 1; moot while the ratio is exactly 1 (one epoch, minibatch)
     eps_high: float = 0.2  # ratio clip above 1; DAPO's clip-higher (0.28) lets unlikely tokens grow
     dual_clip: float = 0.0  # caps a negative-advantage token's loss at c*|A| (c > 1, e.g. 3); 0 = off
-    # token_mean (DAPO), seq_mean (GRPO paper: long answers weigh less), constant (Dr. GRPO: no length bias)
-    loss_agg: str = "token_mean"
+    loss_agg: str = "token_mean"  # DAPO; seq_mean (GRPO paper): long answers weigh less; constant: Dr. GRPO
     loss_agg_constant: int = 0  # the constant mode's tokens per row; 0 = max_new_tokens
     inner_epochs: int = 1  # passes over each batch; >1 makes the update off-policy (PPO uses 4)
     minibatches: int = 1  # optimizer steps per epoch; 1 keeps the first-epoch ratio exactly 1
@@ -71,9 +70,8 @@ class Config:
     hidden: int = 64  # MLP width: CartPole needs little, and small is fast
     eval_every: int = 5  # steps between greedy evals; one 10-episode eval costs about one step
     eval_episodes: int = 10  # held-out greedy episodes per eval (the solve criterion uses 10)
-    # stop once the headline eval (eval_return / eval_accuracy) reaches it: 475 is CartPole's solved bar,
-    # which no accuracy reaches (LLM tasks: e.g. 0.9); 0 = never
-    target: float = 475.0
+    # stop once eval_return / eval_accuracy reaches it: 475 is CartPole's solved bar, above any accuracy
+    target: float = 475.0  # LLM tasks: e.g. 0.9; 0 = never
     out: str = ""  # run directory; empty = runs/<task>-<algo>-<timestamp>
     resume: str = ""  # a run directory (its config.yaml, newest checkpoint that loads) or a ckpt-* in one
     eval_only: bool = False  # evaluate --resume's checkpoint (into RUN/eval-STEP) or a bare --model (--out)
@@ -91,8 +89,7 @@ class Config:
     lora_alpha: int = 32  # alpha = 2 x rank keeps the update scale stable when the rank changes
     lora_targets: str = "all-linear"  # every linear projection the model has, found from the model
     dtype: str = "fp32"  # bf16 on GPUs halves memory; trained parameters stay fp32 either way
-    # sdpa, eager, flash_attention_2, ...; auto: eager for bf16 on a CPU (faster up to 512 tokens), else sdpa
-    attn: str = "auto"
+    attn: str = "auto"  # eager for bf16 on a CPU (faster up to 512 tokens), else sdpa; or flash_attention_2
     temperature: float = 1.0  # applied to the logits of both sampling and scoring, so ratios stay exact
     top_p: float = 1.0  # < 1 samples from a distribution the loss does not model (warned)
     max_new_tokens: int = 256  # completion budget; a truncated completion gets no end token
@@ -136,12 +133,11 @@ class Config:
 
 
 def task_defaults(given: dict) -> dict:
-    """The defaults above are CartPole's; an LLM task gets these in their place, under whatever a
-    preset or a flag gives (`given`), and config.yaml records the values a run used. Learning rates:
-    GRPO on SmolLM2-135M (countdown, 16 x 24 tokens, LoRA r=16), entropy over steps 1-4: at 5e-3
-    2.1 -> 3.5 -> 0.9 -> 1.4, at 5e-4 2.1 -> 2.7 -> 2.9 -> 2.5, at 1e-4 2.1 -> 2.6 -> 2.8 -> 2.4 (each
-    step a new batch: 5e-4 and 1e-4 differ by less than that noise, so the faster one). Full
-    fine-tuning: 5e-5, the tiny preset's measured GRPO rate (1e-4 plateaued there)."""
+    """The defaults above are CartPole's; an LLM task gets these in their place, under what a preset
+    or flag gives (`given`); config.yaml records the values used. lr: GRPO on SmolLM2-135M (countdown,
+    16 x 24 tokens, LoRA r=16), entropy over steps 1-4: 5e-3 2.1 -> 3.5 -> 0.9 -> 1.4, 5e-4 2.1 -> 2.7
+    -> 2.9 -> 2.5, 1e-4 2.1 -> 2.6 -> 2.8 -> 2.4 (5e-4 and 1e-4 differ by less than the noise of a new
+    batch each step: the faster one). Full fine-tuning: 5e-5, the tiny preset's GRPO rate (1e-4 plateaued)."""
     task = given.get("task", Config.task)
     kind = tasks.TASKS.get(task) or getattr(TEXT_ENVS.get(task), "task", None)
     if kind is None:  # CartPole, or a name validate() rejects
@@ -156,7 +152,7 @@ def choices() -> dict:
     """Fields with a fixed set of values: validate() checks them first, and --help lists them."""
     return {"task": sources(), "algo": ALGOS, "loss": LOSSES, "loss_agg": AGGREGATIONS, "kl_estimator": KL,
             "tis": IS_LEVELS, "mis": IS_LEVELS, "bad_rows": ("skip", "error"),
-            "role": ("sync", "trainer", "rollout")}
+            "role": ("sync", "trainer", "rollout"), "judge_down": ("fail", "drop")}
 
 
 def validate(cfg: Config) -> None:
@@ -166,14 +162,12 @@ def validate(cfg: Config) -> None:
         if (value := getattr(cfg, name)) not in valid:
             raise err(f"unknown --{name.replace('_', '-')} '{value}'{utils.closest(value, valid)} "
                       f"(choices: {', '.join(valid)})")
-    for name in ("steps", "sft_steps", "micro_batch", "max_staleness", "workers", "pass_k", "debug_samples",
-                 "samples"):
-        if getattr(cfg, name) < 0:
-            raise err(f"need --{name.replace('_', '-')} >= 0 (got {getattr(cfg, name)})")
-    for name in ("eval_every", "eval_episodes", "eval_size", "gen_batch", "max_new_tokens", "inner_epochs",
-                 "minibatches", "ckpt_every", "keep_ckpts", "max_turns"):
-        if getattr(cfg, name) < 1:
-            raise err(f"need --{name.replace('_', '-')} >= 1 (got {getattr(cfg, name)})")
+    for low, names in ((0, "steps sft_steps micro_batch max_staleness workers pass_k debug_samples samples"),
+                       (1, "eval_every eval_episodes eval_size gen_batch max_new_tokens inner_epochs "
+                           "minibatches ckpt_every keep_ckpts max_turns max_gen_batches")):
+        for name in names.split():
+            if getattr(cfg, name) < low:
+                raise err(f"need --{name.replace('_', '-')} >= {low} (got {getattr(cfg, name)})")
     if cfg.algo in GROUPED and cfg.group_size < 2:
         raise err(f"--algo {cfg.algo} needs --group-size >= 2 (got {cfg.group_size}); try --group-size 8")
     if cfg.group_size < 1 or cfg.batch < 1 or cfg.batch % cfg.group_size:
@@ -199,10 +193,6 @@ def validate(cfg: Config) -> None:
     if (cfg.vf_clip or cfg.critic_max_grad_norm) and cfg.algo != "ppo":
         raise err(f"--vf-clip and --critic-max-grad-norm tune PPO's critic, and the --algo {cfg.algo} "
                   "policy has none; use --algo ppo or drop them")
-    if cfg.bad_rows not in ("skip", "error"):
-        raise err(f"--bad-rows must be skip or error (got {cfg.bad_rows})")
-    if cfg.judge_down not in ("fail", "drop"):
-        raise err(f"--judge-down must be fail or drop (got {cfg.judge_down})")
     if (cfg.export or cfg.export_merged) and (cfg.task in CONTROL or not cfg.export):
         raise err("--export DIR writes a language model (and --export-merged needs --export DIR); CartPole's "
                   "weights are the ckpt-*/weights.safetensors of its run")
@@ -220,9 +210,9 @@ def validate(cfg: Config) -> None:
 def validate_task(cfg: Config) -> None:
     """Options that only some kinds of task have."""
     err, single = utils.ConfigError, sources()[cfg.task] is TaskRollouts
-    if cfg.dynamic_sampling and (cfg.algo not in GROUPED or not single or cfg.max_gen_batches < 1):
-        raise err(f"--dynamic-sampling needs a grouped --algo ({', '.join(sorted(GROUPED))}), a single-turn "
-                  "LLM task and --max-gen-batches >= 1")
+    if cfg.dynamic_sampling and (cfg.algo not in GROUPED or not single):
+        raise err(f"--dynamic-sampling needs a grouped --algo ({', '.join(sorted(GROUPED))}) and a "
+                  "single-turn LLM task")
     if not 0 <= cfg.prompt_reweight <= 1 or (cfg.prompt_reweight and not single):
         raise err(f"--prompt-reweight is a share in [0, 1] for single-turn LLM tasks "
                   f"(got {cfg.prompt_reweight})")
@@ -297,8 +287,7 @@ def warm_start(policy, opt, source: BatchSource, cfg: Config, log, first: int, s
     (logged at first + 1 .. 0) on the RL optimizer at sft_lr, whose state is cleared at the end: RL starts
     from a fresh Adam, and a checkpoint on the way holds all a resumed warm-start needs. True: stop()
     asked to stop (Ctrl-C), and the last step was checkpointed."""
-    for group in opt.param_groups:
-        group["lr"] = cfg.sft_lr
+    opt.param_groups[0]["lr"] = cfg.sft_lr  # build() gives Adam one group
     for step in range(first, 0):
         batch = source.demonstrations(cfg.batch)
         opt.zero_grad(set_to_none=True)
@@ -313,8 +302,7 @@ def warm_start(policy, opt, source: BatchSource, cfg: Config, log, first: int, s
         if step + 1 < 0 and stop(step + 1):
             return True
     opt.state.clear()
-    for group in opt.param_groups:
-        group["lr"] = cfg.lr
+    opt.param_groups[0]["lr"] = cfg.lr
     return False
 
 
@@ -386,23 +374,20 @@ def prepare(policy, batch: Batch, cfg: Config, weights=live_weights, teacher=Non
         metrics["opd_reverse_kl"] = masked_mean(batch.old_logp - batch.teacher_logp, mask).item()  # per token
     rewards = batch.rewards
     if cfg.kl_in_reward:  # the penalty becomes part of the return, so every estimator sees it
-        # on-policy: the sampler is the policy
-        old = batch.logp if on_policy(policy, cfg) else batch.old_logp
+        old = batch.logp if on_policy(policy, cfg) else batch.old_logp  # on-policy: the sampler is the policy
         kl = KL[cfg.kl_estimator](old, batch.ref_logp) * mask  # [N, T]
         batch.rewards, metrics["kl"] = rewards - cfg.kl_coef * kl, masked_mean(kl, mask).item()
     batch.adv = ALGOS[cfg.algo](batch, cfg)
     keep = mask * ~batch.truncated[:, None] if cfg.mask_truncated else mask  # [N, T]
-    batch.is_weight = torch.ones_like(mask)
+    batch.is_weight, batch.loss_mask = torch.ones_like(mask), keep
     if cfg.tis != "off" or cfg.mis != "off":
         batch.is_weight, kept, s = importance_correction(batch.old_logp, batch.logp, mask, cfg.tis,
                                                          cfg.tis_cap, cfg.mis, cfg.mis_low, cfg.mis_high)
-        keep, metrics = keep * kept, {**metrics, **s}
-    batch.loss_mask = keep
+        batch.loss_mask, metrics = keep * kept, {**metrics, **s}
     # Global denominators: under torchrun the totals are every rank's (utils.batch_totals).
-    batch.weights = loss_weights(keep, cfg.loss_agg, **utils.batch_totals(keep),
+    batch.weights = loss_weights(batch.loss_mask, cfg.loss_agg, **utils.batch_totals(batch.loss_mask),
                                  constant=cfg.loss_agg_constant or cfg.max_new_tokens)
-    # Means over ranks (equal rows per rank): exact for means and fractions, per-rank averages for std and
-    # max.
+    # Means over ranks (equal rows per rank): exact for means and fractions; std and max: per-rank averages.
     batch.metrics = utils.reduce_dict({**rollout_metrics(batch, rewards, cfg), **metrics}, mean=True)
     return batch
 
@@ -414,7 +399,7 @@ def update(policy, opt, batch: Batch, cfg: Config) -> dict:
     n, fresh = len(batch), on_policy(policy, cfg)
     critic = list(policy.v.parameters()) if policy.has_critic and cfg.critic_max_grad_norm else []
     actor = [p for p in policy.parameters() if p.requires_grad and all(p is not c for c in critic)]
-    stats, means, updates = {"loss": 0.0, "grad_norm": 0.0, "skipped": 0}, {}, 0
+    stats, means, updates, skipped = defaultdict(float), defaultdict(float), 0, 0
     # what a denominator counts: tokens (token_mean) or rows (seq_mean, constant)
     unit = batch.loss_mask if cfg.loss_agg == "token_mean" else (batch.loss_mask.sum(1) > 0).float()
     for _ in range(cfg.inner_epochs):
@@ -431,30 +416,23 @@ def update(policy, opt, batch: Batch, cfg: Config) -> dict:
                 loss.backward()
                 total += loss.detach()
                 for k, v in s.items():  # this rank's share of the minibatch's token means
-                    share_k = (v * batch.loss_mask[rows]).sum() / tokens.clamp(min=1)
-                    means[k] = means.get(k, 0.0) + share_k.item()
+                    means[k] += ((v * batch.loss_mask[rows]).sum() / tokens.clamp(min=1)).item()
             utils.sum_grads(policy)  # torchrun: every rank now holds the whole batch's gradient
             total = utils.all_sum(total)  # so that all ranks agree on skipping a non-finite step
-            norm = torch.nn.utils.clip_grad_norm_(actor, cfg.max_grad_norm)
-            # The critic may get its own clip, so that neither gradient's scale crowds out the other.
-            critic_norm = torch.zeros(())
-            if critic:
-                critic_norm = torch.nn.utils.clip_grad_norm_(critic, cfg.critic_max_grad_norm)
+            norms = {"grad_norm": torch.nn.utils.clip_grad_norm_(actor, cfg.max_grad_norm)}
+            if critic:  # a clip of its own, so that neither gradient's scale crowds out the other
+                norms["critic_grad_norm"] = torch.nn.utils.clip_grad_norm_(critic, cfg.critic_max_grad_norm)
             # A NaN/inf never reaches the weights; nor does a step without tokens (every sample dropped),
             # which would still move them by Adam's momentum.
-            finite = torch.isfinite(total) and torch.isfinite(norm) and torch.isfinite(critic_norm)
-            if not finite or not tokens:
-                opt.zero_grad(set_to_none=True)
-                stats["skipped"] += 1
-            else:
+            if torch.isfinite(torch.stack([total, *norms.values()])).all() and tokens:
                 opt.step()
-            stats["loss"] += total.item()
-            stats["grad_norm"] += norm.item()
-            if critic:
-                stats["critic_grad_norm"] = stats.get("critic_grad_norm", 0.0) + critic_norm.item()
+            else:
+                skipped += 1
+            for k, v in {"loss": total, **norms}.items():
+                stats[k] += v.item()
             updates += 1
     stats.update(utils.reduce_dict(means))  # summed over ranks
-    return {**{k: v / updates if k != "skipped" else v for k, v in stats.items()}, **batch.metrics}
+    return {**{k: v / updates for k, v in stats.items()}, "skipped": skipped, **batch.metrics}
 
 
 def micro_loss(policy, batch: Batch, rows: torch.Tensor, share, fresh: bool, cfg: Config):
@@ -476,6 +454,9 @@ def micro_loss(policy, batch: Batch, rows: torch.Tensor, share, fresh: bool, cfg
 
 
 # ---------------------------------------------------------------- the loop
+HEADLINE = ("eval_return", "eval_accuracy")  # the eval that --target stops at (a task logs one of them)
+
+
 def train(cfg: Config) -> Path:
     validate(cfg)
     policy, opt, source = build(cfg)
@@ -517,8 +498,7 @@ def train(cfg: Config) -> Path:
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 last_eval = evaluate(source, log, step + 1, out)
             bar.set_postfix(reward=f"{stats['reward']:.1f}", **{k: f"{v:.3g}" for k, v in last_eval.items()})
-            headline = max(last_eval.get(k, -math.inf) for k in ("eval_return", "eval_accuracy"))
-            solved = cfg.target and headline >= cfg.target
+            solved = cfg.target and max(last_eval.get(k, -math.inf) for k in HEADLINE) >= cfg.target
             if stop(step + 1):
                 break
             if (step + 1) % cfg.ckpt_every == 0 or solved or step + 1 == cfg.steps:
@@ -527,8 +507,7 @@ def train(cfg: Config) -> Path:
                 break
         bar.close()
     except KeyboardInterrupt:
-        utils.stderr(f"stopped during step {step + 1}, which is not saved; the checkpoints in {out} are "
-                     f"intact (--resume {out})")
+        utils.stderr(f"stopped during step {step + 1} (not saved); checkpoints so far: --resume {out}")
         raise
     finally:
         signal.signal(signal.SIGINT, previous)
