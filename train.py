@@ -203,12 +203,11 @@ def validate(cfg: Config) -> None:
                   "always written)")
     if cfg.resume and not Path(cfg.resume).is_dir():
         raise err(f"--resume {cfg.resume}: no such run directory")
-    validate_task(cfg)
-    validate_roles(cfg)
+    validate_modes(cfg)
 
 
-def validate_task(cfg: Config) -> None:
-    """Options that only some kinds of task have."""
+def validate_modes(cfg: Config) -> None:
+    """Options that only some kinds of task, or only disaggregated training (serve.py), have."""
     err, single = utils.ConfigError, sources()[cfg.task] is TaskRollouts
     if cfg.dynamic_sampling and (cfg.algo not in GROUPED or not single):
         raise err(f"--dynamic-sampling needs a grouped --algo ({', '.join(sorted(GROUPED))}) and a "
@@ -233,11 +232,6 @@ def validate_task(cfg: Config) -> None:
         if llm:
             raise err(f"--{llm[0].replace('_', '-')} is for LLM tasks; {cfg.task} has no text (CartPole's "
                       "time limit is handled by bootstrapping); drop it or pick an LLM --task")
-
-
-def validate_roles(cfg: Config) -> None:
-    """What disaggregated training (serve.py) needs."""
-    err = utils.ConfigError
     if cfg.role != "sync" and cfg.task in CONTROL:
         raise err(f"--role {cfg.role} is for LLM tasks; {cfg.task} runs in one process (--role sync)")
     if cfg.role != "sync" and cfg.algo == "ppo":
@@ -282,11 +276,10 @@ def load_teacher(cfg: Config, student):
 
 
 def warm_start(policy, opt, source: BatchSource, cfg: Config, log, first: int, stop) -> bool:
-    """Optional supervised stage before RL: cross-entropy on demonstrations written by the task's own
-    solver (never by a model), so the RL gain on top can be reported separately. Steps `first` .. -1
-    (logged at first + 1 .. 0) on the RL optimizer at sft_lr, whose state is cleared at the end: RL starts
-    from a fresh Adam, and a checkpoint on the way holds all a resumed warm-start needs. True: stop()
-    asked to stop (Ctrl-C), and the last step was checkpointed."""
+    """Optional supervised stage before RL on the task's own solver's demonstrations (never a model's),
+    so the RL gain on top is reported apart. Steps first..-1 (logged at first+1..0) use the RL optimizer
+    at sft_lr, whose state is then cleared: RL starts from a fresh Adam, and a checkpoint on the way holds
+    all a resumed warm-start needs. True: stop() saw a Ctrl-C (and checkpointed)."""
     opt.param_groups[0]["lr"] = cfg.sft_lr  # build() gives Adam one group
     for step in range(first, 0):
         batch = source.demonstrations(cfg.batch)
@@ -313,11 +306,10 @@ def micro_slices(rows: torch.Tensor, size: int):
 
 
 def on_policy(policy, cfg: Config) -> bool:
-    """One pass (one epoch, one minibatch) over rows the live weights just sampled, with no critic,
-    no IS correction and no teacher (OPD's advantage needs old_logp before the update): the update's
-    own forward is then the old policy, its ratio exactly 1 (REINFORCE, GRPO, ... are the plain
-    policy gradient), and stage 2 skips a scoring forward. An async trainer's rows always get
-    rescored: they were sampled by older versions."""
+    """One pass (one epoch, one minibatch) over rows the live weights just sampled, with no critic, no
+    IS correction and no teacher (OPD needs old_logp before the update): the update's own forward is
+    then the old policy, its ratio exactly 1 (REINFORCE, GRPO, ... are the plain policy gradient), and
+    stage 2 skips a forward. Async rows are always rescored: older versions sampled them."""
     return (cfg.role == "sync" and cfg.inner_epochs == 1 and cfg.minibatches == 1 and not policy.has_critic
             and cfg.tis == "off" and cfg.mis == "off" and cfg.algo != "opd")
 
@@ -357,11 +349,10 @@ def rollout_metrics(batch: Batch, rewards: torch.Tensor, cfg: Config) -> dict:
 
 @torch.no_grad()
 def prepare(policy, batch: Batch, cfg: Config, weights=live_weights, teacher=None) -> Batch:
-    """Stage 2: old log-probs and values under the weights that sampled each row, then advantages,
-    loss weights and batch.metrics (floats for the log). Old log-probs are recomputed here rather
-    than trusted from the sampler, with the same micro-batches the update uses, so the first
-    epoch's ratio is exactly 1 for live rows; the sampler's own (batch.logp) only enter the
-    mismatch corrections (tis / mis) and the logged logp_gap."""
+    """Stage 2: old log-probs and values under the weights that sampled each row, then advantages, loss
+    weights and batch.metrics (floats for the log). Old log-probs are recomputed, not trusted from the
+    sampler, in the micro-batches update() uses, so live rows' first-epoch ratio is exactly 1; the
+    sampler's own (batch.logp) only enter the mismatch corrections (tis / mis) and the logged logp_gap."""
     mask, metrics, rows = batch.mask, {}, micro_slices(torch.arange(len(batch)), cfg.micro_batch)
     if not on_policy(policy, cfg):
         batch.old_logp, batch.values = old_scores(policy, batch, cfg, weights)
@@ -618,12 +609,9 @@ def main(argv: list[str]) -> int:
             return serve.run_worker(cfg)
         utils.init_distributed(cfg.dist_timeout)
         train(cfg)
-    except utils.ConfigError as e:
+    except (utils.ConfigError, JudgeUnavailable) as e:  # --judge-down fail: the checkpoints stay intact
         utils.stderr(f"error: {e}")
-        return 2
-    except JudgeUnavailable as e:  # --judge-down fail: the checkpoints written so far stay intact
-        utils.stderr(f"error: {e}")
-        return 1
+        return 2 if isinstance(e, utils.ConfigError) else 1
     except KeyboardInterrupt:
         return 130  # the shell's code for a run stopped by Ctrl-C
     except Exception as e:
