@@ -226,12 +226,11 @@ def validate_modes(cfg: Config) -> None:
             sandbox.sandbox_plan()
         except sandbox.SandboxUnavailable as e:
             raise err(str(e)) from None
-    if cfg.task in CONTROL:  # the text and token options mean nothing there
-        llm = [f for f in ("sft_steps", "mask_truncated", "dynamic_sampling", "prompt_reweight", "kl_coef",
-                           "overlong_buffer", "pass_k", "debug_samples") if getattr(cfg, f)]
-        if llm:
-            raise err(f"--{llm[0].replace('_', '-')} is for LLM tasks; {cfg.task} has no text (CartPole's "
-                      "time limit is handled by bootstrapping); drop it or pick an LLM --task")
+    llm = [f for f in ("sft_steps", "mask_truncated", "kl_coef", "pass_k", "debug_samples")
+           if getattr(cfg, f)]  # the other text options are refused for CartPole above
+    if cfg.task in CONTROL and llm:  # no text, no tokens
+        raise err(f"--{llm[0].replace('_', '-')} is for LLM tasks; {cfg.task} has no text (CartPole's "
+                  "time limit is handled by bootstrapping); drop it or pick an LLM --task")
     if cfg.role != "sync" and cfg.task in CONTROL:
         raise err(f"--role {cfg.role} is for LLM tasks; {cfg.task} runs in one process (--role sync)")
     if cfg.role != "sync" and cfg.algo == "ppo":
