@@ -186,8 +186,7 @@ def validate(cfg: Config) -> None:
         raise err(f"need 0 < eps_low <= 1, eps_high > 0 and dual_clip 0 (off) or > 1 "
                   f"(got {cfg.eps_low}, {cfg.eps_high}, {cfg.dual_clip})")
     if cfg.tis_cap < 1 or not 0 < cfg.mis_low <= 1 <= cfg.mis_high:
-        raise err("need tis_cap >= 1 and mis_low <= 1 <= mis_high, so that agreeing sampler and trainer get "
-                  "weight 1")
+        raise err("need tis_cap >= 1 and mis_low <= 1 <= mis_high: agreeing engines get weight 1")
     if cfg.kl_in_reward and not cfg.kl_coef:
         raise err("--kl-in-reward needs --kl-coef > 0 (e.g. 0.01)")
     if (cfg.vf_clip or cfg.critic_max_grad_norm) and cfg.algo != "ppo":
@@ -199,8 +198,7 @@ def validate(cfg: Config) -> None:
     if cfg.eval_only and (utils.world() > 1 or cfg.role != "sync"):
         raise err("--eval-only runs in one process: drop torchrun and --role")
     if set(filter(None, cfg.log.split(","))) - set(utils.LOGGERS):
-        raise err(f"--log {cfg.log}: choose from {', '.join(utils.LOGGERS)}, comma-separated (metrics.csv is "
-                  "always written)")
+        raise err(f"--log {cfg.log}: choose from {', '.join(utils.LOGGERS)} (metrics.csv is always written)")
     if cfg.resume and not Path(cfg.resume).is_dir():
         raise err(f"--resume {cfg.resume}: no such run directory")
     validate_modes(cfg)
@@ -213,8 +211,7 @@ def validate_modes(cfg: Config) -> None:
         raise err(f"--dynamic-sampling needs a grouped --algo ({', '.join(sorted(GROUPED))}) and a "
                   "single-turn LLM task")
     if not 0 <= cfg.prompt_reweight <= 1 or (cfg.prompt_reweight and not single):
-        raise err(f"--prompt-reweight is a share in [0, 1] for single-turn LLM tasks "
-                  f"(got {cfg.prompt_reweight})")
+        raise err(f"--prompt-reweight {cfg.prompt_reweight}: a share in [0, 1], single-turn LLM tasks only")
     if cfg.overlong_buffer and (not single or not 0 < cfg.overlong_buffer <= cfg.max_new_tokens):
         raise err(f"--overlong-buffer is for single-turn LLM tasks, in 1..--max-new-tokens "
                   f"(got {cfg.overlong_buffer})")
@@ -435,8 +432,7 @@ def micro_loss(policy, batch: Batch, rows: torch.Tensor, share, fresh: bool, cfg
     loss = loss - cfg.ent_coef * (entropy * w).sum()
     s["entropy"] = entropy.detach()
     if values is not None:
-        v_loss = value_loss(values, batch.returns[rows], w, batch.values[rows], cfg.vf_clip)
-        loss = loss + cfg.vf_coef * v_loss
+        loss += cfg.vf_coef * value_loss(values, batch.returns[rows], w, batch.values[rows], cfg.vf_clip)
     if cfg.kl_coef and not cfg.kl_in_reward:
         kl = KL[cfg.kl_estimator](logp, batch.ref_logp[rows])  # [n, T]
         loss, s["kl"] = loss + cfg.kl_coef * (kl * w).sum(), kl.detach()
