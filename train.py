@@ -142,8 +142,7 @@ def task_defaults(given: dict) -> dict:
     kind = tasks.TASKS.get(task) or getattr(TEXT_ENVS.get(task), "task", None)
     if kind is None:  # CartPole, or a name validate() rejects
         return {}
-    return {"algo": "grpo", "group_size": 8,  # GRPO needs a group; 8 shows a spread at 10-90% accuracy
-            "batch": 64,  # 8 prompts x 8 completions
+    return {"algo": "grpo", "group_size": 8, "batch": 64,  # 8 prompts x 8: a spread at 10-90% accuracy
             "lr": 5e-4 if given.get("lora", Config.lora) else 5e-5,  # a low-rank update: ~10x the rate
             "max_new_tokens": kind.max_new_tokens}  # the task's own budget ("12+7=" needs 8, GSM8K 512)
 
@@ -288,7 +287,7 @@ def warm_start(policy, opt, source: BatchSource, cfg: Config, log, first: int, s
         utils.sum_grads(policy)
         opt.step()
         log.log(step + 1, {"sft_loss": utils.all_sum(loss).item()})
-        if step + 1 < 0 and stop(step + 1):
+        if step + 1 < 0 and stop(step + 1, log):
             return True
     opt.state.clear()
     opt.param_groups[0]["lr"] = cfg.lr
@@ -297,8 +296,7 @@ def warm_start(policy, opt, source: BatchSource, cfg: Config, log, first: int, s
 
 # ---------------------------------------------------------------- stage 2: advantage
 def micro_slices(rows: torch.Tensor, size: int):
-    size = size or len(rows)
-    return [rows[i : i + size] for i in range(0, len(rows), size)]
+    return rows.split(size or len(rows))
 
 
 def on_policy(policy, cfg: Config) -> bool:
@@ -459,10 +457,10 @@ def train(cfg: Config) -> Path:
         interrupted.append(True)
         utils.stderr("Ctrl-C: finishing this step, then saving a checkpoint; press Ctrl-C again to stop now")
 
-    def stop(step: int) -> bool:  # after each step: a Ctrl-C seen by one rank stops all here, checkpointed
+    def stop(step: int, log) -> bool:  # after each step: a Ctrl-C seen by one rank stops all here, saved
         if utils.reduce_dict({"stop": bool(interrupted)})["stop"]:
             interrupted.append(True)  # also on a rank that saw no Ctrl-C
-            checkpoint(cfg, out, step, policy, opt, source, log)
+            checkpoint(cfg, out, step, policy, opt, source, log)  # the caller's log: warm-start wall time too
             utils.stderr(f"interrupted: checkpoint saved; continue with --resume {out}")
         return bool(interrupted)
 
@@ -485,7 +483,7 @@ def train(cfg: Config) -> Path:
                 last_eval = evaluate(source, log, step + 1, out)
             bar.set_postfix(reward=f"{stats['reward']:.1f}", **{k: f"{v:.3g}" for k, v in last_eval.items()})
             solved = cfg.target and max(last_eval.get(k, -math.inf) for k in HEADLINE) >= cfg.target
-            if stop(step + 1):
+            if stop(step + 1, log):
                 break
             if (step + 1) % cfg.ckpt_every == 0 or solved or step + 1 == cfg.steps:
                 checkpoint(cfg, out, step + 1, policy, opt, source, log)
