@@ -498,7 +498,7 @@ def train(cfg: Config) -> Path:
         log.close()
         source.close()  # an async trainer tells its workers the run is over
     if lead:
-        utils.plot(out, keys=("reward", "eval_return", "eval_accuracy", "eval_accuracy_lenient"))
+        utils.plot(out, keys=("reward", *HEADLINE, "eval_accuracy_lenient"))
         finish(cfg, policy, out, log.wall())
     return out
 
