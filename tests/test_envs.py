@@ -19,7 +19,8 @@ from envs import (TEXT_ENVS, CountdownEnv, PythonTask, PythonToolEnv, SQLEnv, SQ
                   format_rows, run_sql, sql_correct, sql_database)
 import train
 from exact import assert_sampled_ids_are_trained
-from model import LLMPolicy, Sample, build_tiny_model
+from model import LLMPolicy, Sample
+from modeldir import build_tiny_model
 from rollouts import rollout_multiturn
 from tasks import Problem, ProceduralTask, completion_number
 

@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train
 import utils
-from model import LLMPolicy, build_tiny_model
+from model import LLMPolicy
+from modeldir import build_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

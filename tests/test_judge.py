@@ -161,7 +161,7 @@ def test_semaphore_caps_requests_in_flight(server):
 # ---------------------------------------------------------------- the loop's policy for a judge that goes down
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from model import build_tiny_model
+    from modeldir import build_tiny_model
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), layers=1, hidden=64, heads=1, intermediate=128)
 
 

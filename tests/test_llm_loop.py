@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 import tasks
 import train
 import utils
-from model import build_tiny_model
+from modeldir import build_tiny_model
 
 
 def digit_share(prompt, completion, answer):
