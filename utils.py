@@ -3,6 +3,7 @@ helpers."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import datetime
@@ -13,6 +14,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -284,6 +286,24 @@ def plot(out: Path, keys=("reward", "eval_return")) -> Path:
 
 
 # ---------------------------------------------------------------- checkpoints
+@contextlib.contextmanager
+def atomic_dir(final: Path, replace: bool = True):
+    """A fresh directory beside `final`, renamed to `final` once the block has filled it: a reader
+    never sees half of it. replace=False keeps an existing `final` (a concurrent builder's)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        yield tmp
+        if replace:
+            shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    except OSError:
+        if replace or not final.exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def fsync_write(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
@@ -296,19 +316,14 @@ def save_checkpoint(out: Path, step: int, policy: torch.nn.Module, opt: torch.op
     Weights are safetensors, optimizer and RNG state a tensors-only torch.save read back with
     weights_only=True, everything else JSON. Keeps the newest `keep` checkpoints."""
     final = out / f"ckpt-{step:07d}"
-    tmp = out / f".tmp-ckpt-{step:07d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    weights = {n: p.detach().contiguous() for n, p in policy.named_parameters() if p.requires_grad}
-    save_file(weights, str(tmp / "weights.safetensors"))
-    state = {"optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state()}
-    torch.save(state, tmp / "state.pt")
-    fsync_write(tmp / "meta.json", json.dumps({"step": step, **meta}, indent=1).encode())
-    for name in ("weights.safetensors", "state.pt"):
-        with open(tmp / name, "rb") as f:
-            os.fsync(f.fileno())
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    with atomic_dir(final) as tmp:
+        weights = {n: p.detach().contiguous() for n, p in policy.named_parameters() if p.requires_grad}
+        save_file(weights, str(tmp / "weights.safetensors"))
+        torch.save({"optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state()}, tmp / "state.pt")
+        fsync_write(tmp / "meta.json", json.dumps({"step": step, **meta}, indent=1).encode())
+        for name in ("weights.safetensors", "state.pt"):
+            with open(tmp / name, "rb") as f:
+                os.fsync(f.fileno())
     for old in checkpoints(out)[:-keep]:
         shutil.rmtree(old)
     return final

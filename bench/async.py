@@ -184,7 +184,7 @@ def generation(args) -> dict:
         names, meta = policy.wire_names(), {"adapter_config": policy.adapter_config()}
         tensors = {names[n]: t for n, t in policy.trainable_state().items()}
         gen.load(0, tensors, meta, transport.encode(tensors, meta))
-        prompts = [gen.TokensPrompt(prompt_token_ids=p) for p in prefixes]
+        prompts = [{"prompt_token_ids": p} for p in prefixes]
         params = gen.SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=args.gen_tokens,
                                     stop_token_ids=sorted(policy.eos_ids))
         raw = lambda: sum(len(o.outputs[0].token_ids) for o in gen.llm.generate(prompts, params, lora_request=gen.request, use_tqdm=False))
