@@ -10,6 +10,7 @@ VLLMGenerator samples the same distribution with vLLM, for rollout workers (serv
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import shutil
@@ -69,10 +70,8 @@ class MLPPolicy(nn.Module):
 
 
 # ================================================================ language models
-# Everything below is the LLM policy: a Hugging Face causal LM (optionally under a PEFT LoRA
-# adapter) with a hand-written sampling loop that records each sampled token's log-prob.
-# The Hugging Face stack is imported inside the functions that use it: it adds ~6 s to every
-# start-up, and CartPole runs never touch it.
+# A Hugging Face causal LM, optionally under a PEFT LoRA adapter. The Hugging Face stack is imported
+# inside the functions that use it: it adds ~6 s to every start-up, and CartPole runs never touch it.
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -126,17 +125,15 @@ def end_tokens(tokenizer, generation_config) -> set[int]:
 
 
 def load_lm(path: str, cfg, device: torch.device) -> nn.Module:
-    """The causal LM at `path` on `device`; on the meta device only its config and generation
-    config (no weights, no memory)."""
+    """The causal LM at `path` on `device`; on the meta device without weights (no memory)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     if device.type == "meta":
         with device:
             lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-        try:  # from_pretrained reads generation_config.json too: its eos ids stop completions
+        # as from_pretrained: generation_config.json (its eos ids stop completions) if there is one
+        with contextlib.suppress(OSError):
             lm.generation_config = GenerationConfig.from_pretrained(path)
-        except OSError:  # the model has none; the defaults from its config stand, as in from_pretrained
-            pass
         return lm
     # "auto": sdpa, except plain matmul attention for bf16 on a CPU, where PyTorch's flash-attention
     # backward makes a training step ~25% slower at every length measured (21 to 512 tokens). Matmul
@@ -196,21 +193,19 @@ class LLMPolicy(nn.Module):
         # weights); zero-initialised so the first values are 0 rather than noise of the reward's scale.
         self.has_critic = critic = cfg.algo == "ppo"
         self.v = nn.Linear(lm.get_output_embeddings().in_features, 1).to(self.device) if critic else None
-        if critic:
-            nn.init.zeros_(self.v.weight)
-            nn.init.zeros_(self.v.bias)
+        for p in self.v.parameters() if critic else []:
+            nn.init.zeros_(p)
         self.ref_model = None
         if not lora and cfg.kl_coef > 0:
             warnings.warn("full fine-tuning with kl_coef > 0 keeps a frozen copy of the whole model as the "
                           "KL reference (2x weight memory); LoRA's is free: the adapter switched off")
-            # same dtype as the policy: KL is exactly 0 at step 0
-            self.ref_model = copy.deepcopy(lm).requires_grad_(False)
+            self.ref_model = copy.deepcopy(lm).requires_grad_(False)  # the policy's dtype: KL 0 at step 0
         self.eos_ids = end_tokens(self.tokenizer, lm.generation_config)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids)
         self.use_template = cfg.chat_template and self.tokenizer.chat_template is not None
-        bos = self.tokenizer.bos_token_id
-        self.bos = [bos] if bos is not None and bos in self.tokenizer("")["input_ids"] else []
+        # the bos the tokenizer writes before a text, which encode(add_special_tokens=False) leaves out
+        self.bos = [i for i in self.tokenizer("")["input_ids"] if i == self.tokenizer.bos_token_id]
         self.eval()
 
     def autocast(self):
@@ -325,8 +320,7 @@ class LLMPolicy(nn.Module):
         n, L = mask.shape
         end = int(batch.attn[rows].sum(1).max())  # the micro-batch trimmed to its longest row
         cols = mask[:, 1:end].any(0).nonzero() + 1
-        # nothing masked: an empty slice keeps backward() legal
-        first = int(cols[0]) if len(cols) else max(end - 1, 1)
+        first = int(cols[0]) if len(cols) else max(end - 1, 1)  # none masked: an empty slice keeps backward()
         tokens = batch.tokens[rows, :end].to(dev)  # [n, end]
         attn = batch.attn[rows, :end].to(dev).long()  # [n, end]
         sel = mask[:, first:end] > 0  # [n, end-first]
@@ -351,10 +345,9 @@ class LLMPolicy(nn.Module):
         return logp.to(out), entropy.to(out), values.to(out)
 
     def _shared_prompt_logits(self, lm: nn.Module, tokens, attn, mask):
-        """Logits [k, V] for the k masked tokens, row-major, with each distinct prompt run once: a
-        group's rows share the prompt's keys and values (indexed, so the gradient through them is
-        the sum over the group, as in separate forwards). None when no two rows share a prompt.
-        A row's prompt is everything before its first masked token; the rest is its suffix."""
+        """Logits [k, V] for the k masked tokens, row-major, with each distinct prompt run once (see
+        _prefill); None when no two rows share a prompt. A row's prompt is everything before its
+        first masked token; the rest is its suffix."""
         n, L = tokens.shape
         a = (mask > 0).float().argmax(1)  # [n]: first masked column
         prompts = [tokens[r, : a[r]].tolist() for r in range(n)]

@@ -53,7 +53,8 @@ def resolve_model(name: str) -> str:
     try:
         AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as e:
-        raise utils.ConfigError(f"--model {name}: cannot load it ({str(e).splitlines()[0]}); {LOAD_HINT}") from None
+        why = str(e).splitlines()[0]
+        raise utils.ConfigError(f"--model {name}: cannot load it ({why}); {LOAD_HINT}") from None
     return name
 
 
@@ -62,7 +63,8 @@ def char_tokenizer(max_len: int) -> PreTrainedTokenizerFast:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    tk = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIALS + list(CHARS))}, unk_token="<|unk|>"))
+    vocab = {t: i for i, t in enumerate(SPECIALS + list(CHARS))}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # `.` would skip newlines
     tk.decoder = decoders.Fuse()  # join characters back without the default spaces
     tk.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", 1)])
