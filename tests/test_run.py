@@ -40,7 +40,7 @@ def rows(out: Path) -> list[tuple[int, str]]:
 
 
 def final_weights(out: Path) -> dict:
-    return load_file(str(utils.latest_checkpoint(out) / "weights.safetensors"))
+    return load_file(str(utils.checkpoints(out)[-1] / "weights.safetensors"))
 
 
 def test_help_shows_each_fields_comment_default_and_choices_grouped_as_in_config():
