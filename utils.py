@@ -45,7 +45,7 @@ def coerce(field: dataclasses.Field, value, source: str):
             typed = {"bool": bool, "int": int, "float": float, "str": str}[kind](value)
             if kind != "int" or typed == float(value):
                 return typed
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # Overflow: int(inf)
         pass
     raise ConfigError(f"{source}: '{field.name}' must be {kind}, got {value!r}")
 
