@@ -28,6 +28,7 @@ import re
 import warnings
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from judge import JudgeUnavailable
@@ -72,7 +73,8 @@ def last_boxed(text: str) -> str | None:
     return None  # unbalanced: no answer rather than a guess
 
 
-def _plain(text: str) -> str:  # LaTeX numbers to plain ones: \frac{a}{b} -> a/b, 1{,}000 -> 1,000
+def _plain(text: str) -> str:  # the last \boxed{}'s content or the text; \frac{a}{b} -> a/b, 1{,}000 -> 1,000
+    text = text if (boxed := last_boxed(text)) is None else boxed
     text = text.replace("\\$", "$").replace("\\%", "%").replace("{,}", ",").replace("\\!", "")
     return _FRAC.sub(r"(\1)/(\2)", text).replace("(", "").replace(")", "")
 
@@ -88,15 +90,13 @@ def parse_number(text: str) -> Fraction | None:
     r"""Exact value of a text that is ONE number (in its last \boxed{} if any), else None:
     "-12", "1,234", "3.25", "3/4", "\frac{3}{4}", "\dfrac", "$1,000", "12.5%". "%" is dropped:
     "12.5%" is 12.5, never 0.125, as GSM8K-style references count percentages in percent."""
-    boxed = last_boxed(text)
-    m = _ONE.fullmatch(_plain(text if boxed is None else boxed).strip())
+    m = _ONE.fullmatch(_plain(text).strip())
     return _fraction(*m.groups()) if m else None
 
 
 def last_number(text: str) -> Fraction | None:
     r"""The last number written in `text` (in its last \boxed{} if it has one)."""
-    boxed = last_boxed(text)
-    found = _ANY.findall(_plain(text if boxed is None else boxed))
+    found = _ANY.findall(_plain(text))
     return _fraction(*found[-1]) if found else None
 
 
@@ -132,8 +132,7 @@ def safe_eval(src: str, *, max_chars: int = 200, max_nodes: int = 100, max_depth
         tree = ast.parse(src, mode="eval")
     except (SyntaxError, RecursionError, MemoryError) as e:
         raise ExprError(f"unparseable expression ({type(e).__name__})") from None
-    literals: list[int] = []
-    nodes = 0
+    literals, nodes = [], 0
 
     def value(node: ast.AST, depth: int) -> Fraction:
         nonlocal nodes
@@ -162,11 +161,9 @@ def format_reward(prompt: str, completion: str, answer: str) -> float:
     """1.0: one `<answer>`...`</answer>` pair, in order, not blank. 0.5: one opening tag and no
     closing one (cut off by the length limit). 0.25: other uses (several pairs, empty, out of
     order, stray closer). 0.0: no tags. Text after the closing tag is not penalised."""
+    if extract_answer(completion):
+        return 1.0
     opens, closes = completion.count("<answer>"), completion.count("</answer>")
-    if opens == closes == 1:
-        i, j = completion.index("<answer>") + len("<answer>"), completion.index("</answer>")
-        if i <= j and completion[i:j].strip():
-            return 1.0
     if opens == 1 and closes == 0:
         return 0.5
     return 0.25 if opens or closes else 0.0
@@ -232,8 +229,6 @@ class Task:
     _eval: list[Problem]
 
     def __init__(self, *, seed: int = 0, eval_size: int = 100):
-        if eval_size < 0:
-            raise ValueError(f"eval_size must be >= 0 (got {eval_size})")
         self.seed, self.eval_size = seed, eval_size
         self.rewards = list(self.rewards)  # per instance: appending must not change the class
 
@@ -305,8 +300,6 @@ class ProceduralTask(Task):
         return None
 
     def train_problem(self, index: int) -> Problem:
-        if index < 0:
-            raise ValueError(f"train_problem index must be >= 0 (got {index})")
         for attempt in range(10_000):
             p = self.generate(random.Random(f"{self.seed}:train:{index}:{attempt}"))
             if p.key not in self._eval_keys:
@@ -442,7 +435,12 @@ class DatasetTask(Task):
             raise ValueError(f"bad_rows must be 'skip' or 'error' (got {bad_rows!r})")
         found: dict[str, Problem] = {}
         self.skipped: list[str] = []  # "file:line (reason)" of every malformed row
-        for where, row in _read_jsonl(data) if data is not None else self._read_hub():
+        if data is None:
+            rows = self._read_hub()
+        else:  # _problem parses each line: invalid JSON is one more malformed row
+            lines = Path(data).read_text(encoding="utf-8").splitlines()
+            rows = ((f"{data}:{n}", line) for n, line in enumerate(lines, 1) if line.strip())
+        for where, row in rows:
             try:
                 problem = self._problem(row)
             except BadRow as e:
@@ -453,9 +451,8 @@ class DatasetTask(Task):
                 continue
             found.setdefault(problem.key, problem)
         if self.skipped:
-            more = " ..." if len(self.skipped) > 20 else ""
-            warnings.warn(f"{self.name}: skipped {len(self.skipped)} malformed rows: "
-                          + "; ".join(self.skipped[:20]) + more)
+            shown = "; ".join(self.skipped[:20]) + " ..." * (len(self.skipped) > 20)
+            warnings.warn(f"{self.name}: skipped {len(self.skipped)} malformed rows: {shown}")
         problems = list(found.values())
         random.Random(f"{seed}:split").shuffle(problems)
         if len(problems) <= eval_size:
@@ -464,9 +461,12 @@ class DatasetTask(Task):
         self._eval, self._train = problems[:eval_size], problems[eval_size:]
 
     def _problem(self, row: Any) -> Problem:
-        """The row as a Problem; BadRow says why it is malformed."""
-        if isinstance(row, json.JSONDecodeError):
-            raise BadRow(f"invalid JSON: {row.msg}")
+        """The row (a hub record or a JSONL line) as a Problem; BadRow says why it is malformed."""
+        if isinstance(row, str):
+            try:
+                row = json.loads(row)
+            except json.JSONDecodeError as e:
+                raise BadRow(f"invalid JSON: {e.msg}") from None
         if not isinstance(row, dict):
             raise BadRow("not a JSON object")
         question = row.get("question", row.get("problem"))
@@ -502,23 +502,10 @@ class DatasetTask(Task):
         return ((f"{path}[{split}]:row {i}", row) for i, row in enumerate(ds))
 
     def train_problem(self, index: int) -> Problem:
-        if index < 0:
-            raise ValueError(f"train_problem index must be >= 0 (got {index})")
         return self._train[index % len(self._train)]
 
     def solve(self, problem: Problem) -> str:
         return f"<answer>{problem.answer}</answer>"
-
-
-def _read_jsonl(path: str) -> Iterator[tuple[str, Any]]:
-    """("file:line", the parsed row or its JSONDecodeError) for each non-blank line."""
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield f"{path}:{n}", json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield f"{path}:{n}", e
 
 
 class GSM8K(DatasetTask):
