@@ -180,7 +180,8 @@ def sandbox_plan(mode: str) -> tuple[str, int, int]:
                         else "WEAK mode (--sandbox weak: rlimits only")
                 sys.stderr.write(f"sandbox: {kind}{', a uid per run' * root}): {python if flags else why}\n")
                 return python, flags, uid_base
-            why = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1][-200:]
+            if flags:  # why the strict mode failed, which the weak one's log line tells
+                why = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1][-200:]
     raise SandboxUnavailable(
         f"sandbox: cannot isolate model code here ({why}). Allow unprivileged user namespaces (sysctl "
         "user.max_user_namespaces=10000, and on Ubuntu kernel.apparmor_restrict_unprivileged_userns=0), "
