@@ -1,11 +1,10 @@
 """Tasks: problems, prompts and reward functions `fn(prompt, completion, answer) -> float`.
 
-`Task.rewards` lists (fn, weight); `rewards[0]` is the correctness reward (1.0 = right).
-`eval_problems()` is fixed by (seed, eval_size); `train_problem(index)` depends only on
-(seed, index) and never returns a problem whose `key` is in the eval split, so rank r of W
-shards by asking for indices r, r+W, r+2W, ... Answers go in one `<answer>...</answer>` pair,
-except in `arith`, whose completion is exactly the number (the tiny character-level model's format).
-Adding a task is one class and one registry entry:
+`Task.rewards` lists (fn, weight); `rewards[0]` is the correctness reward (1.0 = right). `eval_problems()`
+is fixed by (seed, eval_size); `train_problem(index)` depends only on (seed, index) and never returns a
+problem whose `key` is in the eval split, so rank r of W shards by asking for indices r, r+W, r+2W, ...
+Answers go in one `<answer>...</answer>` pair, except in `arith` and `add`, whose completion is exactly
+the number. Adding a task is one class and one registry entry:
 
     class Parity(ProceduralTask):
         name, rewards = "parity", [(int_correct, 1.0)]
@@ -119,10 +118,10 @@ _EXPR_CHARS = frozenset("0123456789+-*/() \t")
 
 def safe_eval(src: str, *, max_chars: int = 200, max_nodes: int = 100, max_depth: int = 32,
               max_bits: int = 64) -> tuple[Fraction, list[int]]:
-    """Exact value of an integer expression over + - * / ( ) and unary minus, and the literals
-    it uses; anything else raises ExprError. Limits come before any work: length and characters
-    before parsing (10,000 nested parentheses never reach the parser), then node count, depth
-    and literal size. `**` is no operator here: `9**9**9` is refused, not computed."""
+    """Exact value of an integer expression over + - * / ( ) and unary minus, and the literals it uses;
+    anything else raises ExprError. Limits come before any work: length and characters before parsing
+    (10,000 nested parentheses never reach the parser), then node count, depth and literal size. `**`
+    is no operator here: `9**9**9` is refused, not computed."""
     src = src.replace("×", "*").replace("÷", "/").strip()
     if len(src) > max_chars:
         raise ExprError(f"expression longer than {max_chars} characters")
@@ -263,16 +262,14 @@ class Task:
         return self.rewards[0][0](problem.prompt, completion, problem.answer) >= 1.0
 
     def lenient(self, problem: Problem, completion: str) -> bool | None:
-        """Whether the right answer appears anywhere in the completion, whatever the format; None:
-        this task defines no such score. Logged beside the strict accuracy at every eval, it tells
-        a gain in correctness from a gain in format."""
+        """Whether the right answer appears anywhere in the completion, whatever the format (None: not
+        defined). Logged beside the strict accuracy, it tells a gain in correctness from one in format."""
         return None
 
 
 class ProceduralTask(Task):
-    """Problems from `generate(rng)`. The eval split draws from rng streams (seed, eval, i),
-    skipping repeated keys; train problem i from (seed, train, i, attempt), redrawn with the
-    next attempt while its key is in the eval split."""
+    """Problems from `generate(rng)`. The eval split draws from rng streams (seed, eval, i), skipping
+    repeated keys; train problem i from (seed, train, i, attempt), redrawn while its key is in it."""
 
     def __init__(self, *, seed: int = 0, eval_size: int = 100):
         super().__init__(seed=seed, eval_size=eval_size)
@@ -418,12 +415,11 @@ class BadRow(ValueError):
 
 
 class DatasetTask(Task):
-    """Numeric-answer problems from a JSONL file (`data=path`, rows {"question": ...,
-    "answer": ...}; "problem"/"solution" work too) or else the Hugging Face hub. The reference
-    is the text after the last "####" (GSM8K) or the last \\boxed{} (MATH) and must be one
-    number. Rows are deduplicated by question and shuffled by seed: the first eval_size are the
-    eval split, the rest, cycled, the train stream. Malformed rows (reported as file:line) are
-    skipped and warned about (bad_rows="skip") or rejected ("error")."""
+    """Numeric-answer problems from a JSONL file (`data=path`, rows {"question": ..., "answer": ...};
+    "problem"/"solution" work too) or else the Hugging Face hub. The reference is the text after the
+    last "####" (GSM8K) or the last \\boxed{} (MATH) and must be one number. Rows are deduplicated by
+    question and shuffled by seed: the first eval_size are the eval split, the rest, cycled, the train
+    stream. Malformed rows (named by file:line) are skipped with a warning, or refused (bad_rows="error")."""
 
     hub = ("", "", "")  # (path, config, split) for datasets.load_dataset
     instruction = "Solve step by step, then give the final number in <answer></answer> tags."
@@ -476,8 +472,7 @@ class DatasetTask(Task):
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
             raise BadRow("missing field 'answer'")
         text = str(answer).split("####")[-1]
-        value = parse_number(text)
-        if value is None:
+        if (value := parse_number(text)) is None:
             raise BadRow(f"answer {text.strip()[-40:]!r} is not a number")
         answer = str(value.numerator) if value.denominator == 1 else str(value)
         key = " ".join(question.split())  # whitespace variants of a question are one problem
@@ -583,12 +578,11 @@ def make_task(name: str, *, seed: int, eval_size: int, data: str | None = None,
         close = difflib.get_close_matches(name, list(TASKS), n=1, cutoff=0.0)
         raise ValueError(f"unknown task {name!r}; did you mean {close[0]!r}? "
                          f"(valid: {', '.join(sorted(TASKS))})")
-    cls = TASKS[name]
-    if issubclass(cls, DatasetTask):
-        return cls(seed=seed, eval_size=eval_size, data=data, bad_rows=bad_rows, **options)
-    if data is not None:
+    if issubclass(TASKS[name], DatasetTask):
+        options.update(data=data, bad_rows=bad_rows)
+    elif data is not None:
         raise ValueError(f"task {name!r} generates its own problems; drop --data {data}")
-    return cls(seed=seed, eval_size=eval_size, **options)
+    return TASKS[name](seed=seed, eval_size=eval_size, **options)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
