@@ -93,17 +93,12 @@ def parse_number(text: str) -> Fraction | None:
     return _fraction(*m.groups()) if m else None
 
 
-def last_number(text: str) -> Fraction | None:
-    r"""The last number written in `text` (in its last \boxed{} if it has one)."""
-    found = _ANY.findall(_plain(text))
-    return _fraction(*found[-1]) if found else None
-
-
 def completion_number(completion: str) -> Fraction | None:
-    """The LAST number of the answer-tag content if there are tags, else of the whole
-    completion: echoing the question's numbers before answering earns nothing."""
+    r"""The LAST number of the answer-tag content if there are tags, else of the whole completion (in
+    its last \boxed{} if any): echoing the question's numbers before answering earns nothing."""
     text = extract_answer(completion)
-    return last_number(completion if text is None else text)
+    found = _ANY.findall(_plain(completion if text is None else text))
+    return _fraction(*found[-1]) if found else None
 
 
 # ---------------------------------------------------------------- safe arithmetic
