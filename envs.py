@@ -142,17 +142,12 @@ SQL = json.loads(next(p for d in (Path(__file__).parent, Path(sys.prefix, "share
                       if (p := d / "data" / "sql.json").exists()).read_text(encoding="utf-8"))
 
 
-def _sql_tables(db: str) -> dict[str, tuple[str, list[tuple]]]:
-    """table -> (column definitions, rows)."""
-    return {name: (t["columns"], list(map(tuple, t["rows"]))) for name, t in SQL[db]["tables"].items()}
-
-
 @functools.cache
 def sql_database(db: str) -> str:
     """Path of database `db`, built on first use; the name carries a hash of the content, so an
     edited data file never reads a stale database."""
-    tables = _sql_tables(db)
-    digest = hashlib.sha256(repr(sorted(tables.items())).encode()).hexdigest()[:16]
+    tables = SQL[db]["tables"]
+    digest = hashlib.sha256(json.dumps(tables, sort_keys=True).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("NANORL_CACHE") or Path.home() / ".cache" / "nanorl")
     path = cache / "sql" / f"{db}-{digest}.db"
     if not path.exists():
@@ -160,9 +155,10 @@ def sql_database(db: str) -> str:
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")  # one per builder, threads included
         os.close(fd)
         with sqlite3.connect(tmp) as con:
-            for name, (columns, rows) in tables.items():
-                con.execute(f"CREATE TABLE {name} ({columns})")
-                con.executemany(f"INSERT INTO {name} VALUES ({', '.join('?' * len(rows[0]))})", rows)
+            for name, t in tables.items():
+                con.execute(f"CREATE TABLE {name} ({t['columns']})")
+                marks = ", ".join("?" * len(t["rows"][0]))
+                con.executemany(f"INSERT INTO {name} VALUES ({marks})", t["rows"])
         con.close()
         os.replace(tmp, path)  # atomic, and concurrent builders write identical files
     return str(path)
@@ -182,7 +178,7 @@ class SQLTask(ProceduralTask):
         question, gold = rng.choice(SQL[db]["questions"])
         params = {k: rng.choice(v) for k, v in SQL[db]["params"].items()}
         question = question.format(**params)
-        schema = "\n".join(f"CREATE TABLE {t} ({cols});" for t, (cols, _) in _sql_tables(db).items())
+        schema = "\n".join(f"CREATE TABLE {t} ({v['columns']});" for t, v in SQL[db]["tables"].items())
         hint = _HINT.format("read-only SQLite queries", "sql", "result", "SQL query")
         return Problem(f"SQLite database:\n{schema}\n\nQuestion: {question}\n{hint}",
                        json.dumps({"db": db, "gold": gold.format(**params)}), key=f"{db}: {question}")
