@@ -7,7 +7,6 @@ at each eval and at the end; to rebuild it from a run directory:
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -19,7 +18,6 @@ MAX_POINTS = 400  # a curve's evenly spaced steps and its last: 10,000 steps dra
 # Next to this file in a checkout, in <prefix>/share/nanorl in an installed wheel (pyproject's data-files).
 TEMPLATE = next(d / "report.html.template" for d in (Path(__file__).parent, Path(sys.prefix, "share/nanorl"))
                 if (d / "report.html.template").exists())
-
 
 
 def thin(points: list) -> list:
@@ -43,9 +41,7 @@ def write_report(run: str | Path) -> Path:
             "samples": read_samples(run)}
     # A JavaScript literal (NaN and Infinity included); "</" escaped so no string can close the script.
     html = TEMPLATE.read_text().replace("/*DATA*/", json.dumps(data).replace("</", "<\\/"))
-    tmp = run / ".report.html.tmp"
-    tmp.write_text(html)
-    os.replace(tmp, run / "report.html")  # a browser refreshing mid-run never reads half a page
+    utils.atomic_write(run / "report.html", html.encode())  # a browser refreshing mid-run sees no half page
     return run / "report.html"
 
 

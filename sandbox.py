@@ -29,18 +29,18 @@ class SandboxResult:
 
 SANDBOX_UID_BASE = 2_000_000_000  # as root, a run gets uid BASE + its launcher's pid: assumed unused
 _NEWNS, _NEWIPC, _NEWUSER, _NEWPID, _NEWNET = 0x20000, 0x8000000, 0x10000000, 0x20000000, 0x40000000
-MODES = ("strict", "weak")  # NANORL_SANDBOX: weak runs model code under rlimits alone where namespaces fail
+MODES = ("strict", "weak")  # train's --sandbox; weak: rlimits alone where namespaces fail
+_mode = "strict"  # this process's --sandbox, set once at start-up by use()
 
 
 class SandboxUnavailable(RuntimeError):
     """This machine cannot isolate model code and the user did not opt in to the weak mode."""
 
 
-# Runs as the child process, never in the trainer. It forks the model's process (pid 1 of a new
-# pid namespace), which mounts, limits and drops its uid and capabilities before running the
-# code; the launcher enforces the wall clock, kills everything and writes "returncode timed_out".
-# As pid 1 the code ignores signals it has no handler for: past RLIMIT_FSIZE its writes fail with
-# EFBIG instead of SIGXFSZ killing it; the CPU limit's SIGKILL and the launcher's still end it.
+# Runs as the child process. It forks the model's process (pid 1 of a new pid namespace), which
+# mounts, limits and drops its uid and capabilities before running the code; the launcher enforces
+# the wall clock, kills everything and writes "returncode timed_out". As pid 1 the code ignores
+# signals it has no handler for: past RLIMIT_FSIZE its writes fail with EFBIG, not SIGXFSZ.
 _LAUNCHER = r"""
 import ctypes, os, resource, select, signal, struct, sys
 status, flags, uid_base, cpu, mem, fsize, nofile, nproc, files = map(int, sys.argv[1:10])
@@ -51,12 +51,20 @@ def check(ok, what):
     if not ok:
         sys.stderr.write(f"sandbox setup failed: {what}: {os.strerror(ctypes.get_errno())}\n")
         os._exit(125)
-ids = os.getuid(), os.getgid()
-check(not flags or libc.unshare(flags) == 0, "unshare")
-for name, text in (("setgroups", "deny"), ("uid_map", f"{ids[0]} {ids[0]} 1"), ("gid_map", f"{ids[1]} {ids[1]} 1")):
-    if flags & NEWUSER:  # an ordinary user may map only its own ids into its namespace
-        with open(f"/proc/self/{name}", "w") as f:
+def own_userns():  # mapping only our ids (all an ordinary user may map), and allowing no nested one
+    ids = os.getuid(), os.getgid()
+    check(libc.unshare(NEWUSER) == 0, "unshare")
+    for name, text in (("self/setgroups", "deny"), ("self/uid_map", f"{ids[0]} {ids[0]} 1"),
+                       ("self/gid_map", f"{ids[1]} {ids[1]} 1"), ("sys/user/max_user_namespaces", "0")):
+        with open(f"/proc/{name}", "w") as f:
             f.write(text)
+def mount(src, dst, kind=None, flags=BIND, opts=None):
+    check(libc.mount(src, dst.encode(), kind, flags, opts) == 0, dst)
+def read_only(path):  # recursively: mount_setattr(2), Linux >= 5.12
+    check(libc.syscall(442, -100, path, 0x8000, struct.pack("4Q", 1, 0, 0, 0), 32) == 0, f"read-only {path}")
+if flags & NEWUSER:
+    own_userns()
+check(not flags or libc.unshare(flags & ~NEWUSER) == 0, "unshare")
 uid = uid_base + os.getpid() if uid_base else 0
 src = open("main.py", encoding="utf-8").read()
 pid = os.fork()
@@ -64,18 +72,24 @@ if pid == 0:
     os.close(status)
     os.setpgid(0, 0)
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with the launcher
-    if flags & NEWNS:  # the host read-only (mount_setattr, recursive), its own /proc, one small fresh scratch tmpfs
-        check(libc.mount(b"none", b"/", None, REC_PRIVATE, None) == 0, "private mounts")
-        check(libc.syscall(442, -100, b"/", 0x8000, struct.pack("4Q", 1, 0, 0, 0), 32) == 0, "read-only host "
-              "(mount_setattr needs Linux >= 5.12)")
-        check(libc.mount(b"proc", b"/proc", b"proc", NOSUID | NODEV | NOEXEC, None) == 0, "/proc")
+    if flags & NEWNS:  # the host read-only, its own /proc and /dev, one small fresh scratch tmpfs
+        mount(b"none", "/", None, REC_PRIVATE)
+        read_only(b"/")
+        mount(b"proc", "/proc", b"proc", NOSUID | NODEV | NOEXEC)
+        nodes = [(n, os.open(f"/dev/{n}", os.O_PATH)) for n in ("null", "zero", "full", "random", "urandom")]
+        mount(b"tmpfs", "/dev", b"tmpfs", NOSUID | NOEXEC, b"size=64k,nr_inodes=64,mode=755")
+        for name, fd in nodes:  # the host's nodes, each bound onto an empty file
+            open(f"/dev/{name}", "w").close()
+            mount(b"/proc/self/fd/%d" % fd, f"/dev/{name}")
+        for name, fd in (("fd", ""), ("stdin", "/0"), ("stdout", "/1"), ("stderr", "/2")):
+            os.symlink("/proc/self/fd" + fd, f"/dev/{name}")
+        os.mkdir("/dev/shm")
+        read_only(b"/dev")
         opts = b"size=%dk,nr_inodes=%d,mode=1777" % (max(64, fsize >> 10), files)
-        check(libc.mount(b"tmpfs", b"/tmp", b"tmpfs", NOSUID | NODEV, opts) == 0, "/tmp")
-        for d in (b"/var/tmp", b"/dev/shm", b"/run"):  # the same scratch: one bound on bytes and files
-            check(not os.path.isdir(d) or libc.mount(b"/tmp", d, None, BIND, None) == 0, d.decode())
-        if flags & NEWUSER:  # nor a nested one: its capabilities could not remount the host, but need not exist
-            with open("/proc/sys/user/max_user_namespaces", "w") as f:
-                f.write("0")
+        mount(b"tmpfs", "/tmp", b"tmpfs", NOSUID | NODEV, opts)
+        for d in ("/var/tmp", "/dev/shm", "/run"):  # the same scratch: one bound on bytes and files
+            if os.path.isdir(d):
+                mount(b"/tmp", d)
         os.chdir("/tmp")
         with open("main.py", "w", encoding="utf-8") as f:  # for tracebacks' source lines
             f.write(src)
@@ -89,8 +103,11 @@ if pid == 0:
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
-    # No capabilities left (an ordinary user holds all of them in its namespace: it could remount the host
-    # writable), and setuid binaries cannot give any back.
+        if flags & NEWNS:  # forbids nested user namespaces, as for ordinary users
+            libc.prctl(4, 1)  # PR_SET_DUMPABLE, which setuid cleared: else /proc/self/uid_map stays root's
+            own_userns()
+    # No capabilities left (in its own user namespace the code holds all of them: it could remount the
+    # host writable), and setuid binaries cannot give any back.
     check(libc.capset(struct.pack("Ii", 0x20080522, 0), bytes(24)) == 0, "dropping capabilities")
     check(libc.prctl(38, 1, 0, 0, 0) == 0, "no_new_privs")
     sys.argv = ["main.py"]
@@ -112,14 +129,9 @@ except ProcessLookupError:
     pass
 # and as root every process of the run's uid, setsid'd ones too. Not needed with a pid namespace,
 # which nothing escapes, and impossible: no fork works in one whose pid 1 is dead.
-if uid and not flags & NEWPID and (killer := os.fork()) == 0:
-    try:
-        os.setuid(uid)
-        os.kill(-1, signal.SIGKILL)
-    finally:
-        os._exit(0)
 if uid and not flags & NEWPID:
-    os.waitpid(killer, 0)
+    import subprocess
+    subprocess.run(["/bin/sh", "-c", "kill -9 -1"], user=uid, group=uid, extra_groups=[], env={})
 os.write(status, b"%d %d" % (os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), timed_out))
 """
 
@@ -127,27 +139,32 @@ os.write(status, b"%d %d" % (os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), t
 def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: int = 5, mem_mb: int = 512, fsize_mb: int = 16,
                files: int = 256, nofile: int = 64, nproc: int = 8, max_output: int = 4000) -> SandboxResult:
     """Runs model-written Python (`python -I -S`, stdlib only) in a throwaway process tree: empty
-    environment, rlimits on CPU seconds, address space, file size, open files and processes,
-    `max_output` characters kept per stream, and a wall-clock timeout. Its only writable place is
-    a fresh tmpfs of fsize_mb and `files` inodes (its cwd, /tmp and the like). Every process of the
-    run is dead when this returns. The limits are per process, so a run can hold nproc * mem_mb of
-    memory (4 GB by default). See `sandbox_plan` for what holds on this machine."""
-    python, flags, uid_base = sandbox_plan()
+    environment, per-process rlimits (so up to nproc * mem_mb of memory, 4 GB by default),
+    `max_output` characters per stream, a wall-clock timeout, and as its only writable place a fresh
+    tmpfs of fsize_mb and `files` inodes. No process of the run outlives it. See `sandbox_plan`."""
+    python, flags, uid_base = sandbox_plan(_mode)
     limits = (cpu_s, mem_mb << 20, fsize_mb << 20, nofile, nproc, files)
     return _sandboxed(python, flags, uid_base, code, timeout_s, limits, max_output)
 
 
+def use(mode: str) -> tuple[str, int, int]:
+    """Makes `mode` (--sandbox) the one run_python uses in this process, if sandbox_plan(mode)
+    finds it works here: train.validate calls it at start-up, in the trainer and in each worker."""
+    global _mode
+    plan = sandbox_plan(mode)
+    _mode = mode
+    return plan
+
+
 @functools.cache
-def sandbox_plan() -> tuple[str, int, int]:
-    """(interpreter, unshare flags, uid base or 0), found once; fails closed. The strict mode
-    needs namespaces: pid (the run sees and signals only its own processes, and all of them die
-    with its first), network (none at all), mount (the host read-only, its own /proc, a private
-    scratch) and ipc; without root also a user namespace. As root each run also gets its own
-    unused uid, so RLIMIT_NPROC binds and root's files stay unreadable. Where namespaces fail this
-    raises SandboxUnavailable, unless NANORL_SANDBOX=weak: rlimits only (and as root the uid)."""
-    mode, root = os.environ.get("NANORL_SANDBOX", "strict"), os.geteuid() == 0
-    if mode not in MODES:
-        raise SandboxUnavailable(f"NANORL_SANDBOX={mode!r}: expected one of {MODES}")
+def sandbox_plan(mode: str) -> tuple[str, int, int]:
+    """(interpreter, unshare flags, uid base or 0), found once per mode; fails closed. Strict needs
+    namespaces: pid (the run sees and signals only its own processes, which all die with its first),
+    network (none), mount (the host read-only, its own /proc, a minimal /dev, a private scratch), ipc,
+    and user (allowing no nested one). As root each run also gets an unused uid, so RLIMIT_NPROC binds
+    and root's files stay unreadable. Where namespaces fail it raises SandboxUnavailable; "weak"
+    then runs with rlimits only (and as root the uid per run)."""
+    root = os.geteuid() == 0
     uid_base = SANDBOX_UID_BASE if root else 0
     # As root the code runs under another uid, so the interpreter must be readable by others
     # (a pyenv Python under /root is not): then the system's python3 runs it.
@@ -159,48 +176,51 @@ def sandbox_plan() -> tuple[str, int, int]:
             r = _sandboxed(python, flags, uid_base, "import json\nprint(json.dumps(6 * 7))", 30.0,
                            (10, 512 << 20, 1 << 20, 64, 32, 64), 999)
             if r.stdout == "42\n":
-                sys.stderr.write("sandbox: isolated (namespaces, the host read-only, a private scratch"
-                                 f"{', a uid per run' * root}): {python}\n" if flags else "sandbox: WEAK mode "
-                                 f"(NANORL_SANDBOX=weak), rlimits only{', a uid per run' * root}: {why}\n")
+                kind = ("isolated (namespaces, host read-only, private scratch" if flags
+                        else "WEAK mode (--sandbox weak: rlimits only")
+                sys.stderr.write(f"sandbox: {kind}{', a uid per run' * root}): {python if flags else why}\n")
                 return python, flags, uid_base
-            why = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1][-200:]
+            if flags:  # why the strict mode failed, which the weak one's log line tells
+                why = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1][-200:]
     raise SandboxUnavailable(
         f"sandbox: cannot isolate model code here ({why}). Allow unprivileged user namespaces (sysctl "
-        "user.max_user_namespaces=10000, and on Ubuntu kernel.apparmor_restrict_unprivileged_userns=0), or run as "
-        "root where unshare works, and keep a world-readable python3 for root (apt install python3); or set "
-        "NANORL_SANDBOX=weak to accept rlimits only (the code can then use the network and write your files)")
+        "user.max_user_namespaces=10000, and on Ubuntu kernel.apparmor_restrict_unprivileged_userns=0), "
+        "or run as root where unshare works, and keep a world-readable python3 for root (apt install "
+        "python3); or pass --sandbox weak to accept rlimits only (the code can then use the network and "
+        "write your files)")
 
 
-def _sandboxed(python, flags, uid_base, code, timeout_s, limits, max_output) -> SandboxResult:
+def _sandboxed(python, flags, uid_base, code, timeout_s, limits, cap) -> SandboxResult:
     work = tempfile.mkdtemp(prefix="nanorl-sandbox-")
     try:
         Path(work, "main.py").write_text(code, encoding="utf-8", errors="replace")
         r, w = os.pipe()
         args = [python, "-I", "-S", "-c", _LAUNCHER, *map(str, (w, flags, uid_base, *limits, timeout_s))]
-        pipe = subprocess.PIPE
-        with open(r, "rb") as status, subprocess.Popen(args, cwd=work, env={}, stdin=subprocess.DEVNULL, stdout=pipe,
-                                                       stderr=pipe, pass_fds=(w,), start_new_session=True) as proc:
+        with open(r, "rb") as status, subprocess.Popen(args, cwd=work, env={}, stdin=subprocess.DEVNULL,
+                                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                       pass_fds=(w,), start_new_session=True) as proc:
             os.close(w)
             stuck, backstop = True, time.monotonic() + timeout_s + 10
             try:  # the launcher enforces timeout_s; the backstop only catches a launcher that hangs
-                (out, err, st), cut, stuck = _read_all((proc.stdout, proc.stderr, status), max_output, backstop)
+                (out, err, st), cut, stuck = _read_all((proc.stdout, proc.stderr, status), cap, backstop)
             finally:
-                if stuck:  # or the trainer was interrupted: kill the group, and as root every process of the uid
+                if stuck:  # or the trainer was interrupted: kill the group, and as root all of the uid
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(proc.pid, signal.SIGKILL)
                     if uid_base:
                         uid = uid_base + proc.pid
-                        subprocess.run(["/bin/sh", "-c", "kill -9 -1"], user=uid, group=uid, extra_groups=[], env={})
+                        subprocess.run(["/bin/sh", "-c", "kill -9 -1"], user=uid, group=uid, extra_groups=[],
+                                       env={})
         rc, timed_out = map(int, st.split()) if st else (proc.returncode, stuck)
-        text = [b.decode("utf-8", "replace")[:max_output] for b in (out, err)]
+        text = [b.decode("utf-8", "replace")[:cap] for b in (out, err)]
         return SandboxResult(text[0], text[1], rc, bool(timed_out) or stuck, cut)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 def _read_all(files, cap: int, deadline: float) -> tuple[list[bytes], bool, bool]:
-    """Reads the pipes to their ends, keeping at most `cap` bytes of each (the rest is drained and
-    dropped). Returns (what was kept, whether anything was dropped, whether the deadline hit)."""
+    """Reads the pipes to their ends, keeping at most `cap` bytes of each (the rest is dropped):
+    (what was kept, whether anything was dropped, whether the deadline hit)."""
     out, cut = [bytearray() for _ in files], False
     with selectors.DefaultSelector() as sel:
         for i, f in enumerate(files):
@@ -249,18 +269,19 @@ def run_sql(path: str, query: str, *, max_rows: int = 1000, max_bytes: int = 8 <
             timeout_s: float = 2.0) -> tuple[list[str], list[tuple], bool]:
     """(column names, at most max_rows rows, whether more exist) of one query on a read-only
     connection whose authorizer allows only reading (no ATTACH, PRAGMA, writes or DDL), in a child
-    process killed after `timeout_s` and limited to mem_mb of address space, strings and blobs of
-    1 MB and max_bytes of results. Raises sqlite3.Error ("not authorized", "interrupted", syntax
-    errors, more than one statement, out of memory)."""
+    process killed after `timeout_s`, with mem_mb of address space, strings and blobs of 1 MB and
+    max_bytes of results. Raises sqlite3.Error ("not authorized", "interrupted", syntax, memory)."""
     uri = Path(path).resolve().as_uri() + "?mode=ro"
-    args = [sys.executable, "-I", "-S", "-c", _SQL_CHILD, uri, query, *map(str, (max_rows, max_bytes, mem_mb << 20))]
+    args = [sys.executable, "-I", "-S", "-c", _SQL_CHILD, uri, query, str(max_rows), str(max_bytes),
+            str(mem_mb << 20)]
     try:
-        r = subprocess.run(args, capture_output=True, timeout=timeout_s + 0.5, env={}, stdin=subprocess.DEVNULL)
+        r = subprocess.run(args, capture_output=True, timeout=timeout_s + 0.5, env={},
+                           stdin=subprocess.DEVNULL)
         out = json.loads(r.stdout, object_hook=lambda d: bytes.fromhex(d["blob"]) if "blob" in d else d)
     except subprocess.TimeoutExpired:  # run() has killed it
         raise sqlite3.OperationalError(f"interrupted: the query ran over {timeout_s} s") from None
     except ValueError:  # no JSON: the child died
-        raise sqlite3.OperationalError(f"query process failed ({r.returncode}): {r.stderr[-200:]!r}") from None
+        raise sqlite3.OperationalError(f"query process died ({r.returncode}): {r.stderr[-200:]!r}") from None
     if "error" in out:
         raise getattr(sqlite3, out["error"], sqlite3.OperationalError)(out["message"])
     rows = [tuple(r) for r in out["rows"]]

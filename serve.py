@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 import utils
 from transport import Client, PayloadError, Request, ServeError, Server, decode, encode, views
-from model import HFGenerator, LLMPolicy, Sample, VLLMGenerator, resolve_model
+from model import HFGenerator, LLMPolicy, Sample, VLLMGenerator
 from rollouts import Batch, BatchSource, from_wire, sources
 
 # ================================================================ disaggregated training
@@ -460,7 +460,7 @@ def run_worker(cfg) -> int:
     policy = LLMPolicy(cfg)  # --vllm: the tokenizer side only, vLLM holds the weights
     torch.manual_seed(seed := cfg.seed * STRIDE + me)  # workers share cfg.seed, not their sampling noise
     if cfg.vllm:
-        gen = VLLMGenerator(resolve_model(cfg.model), cfg, policy.eos_ids, seed)
+        gen = VLLMGenerator(policy.path, cfg, policy.eos_ids, seed)
     else:
         gen = HFGenerator(policy)
     fetcher = AdapterFetcher(client, me, cfg.worker_patience)

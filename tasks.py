@@ -1,11 +1,10 @@
 """Tasks: problems, prompts and reward functions `fn(prompt, completion, answer) -> float`.
 
-`Task.rewards` lists (fn, weight); `rewards[0]` is the correctness reward (1.0 = right).
-`eval_problems()` is fixed by (seed, eval_size); `train_problem(index)` depends only on
-(seed, index) and never returns a problem whose `key` is in the eval split, so rank r of W
-shards by asking for indices r, r+W, r+2W, ... Answers go in one `<answer>...</answer>` pair,
-except in `arith`, whose completion is exactly the number (the tiny character-level model's format).
-Adding a task is one class and one registry entry:
+`Task.rewards` lists (fn, weight); `rewards[0]` is the correctness reward (1.0 = right). `eval_problems()`
+is fixed by (seed, eval_size); `train_problem(index)` depends only on (seed, index) and never returns a
+problem whose `key` is in the eval split, so rank r of W shards by asking for indices r, r+W, r+2W, ...
+Answers go in one `<answer>...</answer>` pair, except in `arith` and `add`, whose completion is exactly
+the number. Adding a task is one class and one registry entry:
 
     class Parity(ProceduralTask):
         name, rewards = "parity", [(int_correct, 1.0)]
@@ -28,6 +27,7 @@ import re
 import warnings
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from judge import JudgeUnavailable
@@ -72,7 +72,8 @@ def last_boxed(text: str) -> str | None:
     return None  # unbalanced: no answer rather than a guess
 
 
-def _plain(text: str) -> str:  # LaTeX numbers to plain ones: \frac{a}{b} -> a/b, 1{,}000 -> 1,000
+def _plain(text: str) -> str:  # the last \boxed{}'s content or the text; \frac{a}{b} -> a/b, 1{,}000 -> 1,000
+    text = text if (boxed := last_boxed(text)) is None else boxed
     text = text.replace("\\$", "$").replace("\\%", "%").replace("{,}", ",").replace("\\!", "")
     return _FRAC.sub(r"(\1)/(\2)", text).replace("(", "").replace(")", "")
 
@@ -88,23 +89,16 @@ def parse_number(text: str) -> Fraction | None:
     r"""Exact value of a text that is ONE number (in its last \boxed{} if any), else None:
     "-12", "1,234", "3.25", "3/4", "\frac{3}{4}", "\dfrac", "$1,000", "12.5%". "%" is dropped:
     "12.5%" is 12.5, never 0.125, as GSM8K-style references count percentages in percent."""
-    boxed = last_boxed(text)
-    m = _ONE.fullmatch(_plain(text if boxed is None else boxed).strip())
+    m = _ONE.fullmatch(_plain(text).strip())
     return _fraction(*m.groups()) if m else None
 
 
-def last_number(text: str) -> Fraction | None:
-    r"""The last number written in `text` (in its last \boxed{} if it has one)."""
-    boxed = last_boxed(text)
-    found = _ANY.findall(_plain(text if boxed is None else boxed))
-    return _fraction(*found[-1]) if found else None
-
-
 def completion_number(completion: str) -> Fraction | None:
-    """The LAST number of the answer-tag content if there are tags, else of the whole
-    completion: echoing the question's numbers before answering earns nothing."""
+    r"""The LAST number of the answer-tag content if there are tags, else of the whole completion (in
+    its last \boxed{} if any): echoing the question's numbers before answering earns nothing."""
     text = extract_answer(completion)
-    return last_number(completion if text is None else text)
+    found = _ANY.findall(_plain(completion if text is None else text))
+    return _fraction(*found[-1]) if found else None
 
 
 # ---------------------------------------------------------------- safe arithmetic
@@ -119,10 +113,10 @@ _EXPR_CHARS = frozenset("0123456789+-*/() \t")
 
 def safe_eval(src: str, *, max_chars: int = 200, max_nodes: int = 100, max_depth: int = 32,
               max_bits: int = 64) -> tuple[Fraction, list[int]]:
-    """Exact value of an integer expression over + - * / ( ) and unary minus, and the literals
-    it uses; anything else raises ExprError. Limits come before any work: length and characters
-    before parsing (10,000 nested parentheses never reach the parser), then node count, depth
-    and literal size. `**` is no operator here: `9**9**9` is refused, not computed."""
+    """Exact value of an integer expression over + - * / ( ) and unary minus, and the literals it uses;
+    anything else raises ExprError. Limits come before any work: length and characters before parsing
+    (10,000 nested parentheses never reach the parser), then node count, depth and literal size. `**`
+    is no operator here: `9**9**9` is refused, not computed."""
     src = src.replace("×", "*").replace("÷", "/").strip()
     if len(src) > max_chars:
         raise ExprError(f"expression longer than {max_chars} characters")
@@ -132,8 +126,7 @@ def safe_eval(src: str, *, max_chars: int = 200, max_nodes: int = 100, max_depth
         tree = ast.parse(src, mode="eval")
     except (SyntaxError, RecursionError, MemoryError) as e:
         raise ExprError(f"unparseable expression ({type(e).__name__})") from None
-    literals: list[int] = []
-    nodes = 0
+    literals, nodes = [], 0
 
     def value(node: ast.AST, depth: int) -> Fraction:
         nonlocal nodes
@@ -162,11 +155,9 @@ def format_reward(prompt: str, completion: str, answer: str) -> float:
     """1.0: one `<answer>`...`</answer>` pair, in order, not blank. 0.5: one opening tag and no
     closing one (cut off by the length limit). 0.25: other uses (several pairs, empty, out of
     order, stray closer). 0.0: no tags. Text after the closing tag is not penalised."""
+    if extract_answer(completion):
+        return 1.0
     opens, closes = completion.count("<answer>"), completion.count("</answer>")
-    if opens == closes == 1:
-        i, j = completion.index("<answer>") + len("<answer>"), completion.index("</answer>")
-        if i <= j and completion[i:j].strip():
-            return 1.0
     if opens == 1 and closes == 0:
         return 0.5
     return 0.25 if opens or closes else 0.0
@@ -232,8 +223,6 @@ class Task:
     _eval: list[Problem]
 
     def __init__(self, *, seed: int = 0, eval_size: int = 100):
-        if eval_size < 0:
-            raise ValueError(f"eval_size must be >= 0 (got {eval_size})")
         self.seed, self.eval_size = seed, eval_size
         self.rewards = list(self.rewards)  # per instance: appending must not change the class
 
@@ -268,16 +257,14 @@ class Task:
         return self.rewards[0][0](problem.prompt, completion, problem.answer) >= 1.0
 
     def lenient(self, problem: Problem, completion: str) -> bool | None:
-        """Whether the right answer appears anywhere in the completion, whatever the format; None:
-        this task defines no such score. Logged beside the strict accuracy at every eval, it tells
-        a gain in correctness from a gain in format."""
+        """Whether the right answer appears anywhere in the completion, whatever the format (None: not
+        defined). Logged beside the strict accuracy, it tells a gain in correctness from one in format."""
         return None
 
 
 class ProceduralTask(Task):
-    """Problems from `generate(rng)`. The eval split draws from rng streams (seed, eval, i),
-    skipping repeated keys; train problem i from (seed, train, i, attempt), redrawn with the
-    next attempt while its key is in the eval split."""
+    """Problems from `generate(rng)`. The eval split draws from rng streams (seed, eval, i), skipping
+    repeated keys; train problem i from (seed, train, i, attempt), redrawn while its key is in it."""
 
     def __init__(self, *, seed: int = 0, eval_size: int = 100):
         super().__init__(seed=seed, eval_size=eval_size)
@@ -305,8 +292,6 @@ class ProceduralTask(Task):
         return None
 
     def train_problem(self, index: int) -> Problem:
-        if index < 0:
-            raise ValueError(f"train_problem index must be >= 0 (got {index})")
         for attempt in range(10_000):
             p = self.generate(random.Random(f"{self.seed}:train:{index}:{attempt}"))
             if p.key not in self._eval_keys:
@@ -425,12 +410,11 @@ class BadRow(ValueError):
 
 
 class DatasetTask(Task):
-    """Numeric-answer problems from a JSONL file (`data=path`, rows {"question": ...,
-    "answer": ...}; "problem"/"solution" work too) or else the Hugging Face hub. The reference
-    is the text after the last "####" (GSM8K) or the last \\boxed{} (MATH) and must be one
-    number. Rows are deduplicated by question and shuffled by seed: the first eval_size are the
-    eval split, the rest, cycled, the train stream. Malformed rows (reported as file:line) are
-    skipped and warned about (bad_rows="skip") or rejected ("error")."""
+    """Numeric-answer problems from a JSONL file (`data=path`, rows {"question": ..., "answer": ...};
+    "problem"/"solution" work too) or else the Hugging Face hub. The reference is the text after the
+    last "####" (GSM8K) or the last \\boxed{} (MATH) and must be one number. Rows are deduplicated by
+    question and shuffled by seed: the first eval_size are the eval split, the rest, cycled, the train
+    stream. Malformed rows (named by file:line) are skipped with a warning, or refused (bad_rows="error")."""
 
     hub = ("", "", "")  # (path, config, split) for datasets.load_dataset
     instruction = "Solve step by step, then give the final number in <answer></answer> tags."
@@ -442,7 +426,12 @@ class DatasetTask(Task):
             raise ValueError(f"bad_rows must be 'skip' or 'error' (got {bad_rows!r})")
         found: dict[str, Problem] = {}
         self.skipped: list[str] = []  # "file:line (reason)" of every malformed row
-        for where, row in _read_jsonl(data) if data is not None else self._read_hub():
+        if data is None:
+            rows = self._read_hub()
+        else:  # _problem parses each line: invalid JSON is one more malformed row
+            lines = Path(data).read_text(encoding="utf-8").splitlines()
+            rows = ((f"{data}:{n}", line) for n, line in enumerate(lines, 1) if line.strip())
+        for where, row in rows:
             try:
                 problem = self._problem(row)
             except BadRow as e:
@@ -453,9 +442,8 @@ class DatasetTask(Task):
                 continue
             found.setdefault(problem.key, problem)
         if self.skipped:
-            more = " ..." if len(self.skipped) > 20 else ""
-            warnings.warn(f"{self.name}: skipped {len(self.skipped)} malformed rows: "
-                          + "; ".join(self.skipped[:20]) + more)
+            shown = "; ".join(self.skipped[:20]) + " ..." * (len(self.skipped) > 20)
+            warnings.warn(f"{self.name}: skipped {len(self.skipped)} malformed rows: {shown}")
         problems = list(found.values())
         random.Random(f"{seed}:split").shuffle(problems)
         if len(problems) <= eval_size:
@@ -464,9 +452,12 @@ class DatasetTask(Task):
         self._eval, self._train = problems[:eval_size], problems[eval_size:]
 
     def _problem(self, row: Any) -> Problem:
-        """The row as a Problem; BadRow says why it is malformed."""
-        if isinstance(row, json.JSONDecodeError):
-            raise BadRow(f"invalid JSON: {row.msg}")
+        """The row (a hub record or a JSONL line) as a Problem; BadRow says why it is malformed."""
+        if isinstance(row, str):
+            try:
+                row = json.loads(row)
+            except json.JSONDecodeError as e:
+                raise BadRow(f"invalid JSON: {e.msg}") from None
         if not isinstance(row, dict):
             raise BadRow("not a JSON object")
         question = row.get("question", row.get("problem"))
@@ -476,8 +467,7 @@ class DatasetTask(Task):
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
             raise BadRow("missing field 'answer'")
         text = str(answer).split("####")[-1]
-        value = parse_number(text)
-        if value is None:
+        if (value := parse_number(text)) is None:
             raise BadRow(f"answer {text.strip()[-40:]!r} is not a number")
         answer = str(value.numerator) if value.denominator == 1 else str(value)
         key = " ".join(question.split())  # whitespace variants of a question are one problem
@@ -502,23 +492,10 @@ class DatasetTask(Task):
         return ((f"{path}[{split}]:row {i}", row) for i, row in enumerate(ds))
 
     def train_problem(self, index: int) -> Problem:
-        if index < 0:
-            raise ValueError(f"train_problem index must be >= 0 (got {index})")
         return self._train[index % len(self._train)]
 
     def solve(self, problem: Problem) -> str:
         return f"<answer>{problem.answer}</answer>"
-
-
-def _read_jsonl(path: str) -> Iterator[tuple[str, Any]]:
-    """("file:line", the parsed row or its JSONDecodeError) for each non-blank line."""
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield f"{path}:{n}", json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield f"{path}:{n}", e
 
 
 class GSM8K(DatasetTask):
@@ -596,12 +573,11 @@ def make_task(name: str, *, seed: int, eval_size: int, data: str | None = None,
         close = difflib.get_close_matches(name, list(TASKS), n=1, cutoff=0.0)
         raise ValueError(f"unknown task {name!r}; did you mean {close[0]!r}? "
                          f"(valid: {', '.join(sorted(TASKS))})")
-    cls = TASKS[name]
-    if issubclass(cls, DatasetTask):
-        return cls(seed=seed, eval_size=eval_size, data=data, bad_rows=bad_rows, **options)
-    if data is not None:
+    if issubclass(TASKS[name], DatasetTask):
+        options.update(data=data, bad_rows=bad_rows)
+    elif data is not None:
         raise ValueError(f"task {name!r} generates its own problems; drop --data {data}")
-    return cls(seed=seed, eval_size=eval_size, **options)
+    return TASKS[name](seed=seed, eval_size=eval_size, **options)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

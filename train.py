@@ -121,6 +121,7 @@ class Config:
     overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens of the budget; 0 = off
     max_turns: int = 4  # multi-turn envs: model turns per episode; each one is a chance to fix an error
     max_len: int = 2048  # multi-turn envs: an episode longer than this (tokens) ends early, cleanly
+    sandbox: str = "strict"  # python_tool: strict refuses where code cannot be isolated; weak: rlimits only
     # ---- torchrun (`torchrun --nproc_per_node=N train.py ...`: --batch stays the global batch)
     dist_timeout: float = 1800.0  # seconds a rank waits in a collective before failing: > any checkpoint
     # ---- disaggregated training (serve.py): a trainer process and any number of rollout workers
@@ -151,7 +152,7 @@ def choices() -> dict:
     """Fields with a fixed set of values: validate() checks them first, and --help lists them."""
     return {"task": sources(), "algo": ALGOS, "loss": LOSSES, "loss_agg": AGGREGATIONS, "kl_estimator": KL,
             "tis": IS_LEVELS, "mis": IS_LEVELS, "bad_rows": ("skip", "error"),
-            "role": ("sync", "trainer", "rollout"), "judge_down": ("fail", "drop")}
+            "role": ("sync", "trainer", "rollout"), "judge_down": ("fail", "drop"), "sandbox": sandbox.MODES}
 
 
 def validate(cfg: Config) -> None:
@@ -219,7 +220,7 @@ def validate_modes(cfg: Config) -> None:
                   "student's samples")
     if cfg.task == "python_tool":  # model code runs only where the sandbox isolates it, or weakly by name
         try:
-            sandbox.sandbox_plan()
+            sandbox.use(cfg.sandbox)
         except sandbox.SandboxUnavailable as e:
             raise err(str(e)) from None
     llm = [f for f in ("sft_steps", "mask_truncated", "kl_coef", "pass_k", "debug_samples")

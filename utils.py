@@ -1,8 +1,8 @@
-"""Plumbing shared by the loop: config parsing, run directory, metrics, plots, checkpoints, torchrun
-helpers."""
+"""Plumbing shared by the loop: config parsing, metrics and their sinks, checkpoints, torchrun helpers."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import datetime
@@ -13,15 +13,17 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import yaml
-from torch.distributed.elastic.multiprocessing.errors import record  # noqa: F401 (train.py: torchrun then reports a failed rank's traceback)
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+# for train.py's @utils.record: torchrun then reports a failed rank's traceback
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: F401
 
 
 # ---------------------------------------------------------------- config
@@ -35,22 +37,15 @@ def closest(name: str, valid) -> str:
 
 
 def coerce(field: dataclasses.Field, value, source: str):
-    """YAML/CLI value -> the field's declared type, or a ConfigError naming the key."""
+    """YAML/CLI value -> the field's declared type (bool, int, float or str), or a ConfigError naming
+    the key. YAML's true is no number and 1 no bool; an int takes 3.0 but not 3.5."""
     kind = field.type if isinstance(field.type, str) else field.type.__name__
     try:
-        if kind == "bool":
-            if isinstance(value, bool):
-                return value
-            raise ValueError
-        if kind == "int" and not isinstance(value, bool):
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return int(value)
-        if kind == "float" and not isinstance(value, bool):
-            return float(value)
-        if kind == "str":
-            return str(value)
-    except (TypeError, ValueError):
+        if kind == "str" or isinstance(value, bool) == (kind == "bool"):
+            typed = {"bool": bool, "int": int, "float": float, "str": str}[kind](value)
+            if kind != "int" or typed == float(value):
+                return typed
+    except (TypeError, ValueError, OverflowError):  # Overflow: int(inf)
         pass
     raise ConfigError(f"{source}: '{field.name}' must be {kind}, got {value!r}")
 
@@ -82,11 +77,9 @@ def load_config(cls, argv: list[str], choices: dict | None = None, base: Path | 
         group = groups.get(section) or groups.setdefault(section, parser.add_argument_group(section))
         listed = f"choices: {', '.join(choices[f.name])}; " if f.name in (choices or {}) else ""
         text = f"{comment} ({listed}default: {f.default!r})".replace("%", "%%")
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
-        else:
-            group.add_argument(flag, default=None, help=text, metavar=str(f.type).upper())
+        switch = f.type in ("bool", bool)  # --lora / --no-lora
+        how = {"action": argparse.BooleanOptionalAction} if switch else {"metavar": str(f.type).upper()}
+        group.add_argument("--" + f.name.replace("_", "-"), default=None, help=text, **how)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         bad = unknown[0].split("=")[0]
@@ -105,14 +98,10 @@ def load_config(cls, argv: list[str], choices: dict | None = None, base: Path | 
                 raise ConfigError(f"{source}: unknown key '{key}'{closest(key, fields)}")
             values[key] = coerce(fields[key], value, source)
     for name, f in fields.items():
-        raw = getattr(args, name)
-        if raw is not None:
-            values[name] = raw if isinstance(raw, bool) else coerce_cli(f, raw)
+        if (raw := getattr(args, name)) is not None:  # a flag's text is YAML, unless the field is a str
+            value = raw if isinstance(raw, bool) or f.type in ("str", str) else yaml.safe_load(raw)
+            values[name] = coerce(f, value, "--" + name.replace("_", "-"))
     return cls(**{**defaults(values), **values})
-
-
-def coerce_cli(f: dataclasses.Field, raw: str):
-    return coerce(f, yaml.safe_load(raw) if f.type not in ("str", str) else raw, "--" + f.name.replace("_", "-"))
 
 
 def save_config(cfg, path: Path) -> None:
@@ -131,10 +120,9 @@ class Metrics:
         if resumed_at is not None:
             for path in (self.path, self.samples_path, out / "samples.1.jsonl"):
                 truncate_log(path, resumed_at)
-        new = not self.path.exists()
         self.file = open(self.path, "a", newline="")
         self.writer = csv.writer(self.file)
-        if new:
+        if self.file.tell() == 0:  # a new file
             self.writer.writerow(["step", "wall_s", "key", "value"])
         self.samples_file = open(self.samples_path, "a")
         self.t0 = time.perf_counter() - wall_offset
@@ -182,8 +170,7 @@ def truncate_log(path: Path, last_step: float) -> None:
     step = (lambda x: float(x.split(",", 1)[0])) if csv_file else (lambda x: json.loads(x)["step"])
     kept = lines[:1] if csv_file else []  # the header
     kept += [line for line in lines[len(kept):] if line.endswith("\n") and step(line) <= last_step]
-    fsync_write(path.with_suffix(".tmp"), "".join(kept).encode())
-    os.replace(path.with_suffix(".tmp"), path)
+    atomic_write(path, "".join(kept).encode())
 
 
 class TensorBoard:
@@ -251,7 +238,8 @@ def read_metrics(path: Path) -> dict[str, list[tuple[int, float, float]]]:
     series: dict[str, list] = {}
     with open(path) as f:
         for row in csv.DictReader(f):
-            series.setdefault(row["key"], []).append((int(row["step"]), float(row["wall_s"]), float(row["value"])))
+            point = int(row["step"]), float(row["wall_s"]), float(row["value"])
+            series.setdefault(row["key"], []).append(point)
     return series
 
 
@@ -263,17 +251,15 @@ def plot(out: Path, keys=("reward", "eval_return")) -> Path:
 
     series = read_metrics(out / "metrics.csv")
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    for key in keys:
-        if key in series:  # an eval before a supervised warm-start is the curve's first point (step -sft_steps)
-            steps, walls, values = zip(*series.get(f"{key}_before_sft", []) + series[key])
-            axes[0].plot(steps, values, label=key)
-            axes[1].plot(walls, values, label=key)
+    for key in [k for k in keys if k in series]:  # an eval before a warm-start is step -sft_steps
+        steps, walls, values = zip(*series.get(f"{key}_before_sft", []) + series[key])
+        axes[0].plot(steps, values, label=key)
+        axes[1].plot(walls, values, label=key)
     if sft := series.get("sft_loss"):
         axes[0].axvspan(sft[0][0] - 1, 0, color="grey", alpha=0.15, label="supervised warm-start")
         axes[1].axvspan(0, sft[-1][1], color="grey", alpha=0.15, label="supervised warm-start")
-    axes[0].set_xlabel("step")
-    axes[1].set_xlabel("wall seconds")
-    for ax in axes:
+    for ax, label in zip(axes, ("step", "wall seconds")):
+        ax.set_xlabel(label)
         ax.legend()
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -284,31 +270,48 @@ def plot(out: Path, keys=("reward", "eval_return")) -> Path:
 
 
 # ---------------------------------------------------------------- checkpoints
-def fsync_write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
+@contextlib.contextmanager
+def atomic_dir(final: Path, replace: bool = True):
+    """A fresh directory beside `final`, renamed to `final` once the block has filled it: a reader
+    never sees half of it. replace=False keeps an existing `final` (a concurrent builder's)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        yield tmp
+        if replace:
+            shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    except OSError:
+        if replace or not final.exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """`data` as the file's new content, fsync'd beside it and renamed over it: never half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
-def save_checkpoint(out: Path, step: int, policy: torch.nn.Module, opt: torch.optim.Optimizer, meta: dict, keep: int) -> Path:
+def save_checkpoint(out: Path, step: int, policy: torch.nn.Module, opt: torch.optim.Optimizer, meta: dict,
+                    keep: int) -> Path:
     """Writes ckpt-<step>/ atomically: a temp directory, fsync'd files, then one os.replace.
     Weights are safetensors, optimizer and RNG state a tensors-only torch.save read back with
     weights_only=True, everything else JSON. Keeps the newest `keep` checkpoints."""
     final = out / f"ckpt-{step:07d}"
-    tmp = out / f".tmp-ckpt-{step:07d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    weights = {n: p.detach().contiguous() for n, p in policy.named_parameters() if p.requires_grad}
-    save_file(weights, str(tmp / "weights.safetensors"))
-    state = {"optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state()}
-    torch.save(state, tmp / "state.pt")
-    fsync_write(tmp / "meta.json", json.dumps({"step": step, **meta}, indent=1).encode())
-    for name in ("weights.safetensors", "state.pt"):
-        with open(tmp / name, "rb") as f:
-            os.fsync(f.fileno())
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    with atomic_dir(final) as tmp:
+        weights = {n: p.detach().contiguous() for n, p in policy.named_parameters() if p.requires_grad}
+        save_file(weights, str(tmp / "weights.safetensors"))
+        torch.save({"optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state()}, tmp / "state.pt")
+        atomic_write(tmp / "meta.json", json.dumps({"step": step, **meta}, indent=1).encode())
+        for name in ("weights.safetensors", "state.pt"):
+            with open(tmp / name, "rb") as f:
+                os.fsync(f.fileno())
     for old in checkpoints(out)[:-keep]:
         shutil.rmtree(old)
     return final
@@ -317,13 +320,6 @@ def save_checkpoint(out: Path, step: int, policy: torch.nn.Module, opt: torch.op
 def checkpoints(run: Path) -> list[Path]:
     """Oldest first, by step (warm-start checkpoints have negative steps)."""
     return sorted(run.glob("ckpt-*"), key=lambda p: int(p.name[5:]))
-
-
-def latest_checkpoint(run: Path) -> Path:
-    ckpts = checkpoints(run)
-    if not ckpts:
-        raise FileNotFoundError(f"--resume {run}: no ckpt-* directory inside; pass a run directory written by train.py")
-    return ckpts[-1]
 
 
 def load_checkpoint(ckpt: Path, policy: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:

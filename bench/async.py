@@ -32,7 +32,7 @@ import serve  # noqa: E402
 import transport  # noqa: E402
 import train  # noqa: E402
 import utils  # noqa: E402
-from model import HFGenerator, LLMPolicy, VLLMGenerator, resolve_model  # noqa: E402
+from model import HFGenerator, LLMPolicy, VLLMGenerator  # noqa: E402
 from rollouts import live_weights, make_batch  # noqa: E402
 
 TOKEN = "bench-token-0123456789"
@@ -180,11 +180,11 @@ def generation(args) -> dict:
         out = {"hf_worker": tokens_per_second(lambda: worker_path(hf, policy, prefixes, args.gen_tokens), args.repeats),
                "hf_raw": tokens_per_second(lambda: hf_raw(policy, prefixes, args.gen_tokens), args.repeats)}
     if args.vllm:
-        gen = VLLMGenerator(resolve_model(cfg.model), cfg, policy.eos_ids, 0)
+        gen = VLLMGenerator(policy.path, cfg, policy.eos_ids, 0)
         names, meta = policy.wire_names(), {"adapter_config": policy.adapter_config()}
         tensors = {names[n]: t for n, t in policy.trainable_state().items()}
         gen.load(0, tensors, meta, transport.encode(tensors, meta))
-        prompts = [gen.TokensPrompt(prompt_token_ids=p) for p in prefixes]
+        prompts = [{"prompt_token_ids": p} for p in prefixes]
         params = gen.SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=args.gen_tokens,
                                     stop_token_ids=sorted(policy.eos_ids))
         raw = lambda: sum(len(o.outputs[0].token_ids) for o in gen.llm.generate(prompts, params, lora_request=gen.request, use_tqdm=False))

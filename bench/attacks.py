@@ -29,7 +29,7 @@ import serve  # noqa: E402
 import transport  # noqa: E402
 import utils  # noqa: E402
 from envs import sql_database  # noqa: E402
-from model import build_tiny_model  # noqa: E402
+from modeldir import build_tiny_model  # noqa: E402
 from sandbox_escapes import escapes  # noqa: E402
 
 TOKEN = secrets.token_urlsafe(24)

@@ -72,7 +72,7 @@ def main():
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])  # 2 cores, inherited by the sandboxes too
     print(f"load average {os.getloadavg()[0]:.1f} on {len(os.sched_getaffinity(0))} cores")
     tok = chat_tokenizer()
-    python, flags, uid_base = sandbox.sandbox_plan()
+    python, flags, uid_base = sandbox.sandbox_plan("strict")
     print(f"sandbox: {python}, unshare flags {flags:#x}, {'a uid per run' if uid_base else 'no uid drop'}")
     print(f"{'environment':<22}{'episodes':>9}{'seconds':>9}{'episodes/s':>12}{'solved':>8}{'turns':>7}")
     for name, make_script in SCRIPTS.items():

@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import train  # noqa: E402
 import utils  # noqa: E402
 from algos import loss_weights, policy_loss  # noqa: E402
-from model import SPECIALS, LLMPolicy, Sample, build_tiny_model  # noqa: E402
+from model import LLMPolicy, Sample  # noqa: E402
+from modeldir import SPECIALS, build_tiny_model  # noqa: E402
 from rollouts import make_batch  # noqa: E402
 
 BIG = dict(layers=24, hidden=1024, heads=16, intermediate=2816, max_len=2048)  # ~308M parameters

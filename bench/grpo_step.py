@@ -40,7 +40,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import tasks  # noqa: E402
-from model import build_tiny_model, linear_names  # noqa: E402
+from model import lora_layers  # noqa: E402
+from modeldir import build_tiny_model  # noqa: E402
 
 PROMPTS, GROUP, TOKENS, LR = 8, 8, 16, 3e-4
 TAG = "@@grpo_step "  # marks the worker's protocol lines among whatever TRL prints
@@ -60,7 +61,8 @@ def lora_config():
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
-    targets = linear_names(AutoModelForCausalLM.from_pretrained(build_tiny_model()))
+    layers = lora_layers(AutoModelForCausalLM.from_pretrained(build_tiny_model()))
+    targets = sorted(n for n, projection in layers.items() if projection)  # all-linear's
     return LoraConfig(r=16, lora_alpha=32, target_modules=targets, lora_dropout=0.0, task_type="CAUSAL_LM")
 
 

@@ -13,12 +13,12 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import utils  # noqa: E402
-from model import build_tiny_model  # noqa: E402
+from modeldir import build_tiny_model  # noqa: E402
 
 
 def export(run: str, out: str) -> str:
     """The tiny model's directory with its weights replaced by a checkpoint's (a run's newest)."""
-    ckpt = Path(run) if (Path(run) / "weights.safetensors").exists() else utils.latest_checkpoint(Path(run))
+    ckpt = Path(run) if (Path(run) / "weights.safetensors").exists() else utils.checkpoints(Path(run))[-1]
     weights = load_file(str(ckpt / "weights.safetensors"))
     if not all(k.startswith("model.") for k in weights) or any("lora_" in k for k in weights):
         raise SystemExit(f"{run}: not a full fine-tuning run of the tiny model (--no-lora)")

@@ -13,6 +13,9 @@ import time
 from pathlib import Path
 
 
+MINIMAL_DEV = "fd full null random shm stderr stdin stdout urandom zero"  # and no disk, kvm, kmsg, tty...
+
+
 def _survivors(marker: str) -> list[int]:
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -83,6 +86,13 @@ def escapes(run_python, work: Path) -> dict[str, tuple[bool, str]]:
                                                                       f"{_survivors(marker)}")
     for pid in _survivors(marker):  # (weak mode) not left behind by this script
         os.kill(pid, 9)
+    r = run_python("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                   "print(libc.unshare(0x10000000), ctypes.get_errno())")  # CLONE_NEWUSER
+    out["create a nested user namespace"] = (r.stdout.split()[:1] == ["-1"], r.stdout.strip() or r.stderr[-80:])
+    r = run_python("import os\nprint(len(open('/dev/urandom', 'rb').read(16)), open('/dev/null', 'w').write('x'))\n"
+                   "print(' '.join(sorted(os.listdir('/dev'))))")
+    seen = r.stdout.splitlines() + [r.stderr.strip()[-80:]]
+    out["see the host's devices in /dev"] = (seen[:2] == ["16 1", MINIMAL_DEV], f"{seen[0]}; /dev: {seen[1][:60]}")
     r = run_python(f"import os, signal\ntry:\n    os.kill({victim.pid}, signal.SIGKILL)\n    print('sent')\n"
                    "except OSError as e:\n    print(e.strerror)")
     time.sleep(0.2)
@@ -121,17 +131,17 @@ def forbid_unshare():
 
 if __name__ == "__main__":  # SANDBOX_DIR WORK_DIR [--plan] [--no-userns] [--no-unshare] [--weak]
     sys.path.insert(0, sys.argv[1])
-    os.environ["NANORL_SANDBOX"] = "weak" if "--weak" in sys.argv else "strict"
     import sandbox
 
     if "--no-userns" in sys.argv:
         forbid_user_namespaces()
     if "--no-unshare" in sys.argv:
         forbid_unshare()
-    if "--plan" in sys.argv:  # only what sandbox_plan decides here
-        try:
-            print(json.dumps(sandbox.sandbox_plan()))
-        except sandbox.SandboxUnavailable as e:
-            print(json.dumps(str(e)))
+    try:
+        plan = sandbox.use("weak" if "--weak" in sys.argv else "strict")  # as train's --sandbox does
+    except sandbox.SandboxUnavailable as e:
+        plan = str(e)
+    if "--plan" in sys.argv or isinstance(plan, str):  # only what sandbox_plan decides here
+        print(json.dumps(plan))
     else:
         print(json.dumps(escapes(sandbox.run_python, Path(sys.argv[2]))))

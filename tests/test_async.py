@@ -22,7 +22,8 @@ import serve
 import transport
 import train
 import utils
-from model import LLMPolicy, build_tiny_model
+from model import LLMPolicy
+from modeldir import build_tiny_model
 from rollouts import make_batch
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -58,7 +58,8 @@ def step_delta(algo: str, rows: slice) -> dict:
 
 def llm_step_delta(rows: slice) -> dict:
     """The same for GRPO on a LoRA LLM (a one-layer tiny Llama), rows of different lengths."""
-    from model import LLMPolicy, build_tiny_model
+    from model import LLMPolicy
+    from modeldir import build_tiny_model
 
     cfg = cfg_from("--task", "arith", "--algo", "grpo", "--group-size", "4", "--batch", str(BATCH), "--micro-batch", "3")
     torch.manual_seed(0)
@@ -219,12 +220,12 @@ def test_two_rank_cartpole_run_checkpoints_once_and_resumes_on_one_rank(tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("run saved to") == 1  # rank 0 alone reports, logs and checkpoints
     assert [s for s, _ in read_metrics(run)["loss"]] == [1, 2, 3]
-    meta = json.loads((utils.latest_checkpoint(run) / "meta.json").read_text())
+    meta = json.loads((utils.checkpoints(run)[-1] / "meta.json").read_text())
     assert meta["step"] == 3 and meta["source"] == {"position": 6}  # 3 steps x 2 ranks' seeds
     train.train(cfg_from("--resume", str(run), "--task", "cartpole", "--algo", "reinforce_pp", "--batch", "8",
                          "--steps", "4", "--eval-every", "3", "--eval-episodes", "2"))
     assert [s for s, _ in read_metrics(run)["loss"]] == [1, 2, 3, 4]
-    assert json.loads((utils.latest_checkpoint(run) / "meta.json").read_text())["source"] == {"position": 7}
+    assert json.loads((utils.checkpoints(run)[-1] / "meta.json").read_text())["source"] == {"position": 7}
 
 
 def test_two_rank_llm_grpo_run_resumes_on_one_rank(tmp_path):
@@ -237,11 +238,11 @@ def test_two_rank_llm_grpo_run_resumes_on_one_rank(tmp_path):
     assert [s for s, _ in metrics["sft_loss"]] == [0] and metrics["sft_loss"][0][1] > 0
     assert [s for s, _ in metrics["loss"]] == [1, 2] and [s for s, _ in metrics["eval_accuracy"]] == [0, 2]
     assert all(v * 6 == round(v * 6) for _, v in metrics["eval_accuracy"])  # whole problems out of 6, summed over ranks
-    meta = json.loads((utils.latest_checkpoint(run) / "meta.json").read_text())
+    meta = json.loads((utils.checkpoints(run)[-1] / "meta.json").read_text())
     assert meta["source"] == {"position": 12}  # 8 warm-start demos + 2 steps x 2 prompts (one whole group per rank)
     train.train(cfg_from(*argv[:-2], "--resume", str(run), "--steps", "3"))
     assert [s for s, _ in read_metrics(run)["loss"]] == [1, 2, 3]
-    assert json.loads((utils.latest_checkpoint(run) / "meta.json").read_text())["source"] == {"position": 14}
+    assert json.loads((utils.checkpoints(run)[-1] / "meta.json").read_text())["source"] == {"position": 14}
 
 
 FAILING = """

@@ -15,11 +15,12 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from envs import (TEXT_ENVS, CountdownEnv, PythonTask, PythonToolEnv, SQLEnv, SQLTask, TextEnv, _sql_tables,
+from envs import (TEXT_ENVS, CountdownEnv, PythonTask, PythonToolEnv, SQLEnv, SQLTask, TextEnv, SQL,
                   format_rows, run_sql, sql_correct, sql_database)
 import train
 from exact import assert_sampled_ids_are_trained
-from model import LLMPolicy, Sample, build_tiny_model
+from model import LLMPolicy, Sample
+from modeldir import build_tiny_model
 from rollouts import rollout_multiturn
 from tasks import Problem, ProceduralTask, completion_number
 
@@ -294,7 +295,7 @@ def test_sql_tool_interrupts_an_endless_recursive_cte_and_huge_blobs():
 
 
 def test_sql_reward_compares_result_sets_with_the_gold_query():
-    customers = _sql_tables("shop")["customers"][1]
+    customers = SQL["shop"]["tables"]["customers"]["rows"]
     oslo = sorted(name for _, name, city, _ in customers if city == "Oslo")
     answer = json.dumps({"db": "shop", "gold": "SELECT name FROM customers WHERE city = 'Oslo'"})
     assert len(oslo) >= 2  # the order checks below need at least two rows
@@ -324,7 +325,7 @@ def test_sql_env_returns_errors_and_rows_so_the_model_can_fix_its_query():
     env.reset(Problem("q", json.dumps({"db": "shop", "gold": "SELECT COUNT(*) FROM customers"}), "k"))
     obs, reward, done, _ = env.step("```sql\nSELEC name FROM customers\n```")
     assert obs[0]["content"] == 'error: near "SELEC": syntax error' and (reward, done) == (0.0, False)
-    first = _sql_tables("shop")["customers"][1][:2]
+    first = SQL["shop"]["tables"]["customers"]["rows"][:2]
     obs, _, _, _ = env.step("```sql\nSELECT name, city FROM customers WHERE id <= 2\n```")
     assert obs[0]["content"] == "name | city\n" + "\n".join(f"{n} | {c}" for _, n, c, _ in first)
     assert env.step("<answer>SELECT COUNT(id) FROM customers</answer>") == (None, 1.0, True,

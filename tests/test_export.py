@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train
 import utils
-from model import LLMPolicy, build_tiny_model
+from model import LLMPolicy
+from modeldir import build_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -31,7 +32,7 @@ def trained(tmp_path, tiny, *argv):
                                            "--out", str(tmp_path / "run"), *argv])
     out = train.train(cfg)
     policy = LLMPolicy(cfg)
-    utils.load_checkpoint(utils.latest_checkpoint(out), policy, torch.optim.Adam(policy.trained.values()))
+    utils.load_checkpoint(utils.checkpoints(out)[-1], policy, torch.optim.Adam(policy.trained.values()))
     ids = policy.encode_prompt("3+4=") + policy.tokenizer.encode("7", add_special_tokens=False)
     return out, policy, torch.tensor([ids])
 
@@ -50,7 +51,7 @@ def test_lora_export_is_a_peft_adapter_and_merges_into_a_full_model_with_the_tra
     peft = PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
     torch.testing.assert_close(logits(peft, ids), expected, atol=1e-5, rtol=0)
     # Later, from the run alone: evaluate its checkpoint and export the adapter merged into the weights.
-    ckpt = str(utils.latest_checkpoint(out))  # a checkpoint, not only a run directory
+    ckpt = str(utils.checkpoints(out)[-1])  # a checkpoint, not only a run directory
     assert train.main(["--resume", ckpt, "--eval-only", "--export", str(tmp_path / "merged"), "--export-merged"]) == 0
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     torch.testing.assert_close(logits(merged, ids), expected, atol=1e-4, rtol=0)

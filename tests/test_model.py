@@ -10,7 +10,8 @@ import torch
 import train
 import utils
 from algos import loss_weights, policy_loss
-from model import CHARS, SPECIALS, LLMPolicy, Sample, add_lora, build_tiny_model, resolve_model
+from model import LLMPolicy, Sample, add_lora
+from modeldir import CHARS, SPECIALS, build_tiny_model, resolve_model
 from rollouts import make_batch
 
 DIMS = dict(layers=2, hidden=128, heads=2, intermediate=256, max_len=256)  # 2 x 64 heads: small and fast
@@ -406,7 +407,7 @@ def gpt2(tmp_path_factory):
     character tokenizer, built here: no download."""
     from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
 
-    from model import char_tokenizer
+    from modeldir import char_tokenizer
 
     path, tok = tmp_path_factory.mktemp("gpt2"), char_tokenizer(256)
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import train
 import utils
-from model import build_tiny_model
+from modeldir import build_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -15,7 +15,8 @@ import train
 import utils
 from envs import TextEnv
 from exact import assert_sampled_ids_are_trained
-from model import LLMPolicy, VLLMGenerator, resolve_model
+from model import LLMPolicy, VLLMGenerator
+from modeldir import resolve_model
 from rollouts import make_batch, rollout_multiturn
 from tasks import Problem, ProceduralTask, completion_number
 from transport import decode, encode

@@ -8,7 +8,7 @@ import pytest
 import report
 import train
 import utils
-from model import build_tiny_model
+from modeldir import build_tiny_model
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking", "--disable-component-update",

@@ -40,7 +40,7 @@ def rows(out: Path) -> list[tuple[int, str]]:
 
 
 def final_weights(out: Path) -> dict:
-    return load_file(str(utils.latest_checkpoint(out) / "weights.safetensors"))
+    return load_file(str(utils.checkpoints(out)[-1] / "weights.safetensors"))
 
 
 def test_help_shows_each_fields_comment_default_and_choices_grouped_as_in_config():
@@ -166,7 +166,7 @@ def wandb_records(path: Path):
 
 
 def test_ctrl_c_in_the_warm_start_finishes_its_step_and_resume_alone_continues_it_bitwise(tmp_path, monkeypatch):
-    from model import build_tiny_model
+    from modeldir import build_tiny_model
     from rollouts import TaskRollouts
 
     tiny = build_tiny_model(str(tmp_path / "tiny"), layers=2, hidden=128, heads=2, intermediate=256)

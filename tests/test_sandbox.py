@@ -17,7 +17,7 @@ from envs import PythonToolEnv
 from sandbox import SANDBOX_UID_BASE, run_python, sandbox_plan
 from tasks import Problem
 
-PYTHON, FLAGS, UID_BASE = sandbox_plan()
+PYTHON, FLAGS, UID_BASE = sandbox_plan("strict")
 # Without a pid namespace or a uid of its own, code that signals "its parent" would hit pytest.
 contained = pytest.mark.skipif(not (FLAGS & sandbox._NEWPID or UID_BASE),
                                reason="needs a pid namespace or root (a throwaway uid per run)")
@@ -237,7 +237,7 @@ def test_escape_suite_is_contained_as_an_ordinary_user():
 def test_without_user_namespaces_an_ordinary_user_is_refused_in_one_line_unless_weak():
     refused = escape_suite_as("nanorl-tester", "--plan", "--no-userns")
     assert refused.startswith("sandbox: cannot isolate model code here (sandbox setup failed: unshare:")
-    assert "NANORL_SANDBOX=weak" in refused and "\n" not in refused
+    assert "--sandbox weak" in refused and "\n" not in refused
     assert escape_suite_as("nanorl-tester", "--plan", "--no-userns", "--weak")[1:] == [0, 0]
 
 
@@ -246,6 +246,34 @@ def test_root_where_unshare_is_denied_is_refused_unless_weak_which_keeps_the_uid
     refused = escape_suite_as("root", "--plan", "--no-unshare")  # a seccomp filter, as Docker's default profile
     assert refused.startswith("sandbox: cannot isolate model code here (sandbox setup failed: unshare: Operation")
     assert escape_suite_as("root", "--plan", "--no-unshare", "--weak")[1:] == [0, SANDBOX_UID_BASE]
+
+
+def test_the_sandbox_flag_reaches_run_python_in_the_trainer_and_in_workers(monkeypatch, capsys, tmp_path):
+    """--sandbox is validated, recorded in config.yaml, and is the mode run_python asks for after
+    start-up, in a sync trainer and in a rollout worker alike (both go through train.validate)."""
+    import train
+    import utils
+
+    assert "unknown --sandbox 'lax'" in _one_line_error(capsys, ["--sandbox", "lax"])
+    cfg = train.parse(["--task", "python_tool", "--sandbox", "weak"])
+    utils.save_config(cfg, tmp_path / "config.yaml")
+    assert "sandbox: weak" in (tmp_path / "config.yaml").read_text().splitlines()
+    asked = []
+    monkeypatch.setattr(sandbox, "sandbox_plan", lambda mode: asked.append(mode) or (PYTHON, FLAGS, UID_BASE))
+    monkeypatch.setattr(sandbox, "_mode", "strict")
+    for role in ({}, {"role": "rollout", "trainer_url": "http://127.0.0.1:9"}):
+        train.validate(train.Config(task="python_tool", sandbox="weak", **role))
+        assert run_python("print(6 * 7)").stdout == "42\n"
+    assert asked == ["weak", "weak"] * 2
+
+
+def _one_line_error(capsys, argv) -> str:
+    import train
+
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
 
 
 # ---------------------------------------------------------------- SQL: limits a query cannot call its way out of

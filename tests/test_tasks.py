@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 import tasks
 from tasks import (ExprError, Problem, countdown_correct, extract_answer, format_reward,
-                   greedy_accuracy, int_correct, last_boxed, last_number, make_task,
+                   greedy_accuracy, int_correct, last_boxed, completion_number, make_task,
                    numeric_correct, overlong_penalty, parse_number, pass_at_k, safe_eval,
                    solve_countdown)
 
@@ -45,14 +45,15 @@ def test_parse_number_is_exact_and_accepts_only_one_number(text, value):
     assert parse_number(text) == value
 
 
-def test_last_number_takes_the_last_and_respects_separators_and_signs():
-    assert last_number("48 + 24 = 72") == 72
-    assert last_number("x = -3") == -3
-    assert last_number("5-3") == 3  # a minus right after a digit is subtraction, not a sign
-    assert last_number("1,234 and 3,4") == 4 and last_number("sold 1,234 pens") == 1234
-    assert last_number("half is \\frac{1}{2}.") == Fraction(1, 2)
-    assert last_number("\\boxed{5} then 7") == 5  # a boxed answer wins over later numbers
-    assert last_number("no digits") is None and last_number("9" * 100_000) is None
+def test_completion_number_takes_the_last_and_respects_separators_and_signs():
+    assert completion_number("48 + 24 = 72") == 72
+    assert completion_number("x = -3") == -3
+    assert completion_number("5-3") == 3  # a minus right after a digit is subtraction, not a sign
+    assert completion_number("1,234 and 3,4") == 4 and completion_number("sold 1,234 pens") == 1234
+    assert completion_number("half is \\frac{1}{2}.") == Fraction(1, 2)
+    assert completion_number("\\boxed{5} then 7") == 5  # a boxed answer wins over later numbers
+    assert completion_number("no digits") is None and completion_number("9" * 100_000) is None
+    assert completion_number("12 + 7 = <answer>19</answer>, not 20") == 19  # the answer tags win
 
 
 def test_last_boxed_balances_braces_and_last_wins():

@@ -6,7 +6,7 @@ import pytest
 import tasks
 import train
 import utils
-from model import build_tiny_model
+from modeldir import build_tiny_model
 from tasks import Problem, bare_int_correct, bare_int_format, make_task
 
 P = Problem("Compute 23 + 58. Write only the result, as digits.", "81", key="23+58")

@@ -30,7 +30,7 @@ def quick(tmp_path, *argv):
 
 
 def weights(run: Path) -> dict:
-    return load_file(str(utils.latest_checkpoint(run) / "weights.safetensors"))
+    return load_file(str(utils.checkpoints(run)[-1] / "weights.safetensors"))
 
 
 # ---------------------------------------------------------------- config
@@ -222,7 +222,7 @@ def test_second_ctrl_c_stops_a_source_that_never_returns_and_keeps_the_checkpoin
     with pytest.raises(KeyboardInterrupt):
         train.train(cfg)
     out = Path(cfg.out)
-    assert utils.latest_checkpoint(out).name == "ckpt-0000002"  # steps 1 and 2 finished; step 3 never did
+    assert utils.checkpoints(out)[-1].name == "ckpt-0000002"  # steps 1 and 2 finished; step 3 never did
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler was put back
 
 
@@ -242,5 +242,5 @@ def test_ctrl_c_finishes_the_step_then_checkpoints(tmp_path, monkeypatch):
 
     monkeypatch.setattr(rollouts.ControlRollouts, "next", next_then_interrupt)
     out = train.train(quick(tmp_path, "--steps", "50"))
-    assert utils.latest_checkpoint(out).name == "ckpt-0000003"
+    assert utils.checkpoints(out)[-1].name == "ckpt-0000003"
     assert [s for s, _, _ in utils.read_metrics(out / "metrics.csv")["loss"]][-1] == 3

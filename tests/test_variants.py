@@ -206,7 +206,7 @@ def test_ppo_trains_an_llm_critic_on_the_policy_trunk(tmp_path):
     m = llm_run(tmp_path, "--algo", "ppo", "--gamma", "1", "--lam", "1", "--inner-epochs", "2", "--vf-clip", "0.2",
                 "--critic-max-grad-norm", "0.5", "--overlong-buffer", "3")  # the penalty: rewards a random model earns
     assert m["skipped"] == [0, 0] and len(m["critic_grad_norm"]) == 2
-    weights = load_file(str(utils.latest_checkpoint(tmp_path / "run") / "weights.safetensors"))
+    weights = load_file(str(utils.checkpoints(tmp_path / "run")[-1] / "weights.safetensors"))
     assert weights["v.weight"].abs().sum() > 0  # the zero-initialised head has learned something
 
 

