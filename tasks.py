@@ -521,22 +521,20 @@ def bare_int_correct(prompt: str, completion: str, answer: str) -> float:
     return float(m is not None and m.group(1) == answer)
 
 
-def bare_int_format(prompt: str, completion: str, answer: str) -> float:
-    """1.0 iff the completion is one bare integer, right or wrong (the form `bare_int_correct`
-    takes). Weighted low, it pays for the stated format alone: the untrained model samples the
-    bare right sum too rarely (0 of 64 samples per step) for GRPO to get any reward spread."""
-    return float(_BARE_INT.fullmatch(completion) is not None)
-
-
 class Add(ProceduralTask):
-    """"Compute 13 + 8. Write only the result, as digits." -> "21", for a pretrained chat model.
-    SmolLM2-135M-Instruct mostly answers "13 + 8 = 21." or starts explaining, so its strict score
-    (the bare number, `bare_int_correct`) starts near 0 while the lenient one (the sum anywhere)
-    shows how often it adds right: RL has both the format and the sums to learn."""
+    """Two-number addition for a pretrained chat model; the prompt states the format by two examples:
+    "Answer with the number only.\nQ: What is 2 + 3?\nA: 5\nQ: What is 11 + 7?\nA: 18\nQ: What is 13 + 8?\nA:"
+    SmolLM2-135M-Instruct mostly answers "13 + 8 = 21" or starts explaining, so its strict score (the
+    bare number, `bare_int_correct`) starts low while the lenient one (the sum anywhere) shows how often
+    it adds right: RL has the format to learn and must keep the sums right while it does."""
 
     name = "add"
-    rewards = [(bare_int_correct, 1.0), (bare_int_format, 0.1)]
-    max_new_tokens = 10  # the bare sum is 2-3 tokens; the untrained model's "13 + 18 = 31" just fits
+    # Only a bare right sum pays: a bonus for the bare form (right or wrong) was learnt in 4 steps and
+    # the sums lost (every answer "2"). The examples in the prompt make the untrained model sample the
+    # bare form often enough (9 of 128 samples) for GRPO's groups to show a spread.
+    rewards = [(bare_int_correct, 1.0)]
+    max_new_tokens = 12  # the bare sum is 2-3 tokens; "13 + 18 = 31" (for the lenient score) fits
+    FORMAT = "Answer with the number only.\nQ: What is 2 + 3?\nA: 5\nQ: What is 11 + 7?\nA: 18\n"
 
     # Operands to 20 (441 problems): with operands to 50 the model's sampled sums were mostly wrong
     # (greedy 38% right anywhere, sampled 8-20%), leaving GRPO almost no bare AND right sample.
@@ -551,7 +549,7 @@ class Add(ProceduralTask):
 
     def generate(self, rng: random.Random) -> Problem:
         a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
-        return Problem(f"Compute {a} + {b}. Write only the result, as digits.", str(a + b), key=f"{a}+{b}")
+        return Problem(f"{self.FORMAT}Q: What is {a} + {b}?\nA:", str(a + b), key=f"{a}+{b}")
 
     def solve(self, problem: Problem) -> str:
         return problem.answer

@@ -7,7 +7,7 @@ import tasks
 import train
 import utils
 from modeldir import build_tiny_model
-from tasks import Problem, bare_int_correct, bare_int_format, make_task
+from tasks import Problem, bare_int_correct, make_task
 
 P = Problem("Compute 23 + 58. Write only the result, as digits.", "81", key="23+58")
 
@@ -54,7 +54,8 @@ def test_add_problems_are_right_and_held_out_ones_never_train():
         p = task.train_problem(i)
         a, b = (int(x) for x in p.key.split("+"))
         assert p.key not in held_out and 0 <= a <= 20 and 0 <= b <= 20
-        assert p.prompt == f"Compute {a} + {b}. Write only the result, as digits." and p.answer == str(a + b)
+        assert p.prompt.endswith(f"\nQ: What is {a} + {b}?\nA:") and p.answer == str(a + b)
+        assert p.prompt.startswith("Answer with the number only.\nQ: What is 2 + 3?\nA: 5\n")
         assert task.correct(p, task.solve(p))
     assert task.train_problem(7) == make_task("add", seed=3, eval_size=100, max_operand=20).train_problem(7)
 
@@ -70,32 +71,8 @@ def test_add_is_registered():
     assert tasks.TASKS["add"] is tasks.Add
 
 
-def test_the_format_reward_pays_a_bare_integer_right_or_wrong_and_nothing_else():
-    for completion, want in {"81": 1.0, " 12.\n": 1.0, "23 + 58 = 81": 0.0, "81 81": 0.0, "-81": 0.0,
-                             "": 0.0, "The answer is 81": 0.0, "81.0": 0.0}.items():
-        assert bare_int_format(P.prompt, completion, P.answer) == want, completion
+def test_only_a_bare_right_sum_pays():  # a bonus for the bare form alone was learnt as "2" for all
     task = make_task("add", seed=0, eval_size=10)
-    assert task.score(P.prompt, "81", P.answer) == (1.1, {"bare_int_correct": 1.0, "bare_int_format": 1.0})
-    assert task.score(P.prompt, "80", P.answer)[0] == 0.1  # the format alone: a tenth of a right answer
-    assert task.score(P.prompt, "23 + 58 = 81", P.answer)[0] == 0.0
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tiny") / "m")
-    return build_tiny_model(path, layers=2, hidden=128, heads=2, intermediate=256)
-
-
-def test_every_eval_logs_the_lenient_score_beside_the_strict_one_when_the_task_has_one(tmp_path, tiny):
-    for task, want in (("add", True), ("arith", False)):
-        out = tmp_path / task
-        argv = ["--model", tiny, "--out", str(out), "--no-progress", "--task", task, "--algo", "grpo",
-                "--group-size", "2", "--batch", "4", "--steps", "2", "--eval-every", "1", "--eval-size", "4",
-                "--max-new-tokens", "3"]
-        train.train(utils.load_config(train.Config, argv))
-        series = utils.read_metrics(out / "metrics.csv")
-        assert [s for s, _, _ in series["eval_accuracy"]] == [0, 1, 2]
-        lenient = series.get("eval_accuracy_lenient", [])
-        assert [s for s, _, _ in lenient] == ([0, 1, 2] if want else [])
-        pairs = zip(series["eval_accuracy"], lenient)
-        assert all(strict <= easy for (_, _, strict), (_, _, easy) in pairs)
+    assert task.score(P.prompt, "81", P.answer) == (1.0, {"bare_int_correct": 1.0})
+    for completion in ("80", "23 + 58 = 81", "2", ""):
+        assert task.score(P.prompt, completion, P.answer)[0] == 0.0, completion
