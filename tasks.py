@@ -28,7 +28,7 @@ import warnings
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from judge import JudgeUnavailable
 
@@ -174,13 +174,20 @@ def numeric_correct(prompt: str, completion: str, answer: str) -> float:
     return float(text is not None and parse_number(text) == ref)
 
 
-_INT = re.compile(r"\s*(-?\d{1,40})\s*")  # int() of over 4300 digits raises; 40 is plenty
+_INT = re.compile(r"\s*(-?\d{1,40})(\.?)\s*")  # int() of over 4300 digits raises; 40 is plenty
 
 
 def int_correct(prompt: str, completion: str, answer: str) -> float:
     """1.0 iff the whole completion is the reference integer, written as `solve` writes it ("-2",
     never "02" or "+2"), give or take surrounding whitespace: anything else ("12+7=19", "19 20",
     "///7") would let garbage around a lucky digit score."""
+    m = _INT.fullmatch(completion)
+    return float(m is not None and m.groups() == (answer, ""))
+
+
+def bare_int_correct(prompt: str, completion: str, answer: str) -> float:
+    """int_correct that also allows one final period: "81", " 81.". "23 + 58 = 81", "The answer is
+    81", "081" score 0."""
     m = _INT.fullmatch(completion)
     return float(m is not None and m.group(1) == answer)
 
@@ -215,7 +222,7 @@ def overlong_penalty(max_len: int, buffer: int, length: Callable[[str], int] = l
 
 # ---------------------------------------------------------------- tasks
 class Task:
-    """Base class; subclasses fill `self._eval` and define `train_problem` and `solve`."""
+    """Base class; subclasses fill `self._eval` and define `train_problem`."""
 
     name = "task"
     rewards: list[tuple[Reward, float]] = [(numeric_correct, 1.0), (format_reward, 0.1)]
@@ -229,8 +236,8 @@ class Task:
     def train_problem(self, index: int) -> Problem:
         raise NotImplementedError
 
-    def solve(self, problem: Problem) -> str:
-        raise NotImplementedError
+    def solve(self, problem: Problem) -> str:  # the supervised warm-start's target
+        return f"<answer>{problem.answer}</answer>"
 
     def eval_problems(self) -> list[Problem]:
         return list(self._eval)
@@ -310,7 +317,7 @@ class Arith(ProceduralTask):
     def __init__(self, *, seed: int = 0, eval_size: int = 50, max_operand: int = 9,
                  n_operands: int = 2, ops: str = "+-"):
         if max_operand < 1 or n_operands < 2 or not ops or set(ops) - set("+-*/"):
-            raise ValueError(f"arith needs max_operand >= 1, n_operands >= 2 and ops from '+-*/' "
+            raise ValueError(f"{self.name} needs max_operand >= 1, n_operands >= 2 and ops from '+-*/' "
                              f"(got {max_operand}, {n_operands}, {ops!r})")
         self.max_operand, self.n_operands, self.ops = max_operand, n_operands, ops
         super().__init__(seed=seed, eval_size=eval_size)
@@ -331,7 +338,7 @@ class Arith(ProceduralTask):
                 return Problem(prompt=expr + "=", answer=str(value), key=expr)
 
     def solve(self, problem: Problem) -> str:
-        return str(safe_eval(problem.prompt.rstrip("="))[0])
+        return problem.answer
 
 
 class ArithChain(Arith):
@@ -494,9 +501,6 @@ class DatasetTask(Task):
     def train_problem(self, index: int) -> Problem:
         return self._train[index % len(self._train)]
 
-    def solve(self, problem: Problem) -> str:
-        return f"<answer>{problem.answer}</answer>"
-
 
 class GSM8K(DatasetTask):
     name = "gsm8k"
@@ -511,19 +515,8 @@ class MATH(DatasetTask):
     hub = ("DigitalLearningGmbH/MATH-lighteval", "default", "train")
 
 
-_BARE_INT = re.compile(r"\s*(\d{1,40})\.?\s*")
-
-
-def bare_int_correct(prompt: str, completion: str, answer: str) -> float:
-    """1.0 iff the completion is the reference integer and nothing else (surrounding whitespace and
-    one final period allowed): "81", " 81.". "23 + 58 = 81", "The answer is 81", "081" score 0."""
-    m = _BARE_INT.fullmatch(completion)
-    return float(m is not None and m.group(1) == answer)
-
-
-class Add(ProceduralTask):
-    """Two-number addition for a pretrained chat model; the prompt states the format by two examples:
-    "Answer with the number only.\nQ: What is 2 + 3?\nA: 5\nQ: What is 11 + 7?\nA: 18\nQ: What is 13 + 8?\nA:"
+class Add(Arith):
+    """Arith's a + b for a pretrained chat model, the format stated by two examples (FORMAT).
     SmolLM2-135M-Instruct mostly answers "13 + 8 = 21" or starts explaining, so its strict score (the
     bare number, `bare_int_correct`) starts low while the lenient one (the sum anywhere) shows how often
     it adds right: RL has the format to learn and must keep the sums right while it does."""
@@ -539,20 +532,11 @@ class Add(ProceduralTask):
     # Operands to 20 (441 problems): with operands to 50 the model's sampled sums were mostly wrong
     # (greedy 38% right anywhere, sampled 8-20%), leaving GRPO almost no bare AND right sample.
     def __init__(self, *, seed: int = 0, eval_size: int = 100, max_operand: int = 20):
-        if max_operand < 1:
-            raise ValueError(f"add needs max_operand >= 1 (got {max_operand})")
-        self.max_operand = max_operand
-        super().__init__(seed=seed, eval_size=eval_size)
-
-    def n_distinct(self) -> int:
-        return (self.max_operand + 1) ** 2
+        super().__init__(seed=seed, eval_size=eval_size, max_operand=max_operand, ops="+")
 
     def generate(self, rng: random.Random) -> Problem:
         a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
         return Problem(f"{self.FORMAT}Q: What is {a} + {b}?\nA:", str(a + b), key=f"{a}+{b}")
-
-    def solve(self, problem: Problem) -> str:
-        return problem.answer
 
     def lenient(self, problem: Problem, completion: str) -> bool:
         return problem.answer in re.findall(r"(?<![\d.-])\d+(?![\d.]\d)", completion)
@@ -583,11 +567,3 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if not (0 <= c <= n and 1 <= k <= n):
         raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n (got n={n}, c={c}, k={k})")
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def greedy_accuracy(task: Task, problems: Iterable[Problem], completions: Iterable[str]) -> float:
-    """Fraction of problems whose (greedy) completion the task's correctness reward accepts."""
-    hits = [task.correct(p, c) for p, c in zip(problems, completions, strict=True)]
-    if not hits:
-        raise ValueError("greedy_accuracy needs at least one problem")
-    return sum(hits) / len(hits)

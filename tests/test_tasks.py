@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 import tasks
 from tasks import (ExprError, Problem, countdown_correct, extract_answer, format_reward,
-                   greedy_accuracy, int_correct, last_boxed, completion_number, make_task,
+                   int_correct, last_boxed, completion_number, make_task,
                    numeric_correct, overlong_penalty, parse_number, pass_at_k, safe_eval,
                    solve_countdown)
 
@@ -422,6 +422,13 @@ def test_pass_at_k_hand_values(n, c, k, expected):
 def test_pass_at_k_rejects_impossible_counts(n, c, k):
     with pytest.raises(ValueError, match="pass_at_k needs"):
         pass_at_k(n, c, k)
+
+
+def greedy_accuracy(task, problems, completions) -> float:  # an eval's score of greedy completions
+    hits = [task.correct(p, c) for p, c in zip(problems, completions, strict=True)]
+    if not hits:
+        raise ValueError("greedy_accuracy needs at least one problem")
+    return sum(hits) / len(hits)
 
 
 def test_greedy_accuracy_counts_correctness_reward_hits():
