@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import itertools
 import json
 import math
 import os
@@ -23,7 +22,7 @@ from gymnasium.envs.classic_control.cartpole import CartPoleVectorEnv
 
 from sandbox import run_python, run_sql
 from tasks import (Countdown, ExprError, Problem, ProceduralTask, countdown_correct, extract_answer,
-                   format_reward, numeric_correct, safe_eval)
+                   format_reward, safe_eval)
 
 EVAL_SEED = 1_000_000_000  # eval seeds live above this; training seeds stay below it
 
@@ -41,8 +40,7 @@ class CartPole:
         `group_size` start from the same state, so GRPO/RLOO compare like with like."""
         env = CartPoleVectorEnv(num_envs=n, max_episode_steps=self.max_steps)
         env.reset(seed=seed)
-        # [4, n]: every member copies its leader
-        env.state = env.state[:, np.arange(n) // group_size * group_size]
+        env.state = env.state[:, np.arange(n) // group_size * group_size]  # [4, n]: members copy leaders
         return env
 
 
@@ -71,9 +69,6 @@ class TextEnv:
         info = {"turns": self.turn, "solved_at_turn": self.turn if solved else 0}
         return (None if done else [{"role": "user", "content": reply}]), reward, done, info
 
-    def respond(self, completion: str) -> tuple[str | None, float, bool]:
-        raise NotImplementedError
-
 
 class CountdownEnv(TextEnv):
     """Countdown with a calculator: each wrong attempt comes back with the value it has."""
@@ -97,7 +92,6 @@ class CountdownEnv(TextEnv):
 
 
 # ---------------------------------------------------------------- SQL tool on read-only SQLite
-
 def format_rows(columns: list[str], rows: list[tuple], more: bool, max_rows: int = 20,
                 max_chars: int = 2000) -> str:
     """A query result as the observation the model sees next."""
@@ -188,10 +182,9 @@ class SQLTask(ProceduralTask):
 
 
 class PythonTask(ProceduralTask):
-    """Questions with a computed numeric answer: easy with code, tedious without."""
+    """Questions with a computed numeric answer: easy with code, tedious without. Task's rewards."""
 
     name = "python_tool"
-    rewards = [(numeric_correct, 1.0), (format_reward, 0.1)]
 
     def generate(self, rng: random.Random) -> Problem:
         kind = rng.randrange(4)
@@ -202,7 +195,7 @@ class PythonTask(ProceduralTask):
                 if sieve[i]:
                     sieve[i * i :: i] = bytes(len(range(i * i, n, i)))
             q = f"What is the sum of all prime numbers below {n}?"
-            a = sum(itertools.compress(range(n), sieve))
+            a = sum(i for i, prime in enumerate(sieve) if prime)
         elif kind == 1:
             n, m, fib = rng.randint(100, 3000), rng.choice([1000, 998_244_353, 1_000_000_007]), (0, 1)
             for _ in range(n - 1):
@@ -219,13 +212,10 @@ class PythonTask(ProceduralTask):
             a = n // x + n // y - 2 * (n // math.lcm(x, y))
         return Problem(f"{q}\n{_HINT.format('Python code', 'python', 'output', 'number')}", str(a), key=q)
 
-    def solve(self, problem: Problem) -> str:
-        return f"<answer>{problem.answer}</answer>"
-
 
 class ToolEnv(TextEnv):
-    """Each model turn either runs code in a ```<lang> block, whose output is the next
-    observation, or ends the episode with a final answer in <answer></answer> tags."""
+    """Each model turn either runs code in a ```<lang> block, whose output (`run(code) -> text`) is
+    the next observation, or ends the episode with a final answer in <answer></answer> tags."""
 
     lang = ""
 
@@ -238,9 +228,6 @@ class ToolEnv(TextEnv):
             hint = f"Run code in a ```{self.lang} block, or give the answer in <answer></answer> tags."
             return hint, 0.0, False
         return self.run(blocks[-1]), 0.0, False
-
-    def run(self, code: str) -> str:
-        raise NotImplementedError
 
 
 class PythonToolEnv(ToolEnv):
