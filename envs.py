@@ -164,8 +164,7 @@ _HINT = "You can run {} in a ```{} block and see its {}. Give the final {} in <a
 class SQLTask(ProceduralTask):
     """Text-to-SQL on three small SQLite databases (shop, school, flights)."""
 
-    name = "sql"
-    rewards = [(sql_correct, 1.0), (format_reward, 0.1)]
+    name, rewards = "sql", [(sql_correct, 1.0), (format_reward, 0.1)]
 
     def generate(self, rng: random.Random) -> Problem:
         db = rng.choice(sorted(SQL))

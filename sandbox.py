@@ -42,7 +42,7 @@ class SandboxUnavailable(RuntimeError):
 # the wall clock, kills everything and writes "returncode timed_out". As pid 1 the code ignores
 # signals it has no handler for: past RLIMIT_FSIZE its writes fail with EFBIG, not SIGXFSZ.
 _LAUNCHER = r"""
-import ctypes, os, resource, select, signal, struct, sys
+import contextlib, ctypes, os, resource, select, signal, struct, subprocess, sys, traceback
 status, flags, uid_base, cpu, mem, fsize, nofile, nproc, files = map(int, sys.argv[1:10])
 NEWNS, NEWUSER, NEWPID = 0x20000, 0x10000000, 0x20000000
 NOSUID, NODEV, NOEXEC, BIND, REC_PRIVATE = 2, 4, 8, 4096, 0x44000
@@ -117,20 +117,16 @@ if pid == 0:
     except SystemExit:
         raise
     except BaseException as e:  # the usual traceback, minus this launcher's frame
-        import traceback
         traceback.print_exception(e.with_traceback(e.__traceback__.tb_next))
         sys.exit(1)
     sys.exit(0)
 timed_out = not select.select([os.pidfd_open(pid)], [], [], float(sys.argv[10]))[0]
 os.kill(pid, signal.SIGKILL)  # as pid 1 of its namespace, its death kills every process in it
-try:
+with contextlib.suppress(ProcessLookupError):
     os.killpg(pid, signal.SIGKILL)  # without a namespace: its process group
-except ProcessLookupError:
-    pass
 # and as root every process of the run's uid, setsid'd ones too. Not needed with a pid namespace,
 # which nothing escapes, and impossible: no fork works in one whose pid 1 is dead.
 if uid and not flags & NEWPID:
-    import subprocess
     subprocess.run(["/bin/sh", "-c", "kill -9 -1"], user=uid, group=uid, extra_groups=[], env={})
 os.write(status, b"%d %d" % (os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), timed_out))
 """
@@ -158,12 +154,11 @@ def use(mode: str) -> tuple[str, int, int]:
 
 @functools.cache
 def sandbox_plan(mode: str) -> tuple[str, int, int]:
-    """(interpreter, unshare flags, uid base or 0), found once per mode; fails closed. Strict needs
-    namespaces: pid (the run sees and signals only its own processes, which all die with its first),
-    network (none), mount (the host read-only, its own /proc, a minimal /dev, a private scratch), ipc,
-    and user (allowing no nested one). As root each run also gets an unused uid, so RLIMIT_NPROC binds
-    and root's files stay unreadable. Where namespaces fail it raises SandboxUnavailable; "weak"
-    then runs with rlimits only (and as root the uid per run)."""
+    """(interpreter, unshare flags, uid base or 0), found once per mode. Strict needs namespaces, else
+    SandboxUnavailable ("weak" falls back to rlimits): pid (the run sees and signals only its own
+    processes, which all die with its first), network (none), mount (the host read-only, its own /proc,
+    a minimal /dev, a private scratch), ipc, and user (allowing no nested one). As root each run also
+    gets an unused uid, so RLIMIT_NPROC binds and root's files stay unreadable."""
     root = os.geteuid() == 0
     uid_base = SANDBOX_UID_BASE if root else 0
     # As root the code runs under another uid, so the interpreter must be readable by others
@@ -191,8 +186,7 @@ def sandbox_plan(mode: str) -> tuple[str, int, int]:
 
 
 def _sandboxed(python, flags, uid_base, code, timeout_s, limits, cap) -> SandboxResult:
-    work = tempfile.mkdtemp(prefix="nanorl-sandbox-")
-    try:
+    with tempfile.TemporaryDirectory(prefix="nanorl-sandbox-", ignore_cleanup_errors=True) as work:
         Path(work, "main.py").write_text(code, encoding="utf-8", errors="replace")
         r, w = os.pipe()
         args = [python, "-I", "-S", "-c", _LAUNCHER, *map(str, (w, flags, uid_base, *limits, timeout_s))]
@@ -211,11 +205,9 @@ def _sandboxed(python, flags, uid_base, code, timeout_s, limits, cap) -> Sandbox
                         uid = uid_base + proc.pid
                         subprocess.run(["/bin/sh", "-c", "kill -9 -1"], user=uid, group=uid, extra_groups=[],
                                        env={})
-        rc, timed_out = map(int, st.split()) if st else (proc.returncode, stuck)
-        text = [b.decode("utf-8", "replace")[:cap] for b in (out, err)]
-        return SandboxResult(text[0], text[1], rc, bool(timed_out) or stuck, cut)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    rc, timed_out = map(int, st.split()) if st else (proc.returncode, stuck)
+    text = [b.decode("utf-8", "replace")[:cap] for b in (out, err)]
+    return SandboxResult(text[0], text[1], rc, bool(timed_out) or stuck, cut)
 
 
 def _read_all(files, cap: int, deadline: float) -> tuple[list[bytes], bool, bool]:

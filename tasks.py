@@ -152,9 +152,8 @@ def safe_eval(src: str, *, max_chars: int = 200, max_nodes: int = 100, max_depth
 
 # ---------------------------------------------------------------- reward functions
 def format_reward(prompt: str, completion: str, answer: str) -> float:
-    """1.0: one `<answer>`...`</answer>` pair, in order, not blank. 0.5: one opening tag and no
-    closing one (cut off by the length limit). 0.25: other uses (several pairs, empty, out of
-    order, stray closer). 0.0: no tags. Text after the closing tag is not penalised."""
+    """1.0: one `<answer>`...`</answer>` pair, in order, not blank. 0.5: an opening tag cut off by the
+    length limit. 0.25: other uses (several pairs, empty, out of order, stray closer). Text after is free."""
     if extract_answer(completion):
         return 1.0
     opens, closes = completion.count("<answer>"), completion.count("</answer>")
@@ -222,7 +221,7 @@ def overlong_penalty(max_len: int, buffer: int, length: Callable[[str], int] = l
 
 # ---------------------------------------------------------------- tasks
 class Task:
-    """Base class; subclasses fill `self._eval` and define `train_problem`."""
+    """Base class; subclasses fill `self._eval` and define `train_problem(index) -> Problem`."""
 
     name = "task"
     rewards: list[tuple[Reward, float]] = [(numeric_correct, 1.0), (format_reward, 0.1)]
@@ -232,9 +231,6 @@ class Task:
     def __init__(self, *, seed: int = 0, eval_size: int = 100):
         self.seed, self.eval_size = seed, eval_size
         self.rewards = list(self.rewards)  # per instance: appending must not change the class
-
-    def train_problem(self, index: int) -> Problem:
-        raise NotImplementedError
 
     def solve(self, problem: Problem) -> str:  # the supervised warm-start's target
         return f"<answer>{problem.answer}</answer>"
@@ -270,7 +266,7 @@ class Task:
 
 
 class ProceduralTask(Task):
-    """Problems from `generate(rng)`. The eval split draws from rng streams (seed, eval, i), skipping
+    """Problems from a subclass's `generate(rng)`. Eval split: rng streams (seed, eval, i), skipping
     repeated keys; train problem i from (seed, train, i, attempt), redrawn while its key is in it."""
 
     def __init__(self, *, seed: int = 0, eval_size: int = 100):
@@ -291,12 +287,8 @@ class ProceduralTask(Task):
                              f"lower --eval-size (got {eval_size})")
         self._eval, self._eval_keys = list(found.values()), frozenset(found)
 
-    def generate(self, rng: random.Random) -> Problem:
-        raise NotImplementedError
-
-    def n_distinct(self) -> int | None:
-        """How many distinct problems exist, when few enough to matter; None: plenty."""
-        return None
+    def n_distinct(self) -> int | None:  # how many distinct problems, when few enough to matter
+        return None  # plenty
 
     def train_problem(self, index: int) -> Problem:
         for attempt in range(10_000):
@@ -310,8 +302,7 @@ class Arith(ProceduralTask):
     """"12+7=" -> "19", sized for a tiny random-init character-level model trained on a CPU.
     The completion is just the number (the policy appends its end token)."""
 
-    name = "arith"
-    rewards = [(int_correct, 1.0)]
+    name, rewards = "arith", [(int_correct, 1.0)]
     max_new_tokens = 8  # a sign, a few digits and the end token
 
     def __init__(self, *, seed: int = 0, eval_size: int = 50, max_operand: int = 9,
@@ -357,8 +348,7 @@ class Countdown(ProceduralTask):
     """Reach a target from 3-4 numbers with + - * / and parentheses, each number used once.
     The target is made by combining the numbers at random, so every problem is solvable."""
 
-    name = "countdown"
-    rewards = [(countdown_correct, 1.0), (format_reward, 0.1)]
+    name, rewards = "countdown", [(countdown_correct, 1.0), (format_reward, 0.1)]
 
     def __init__(self, *, seed: int = 0, eval_size: int = 100, min_numbers: int = 3,
                  max_numbers: int = 4, max_number: int = 25, max_target: int = 1000):
@@ -503,16 +493,14 @@ class DatasetTask(Task):
 
 
 class GSM8K(DatasetTask):
-    name = "gsm8k"
-    hub = ("openai/gsm8k", "main", "train")
+    name, hub = "gsm8k", ("openai/gsm8k", "main", "train")
 
 
 class MATH(DatasetTask):
     r"""MATH problems whose final \boxed{} answer is a number; others (e.g. "\sqrt{2}") count
     as malformed rows, so the hub default needs bad_rows="skip"."""
 
-    name = "math"
-    hub = ("DigitalLearningGmbH/MATH-lighteval", "default", "train")
+    name, hub = "math", ("DigitalLearningGmbH/MATH-lighteval", "default", "train")
 
 
 class Add(Arith):
