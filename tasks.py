@@ -374,8 +374,7 @@ class Countdown(ProceduralTask):
         return Problem(prompt, answer, key=f"{sorted(numbers)}->{pool[0]}")
 
     def solve(self, problem: Problem) -> str:
-        ref = json.loads(problem.answer)
-        expr = solve_countdown(ref["numbers"], ref["target"])
+        expr = solve_countdown(**json.loads(problem.answer))  # {"target": ..., "numbers": ...}
         if expr is None:
             raise ValueError(f"countdown problem has no solution: {problem.answer}")
         return f"<answer>{expr}</answer>"
