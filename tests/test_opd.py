@@ -120,7 +120,7 @@ def test_teacher_with_another_tokenizer_is_refused_in_one_line(models, tmp_path)
     assert "\n" not in str(e.value)
 
 
-# ---------------------------------------------------------------- async: workers sample, the trainer's teacher scores
+# ---------------------------------------------------------------- async: the trainer's teacher scores
 def test_async_opd_advantage_is_teacher_minus_each_rows_sampling_version_for_rows_from_the_wire(models):
     """Rows of two versions POSTed over real HTTP: the advantage is the teacher's log-prob minus the
     log-prob under the very version that sampled the row (a snapshot, not the live weights)."""
@@ -158,9 +158,11 @@ def test_async_opd_run_with_the_student_as_teacher_trains_nothing(models, tmp_pa
     """A real trainer and worker process: every step's advantage, reverse KL and gradient are
     exactly 0, so the adapter's B (zero at init) is still exactly 0 at the end."""
     student, _ = models
-    run, env = tmp_path / "run", {**os.environ, "NANORL_TOKEN": "opd-test-token-0123456789", "OMP_NUM_THREADS": "1"}
+    run = tmp_path / "run"
+    env = {**os.environ, "NANORL_TOKEN": "opd-test-token-0123456789", "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, str(ROOT / "train.py"), "--task", "arith", "--model", student, "--algo", "opd",
-            "--teacher", student, "--batch", "8", "--group-size", "4", "--max-new-tokens", "4", "--steps", "3",
+            "--teacher", student, "--batch", "8", "--group-size", "4", "--max-new-tokens", "4",
+            "--steps", "3",
             "--eval-every", "1000", "--eval-size", "4", "--lr", "0.1", "--no-progress", "--out", str(run),
             "--role", "trainer", "--workers", "1", "--max-staleness", "2"]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
