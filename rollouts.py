@@ -74,7 +74,11 @@ class Batch:
         return {n: getattr(self, n) for n in WIRE} | self.stats
 
 
-WIRE = ("tokens", "attn", "mask", "logp", "rewards", "truncated", "group", "version")  # what workers send
+# What a rollout worker sends of a Batch (the fields above), as serve.check_batch checks it: name ->
+# (dims, dtype), with dims 2 for [N, T] and 1 for [N]; the stats go along as [N] float32.
+WIRE = {"tokens": (2, torch.int64), "attn": (2, torch.float32), "mask": (2, torch.float32),
+        "logp": (2, torch.float32), "rewards": (2, torch.float32), "truncated": (1, torch.bool),
+        "group": (1, torch.int64), "version": (1, torch.int64)}
 
 
 def from_wire(t: dict[str, Tensor], texts: list[tuple[str, str, str]]) -> Batch:
