@@ -42,15 +42,12 @@ class Batch:
     truncated: Tensor  # [N] bool: cut by the token budget or the time limit, not ended by policy or env
     group: Tensor  # [N] int64: rows with one id share a prompt (or start state): GRPO/RLOO's groups
     version: Tensor  # [N] int64: the weights version that sampled the row (sync: the step)
-    # [N] float32 each, logged as batch means: reward_<fn> per reward, solved, turns
-    stats: dict[str, Tensor]
+    stats: dict[str, Tensor]  # [N] float32 each, logged as batch means: reward_<fn> per reward, solved, turns
     texts: list[tuple[str, str, str]]  # [N] (prompt, completion, answer) as text; control: ("", "", "")
     # ---- stage 2 (train.prepare)
-    old_logp: Tensor | None = None  # [N, T] under the weights that sampled each row; not filled in one
-    # on-policy pass (train.on_policy), where the update's forward is the old policy
+    old_logp: Tensor | None = None  # [N, T] under the weights that sampled each row; None if train.on_policy
     values: Tensor | None = None  # [N, T] the critic's, before the update (PPO only)
-    # [N] the critic's value of last_obs; 0 for completions (nothing follows)
-    last_value: Tensor | None = None
+    last_value: Tensor | None = None  # [N] the critic's value of last_obs (PPO only)
     ref_logp: Tensor | None = None  # [N, T] under the KL reference (kl_coef > 0 only)
     teacher_logp: Tensor | None = None  # [N, T] under --teacher (--algo opd only)
     adv: Tensor | None = None  # [N, T] ALGOS[cfg.algo]
@@ -65,8 +62,7 @@ class Batch:
 
     def select(self, rows: slice) -> Batch:
         """Rows `rows` of the stage-1 fields, e.g. one rank's share."""
-        t = [getattr(self, n)[rows] for n in ("tokens", "attn", "obs", "last_obs", "mask", "logp", "rewards",
-                                               "truncated", "group", "version")]
+        t = [getattr(self, f.name)[rows] for f in dataclasses.fields(self)[:10]]  # tokens .. version
         return Batch(*t, {k: v[rows] for k, v in self.stats.items()}, self.texts[rows])
 
     def wire(self) -> dict[str, Tensor]:
@@ -89,11 +85,11 @@ def from_wire(t: dict[str, Tensor], texts: list[tuple[str, str, str]]) -> Batch:
 
 
 def make_batch(prefixes: list[list[int]], samples: list, rewards: list[float], pad_id: int,
-               loss_mask: list[list[int]] | None = None) -> Batch:
-    """Collates (prefix, completion) rows into a Batch, each row its own group at version 0.
-    `loss_mask` (0/1 per completion token) masks out tokens the policy did not sample, e.g.
-    environment replies inside a multi-turn episode; the row's reward then sits on its last
-    token with mask 1."""
+               loss_mask: list[list[int]] | None = None, *, group: Tensor | None = None, version: int = 0,
+               stats: dict | None = None, texts: list | None = None) -> Batch:
+    """Collates (prefix, completion) rows into a Batch; by default each row is its own group. `loss_mask`
+    (0/1 per completion token) masks out tokens the policy did not sample, e.g. environment replies
+    inside a multi-turn episode; the row's reward then sits on its last token with mask 1."""
     N, L = len(prefixes), max(len(p) + len(s.ids) for p, s in zip(prefixes, samples))
     tokens, attn = torch.full((N, L), pad_id, dtype=torch.long), torch.zeros(N, L)  # [N, L] each
     mask, logp, reward = torch.zeros(N, L), torch.zeros(N, L), torch.zeros(N, L)  # [N, L] each
@@ -105,9 +101,10 @@ def make_batch(prefixes: list[list[int]], samples: list, rewards: list[float], p
         tokens[r, :e], attn[r, :e], mask[r, a:e] = torch.tensor(p + s.ids), 1.0, m
         logp[r, a:e] = torch.tensor(s.logps) * m
         reward[r, a + int(m.nonzero().max()) if m.any() else e - 1] = rewards[r]
-    return Batch(tokens, attn, torch.zeros(N, 0, 0), torch.zeros(N, 0), mask, logp, reward,
-                 torch.tensor([s.truncated for s in samples], dtype=torch.bool), torch.arange(N),
-                 torch.zeros(N, dtype=torch.long), {}, [("", "", "")] * N)
+    truncated = torch.tensor([s.truncated for s in samples], dtype=torch.bool)  # [N]
+    return Batch(tokens, attn, torch.zeros(N, 0, 0), torch.zeros(N, 0), mask, logp, reward, truncated,
+                 torch.arange(N) if group is None else group, torch.full((N,), version), stats or {},
+                 texts or [("", "", "")] * N)
 
 
 # ================================================================ the three rollouts
@@ -173,16 +170,14 @@ def collate_groups(groups: list[list[Row]], pad_id: int, version: int, drop: boo
     # A group with an unscored sample (reward NaN: --judge-down drop) keeps its rows, masked out: no
     # advantage, no loss, no tokens. NaN stays in the logged parts, whose means skip it.
     lost = [math.isnan(sum(r.reward for r in g)) for g in groups for _ in g]
-    batch = make_batch([r.prefix for r in rows], [r.sample for r in rows],
-                       [0.0 if x else r.reward for x, r in zip(lost, rows)], pad_id,
-                       [[int(not x)] * len(r.sample.ids) for x, r in zip(lost, rows)])
-    batch.group = torch.arange(len(groups)).repeat_interleave(len(groups[0]))  # [N]
-    batch.version = torch.full((len(rows),), version)  # [N]
-    batch.stats = {f"reward_{n}": torch.tensor([r.parts[n] for r in rows]) for n in rows[0].parts}
+    stats = {f"reward_{n}": torch.tensor([r.parts[n] for r in rows]) for n in rows[0].parts}
     if drop:
-        batch.stats["judge_dropped_frac"] = torch.tensor(lost, dtype=torch.float)
-    batch.texts = [(r.problem.prompt, r.text, r.problem.answer) for r in rows]
-    return batch
+        stats["judge_dropped_frac"] = torch.tensor(lost, dtype=torch.float)
+    return make_batch([r.prefix for r in rows], [r.sample for r in rows],
+                      [0.0 if x else r.reward for x, r in zip(lost, rows)], pad_id,
+                      [[int(not x)] * len(r.sample.ids) for x, r in zip(lost, rows)], version=version,
+                      group=torch.arange(len(groups)).repeat_interleave(len(groups[0])), stats=stats,  # [N]
+                      texts=[(r.problem.prompt, r.text, r.problem.answer) for r in rows])
 
 
 @dataclass
@@ -271,14 +266,13 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
                         e.ids, e.logps = e.ids + reply, e.logps + [0.0] * len(reply)
                         e.mask += [0] * len(reply)
                         e.text += policy.decode(reply)
-    rewards, masks = [e.reward for e in eps], [e.mask for e in eps]
-    batch = make_batch([e.prompt for e in eps], eps, rewards, policy.pad_id, masks)
-    batch.group = torch.arange(len(problems)).repeat_interleave(group_size)  # [N]
     at = torch.tensor([float(e.solved_at_turn) for e in eps])  # [N], 0 = never
-    batch.stats = {"solved": (at > 0).float(), "solved_first_turn": (at == 1).float(),
-                   "turns": torch.tensor([float(e.turns) for e in eps])}
-    batch.texts = [(e.problem.prompt, e.text, e.problem.answer) for e in eps]
-    return batch
+    stats = {"solved": (at > 0).float(), "solved_first_turn": (at == 1).float(),
+             "turns": torch.tensor([float(e.turns) for e in eps])}
+    return make_batch([e.prompt for e in eps], eps, [e.reward for e in eps], policy.pad_id,
+                      [e.mask for e in eps],
+                      group=torch.arange(len(problems)).repeat_interleave(group_size), stats=stats,  # [N]
+                      texts=[(e.problem.prompt, e.text, e.problem.answer) for e in eps])
 
 
 # ================================================================ batch sources
