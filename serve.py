@@ -442,16 +442,13 @@ def run_worker(cfg) -> int:
     """A rollout worker: the trainer's own batch source (rollouts.sources()) over a sampler that
     holds the newest adapter, one version per batch; POSTs each batch. Returns the exit code."""
     client = Client(cfg.trainer_url, timeout=30 + LONG_POLL, retries=1)
-    # before loading any model: a mismatched worker fails in seconds
-    if (reply := hello(client, cfg)) is None:
+    if (reply := hello(client, cfg)) is None:  # before loading a model: a mismatched worker fails in seconds
         return 0
     me = reply["worker"]
     policy = LLMPolicy(cfg)  # --vllm: the tokenizer side only, vLLM holds the weights
     torch.manual_seed(seed := cfg.seed * STRIDE + me)  # workers share cfg.seed, not their sampling noise
-    if cfg.vllm:
-        gen = VLLMGenerator(resolve_model(cfg.model), cfg, policy.eos_ids, seed)
-    else:
-        gen = HFGenerator(policy)
+    gen = (VLLMGenerator(resolve_model(cfg.model), cfg, policy.eos_ids, seed) if cfg.vllm
+           else HFGenerator(policy))
     fetcher = AdapterFetcher(client, me, cfg.worker_patience)
     fetcher.start()
     sampler = _Sampler(policy, gen, fetcher, cfg.gen_batch)
