@@ -109,7 +109,7 @@ def make_batch(prefixes: list[list[int]], samples: list, rewards: list[float], p
 
 # ================================================================ the three rollouts
 def rollout_control(env: CartPole, policy, n: int, seed: int, group_size: int = 1,
-                    greedy: bool = False) -> Batch:
+                    greedy: bool = False, version: int = 0) -> Batch:
     """n episodes in lockstep from `seed`, one policy forward per time step for all of them.
     Episodes in the same group of `group_size` start from the same state, so GRPO/RLOO compare
     like with like. The time limit truncates (bootstrapped by PPO); a fallen pole terminates."""
@@ -132,10 +132,9 @@ def rollout_control(env: CartPole, policy, n: int, seed: int, group_size: int = 
             break
     mask = torch.stack(alive_t, 1)  # [N, T]
     leader = torch.arange(n) // group_size * group_size  # [N]
-    logp = torch.stack(logp_t, 1) * mask  # [N, T]
-    return Batch(torch.stack(act_t, 1), mask, torch.stack(obs_t, 1), last_obs, mask, logp,
-                 # +1 a step
-                 mask.clone(), truncated, leader, torch.zeros(n, dtype=torch.long), {}, [("", "", "")] * n)
+    logp, reward = torch.stack(logp_t, 1) * mask, mask.clone()  # [N, T] each; reward: +1 a step
+    return Batch(torch.stack(act_t, 1), mask, torch.stack(obs_t, 1), last_obs, mask, logp, reward, truncated,
+                 leader, torch.full((n,), version), {}, [("", "", "")] * n)
 
 
 class Row(NamedTuple):
@@ -230,7 +229,8 @@ def _start(policy, env_factory, problem: Problem) -> Episode:
 
 
 def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: int, max_turns: int,
-                      max_new_tokens: int, max_len: int, greedy: bool = False, workers: int = 8) -> Batch:
+                      max_new_tokens: int, max_len: int, greedy: bool = False, workers: int = 8,
+                      version: int = 0) -> Batch:
     """group_size episodes per problem, up to max_turns model turns each, with one policy.generate
     call per turn for all live episodes; env steps run in `workers` threads (the sandbox and
     SQLite release the GIL). Only the model's tokens have mask 1, and all carry the episode's
@@ -271,7 +271,8 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
              "turns": torch.tensor([float(e.turns) for e in eps])}
     return make_batch([e.prompt for e in eps], eps, [e.reward for e in eps], policy.pad_id,
                       [e.mask for e in eps],
-                      group=torch.arange(len(problems)).repeat_interleave(group_size), stats=stats,  # [N]
+                      group=torch.arange(len(problems)).repeat_interleave(group_size), version=version,
+                      stats=stats,
                       texts=[(e.problem.prompt, e.text, e.problem.answer) for e in eps])
 
 
@@ -284,6 +285,8 @@ def live_weights(version: int) -> contextlib.AbstractContextManager:
 class BatchSource:
     """What the loop asks of wherever batches come from. Sync sources generate with the live
     policy, so `weights` and `publish` have nothing to do there."""
+
+    position = 0  # seeds or problems drawn so far: what a checkpoint holds by default
 
     def next(self, step: int) -> Batch:
         """Stage 1: this rank's rows for `step`."""
@@ -313,10 +316,10 @@ class BatchSource:
 
     def state(self) -> dict:
         """What a checkpoint must hold so a resumed run sees the data it would have seen."""
-        return {}
+        return {"position": self.position}
 
     def load_state(self, state: dict) -> None:
-        pass
+        self.position = state["position"]
 
     def close(self) -> None:
         pass
@@ -326,8 +329,7 @@ class ControlRollouts(BatchSource):
     """CartPole episodes. The seed position is part of the checkpoint."""
 
     def __init__(self, cfg, policy):
-        self.env, self.policy, self.cfg = CartPole(), policy, cfg
-        self.position = 0  # training seeds used so far, one per rank per step
+        self.env, self.policy, self.cfg = CartPole(), policy, cfg  # position: one seed per rank per step
 
     def next(self, step: int) -> Batch:
         """This rank's batch / W episodes, from its own seed (rank r of W uses position + r)."""
@@ -335,20 +337,12 @@ class ControlRollouts(BatchSource):
         seed = (self.cfg.seed * 100_003 + self.position + utils.rank()) % EVAL_SEED
         self.position += utils.world()
         n = self.cfg.batch // utils.world()
-        batch = rollout_control(self.env, self.policy, n, seed, self.cfg.group_size)
-        batch.version.fill_(step)
-        return batch
+        return rollout_control(self.env, self.policy, n, seed, self.cfg.group_size, version=step)
 
     def evaluate(self) -> dict:
         """Not sharded: every rank plays the same greedy episodes, cheaper than sharding them."""
         batch = rollout_control(self.env, self.policy, self.cfg.eval_episodes, EVAL_SEED, greedy=True)
         return {"eval_return": batch.rewards.sum(1).mean().item()}
-
-    def state(self) -> dict:
-        return {"position": self.position}
-
-    def load_state(self, state: dict) -> None:
-        self.position = state["position"]
 
 
 class TaskRollouts(BatchSource):
@@ -361,9 +355,7 @@ class TaskRollouts(BatchSource):
             self.task = self.make_task(cfg)
         except (ValueError, OSError) as e:  # bad --data rows, a missing file, too small a split
             raise utils.ConfigError(f"--task {cfg.task}: {e}") from None
-        self.position = 0  # training problems drawn so far, by all ranks together
-        # recent problems whose groups had reward spread (prompt_reweight replays them)
-        self.spread: list = []
+        self.spread: list = []  # recent problems whose groups had reward spread: prompt_reweight replays them
         self.last: dict[str, float] = {}
 
     def make_task(self, cfg) -> tasks.Task:
@@ -454,12 +446,11 @@ class TaskRollouts(BatchSource):
         return make_batch(prefixes, demos, [0.0] * n, self.policy.pad_id)
 
     def state(self) -> dict:
-        if not self.cfg.prompt_reweight:
-            return {"position": self.position}
-        return {"position": self.position, "spread": [dataclasses.astuple(p) for p in self.spread]}
+        spread = [dataclasses.astuple(p) for p in self.spread]
+        return super().state() | ({"spread": spread} if self.cfg.prompt_reweight else {})
 
     def load_state(self, state: dict) -> None:
-        self.position = state["position"]
+        super().load_state(state)
         self.spread = [Problem(*p) for p in state.get("spread", [])]  # absent: prompt_reweight was off
 
 
@@ -471,15 +462,14 @@ class EnvRollouts(TaskRollouts):
         self.env = TEXT_ENVS[cfg.task]
         return self.env.task(seed=cfg.seed, eval_size=cfg.eval_size)
 
-    def episodes(self, problems: list[Problem], k: int, greedy: bool = False) -> Batch:
+    def episodes(self, problems: list[Problem], k: int, greedy: bool = False, version: int = 0) -> Batch:
         cfg = self.cfg
         return rollout_multiturn(self.policy, self.env, problems, k, cfg.max_turns, cfg.max_new_tokens,
-                                 cfg.max_len, greedy)
+                                 cfg.max_len, greedy, version=version)
 
     def next(self, step: int) -> Batch:
-        batch = self.episodes(self.draw(self.cfg.batch // self.cfg.group_size), self.cfg.group_size)
-        batch.version.fill_(step)
-        return batch
+        k = self.cfg.group_size
+        return self.episodes(self.draw(self.cfg.batch // k), k, version=step)
 
     def evaluate(self) -> dict:
         """Rank r plays eval problems r, r + W, ...; per-rank sums are added over ranks."""
