@@ -259,10 +259,10 @@ class Client:
                 resp = conn.getresponse()
                 if resp.length is None:  # no Content-Length: read to the end
                     return resp.status, resp.read()
-                body = bytearray(resp.length)  # read in place: decode views these bytes, no copy
-                if (got := resp.readinto(body)) < len(body):  # short only if the peer hung up
-                    raise http.client.IncompleteRead(b"", len(body) - got)
-                return resp.status, body
+                out = bytearray(resp.length)  # read in place: decode views these bytes, no copy
+                if (got := resp.readinto(out)) < len(out):  # short only if the peer hung up
+                    raise http.client.IncompleteRead(b"", len(out) - got)
+                return resp.status, out
             except (OSError, http.client.HTTPException) as e:
                 if attempt == self.retries or (sent and method != "GET"):
                     stage = "during" if sent else "connecting for"
