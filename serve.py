@@ -34,7 +34,7 @@ from transport import Client, PayloadError, Request, ServeError, Server, decode,
 FINGERPRINT = ("task", "seed", "eval_size", "data", "model", "lora", "lora_rank", "lora_alpha",
                "lora_targets", "max_new_tokens", "group_size", "temperature", "top_p", "chat_template",
                "thinking", "overlong_buffer")
-STATS = r"reward_\w{1,64}|solved|solved_first_turn|turns"  # [N] float32 per-row stats (rollouts.Batch.stats)
+STATS = r"reward_\w{1,64}|solved|solved_first_turn|turns|judge_dropped_frac"  # [N] float32 (Batch.stats)
 MULTITURN = {"solved", "solved_first_turn", "turns"}  # a multi-turn source sends all of these
 STRIDE = 1_000_000  # worker w samples train problems w*STRIDE, w*STRIDE+1, ...: workers never share a prompt
 LONG_POLL = 2.0  # seconds GET /adapter waits for a newer version; also the workers' heartbeat period
@@ -133,9 +133,14 @@ class Inbox:
             return f"{N} rows of {L} tokens; at most {self.capacity} groups of {k} rows, {self.max_len} long"
         for n, x in t.items():
             dims, dtype = WIRE.get(n, (1, torch.float32))
-            shape = [N, L][:dims]
-            if x.dtype != dtype or list(x.shape) != shape or x.is_floating_point() and not x.isfinite().all():
-                return f"{n} is {x.dtype} {list(x.shape)} (NaN or inf?); expected finite {dtype} {shape}"
+            if x.dtype != dtype or list(x.shape) != (shape := [N, L][:dims]):
+                return f"{n} is {x.dtype} {list(x.shape)}; expected {dtype} {shape}"
+        # --judge-down drop: a row no judge scored has NaN reward parts (logged by nanmean, never trained)
+        unscored = t.get("judge_dropped_frac", torch.zeros(N)) == 1  # [N]
+        for n, x in t.items():
+            ok = x.isfinite() | unscored & x.isnan() if n.startswith("reward_") else x.isfinite()
+            if not ok.all():
+                return f"{n} holds NaN or inf; expected finite values"
         if N == 0 or N % k or (t["group"].unique(return_counts=True)[1] != k).any():
             return f"every group needs exactly group_size={k} rows"
         if t["tokens"].min() < 0 or t["tokens"].max() >= self.vocab:
