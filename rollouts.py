@@ -422,13 +422,11 @@ class TaskRollouts(BatchSource):
         lenient = [self.task.lenient(p, g[0].text) for p, g in zip(problems, greedy)]
         if None not in lenient:  # the right answer anywhere, any format: what is left is format
             sums["eval_accuracy_lenient"] = sum(lenient)
-        if cfg.pass_k:
-            k = cfg.pass_k
+        if k := cfg.pass_k:
             groups = rollout_single(self.policy, self.task, problems, k, cfg.max_new_tokens, cfg.gen_batch,
                                     drop=drop)
             c = [sum(self.task.correct(r.problem, r.text) for r in g) for g in groups]
-            sums["eval_pass@1"] = sum(c) / cfg.pass_k
-            sums[f"eval_pass@{cfg.pass_k}"] = sum(tasks.pass_at_k(cfg.pass_k, ci, cfg.pass_k) for ci in c)
+            sums |= {"eval_pass@1": sum(c) / k, f"eval_pass@{k}": sum(tasks.pass_at_k(k, ci, k) for ci in c)}
         sums = utils.reduce_dict(sums)
         n = sums.pop("n")
         self.eval_batch = collate_groups(greedy, self.policy.pad_id, 0) if greedy else None
