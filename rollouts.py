@@ -42,15 +42,12 @@ class Batch:
     truncated: Tensor  # [N] bool: cut by the token budget or the time limit, not ended by policy or env
     group: Tensor  # [N] int64: rows with one id share a prompt (or start state): GRPO/RLOO's groups
     version: Tensor  # [N] int64: the weights version that sampled the row (sync: the step)
-    # [N] float32 each, logged as batch means: reward_<fn> per reward, solved, turns
-    stats: dict[str, Tensor]
+    stats: dict[str, Tensor]  # [N] float32 each, logged as batch means: reward_<fn> per reward, solved, turns
     texts: list[tuple[str, str, str]]  # [N] (prompt, completion, answer) as text; control: ("", "", "")
     # ---- stage 2 (train.prepare)
-    old_logp: Tensor | None = None  # [N, T] under the weights that sampled each row; not filled in one
-    # on-policy pass (train.on_policy), where the update's forward is the old policy
+    old_logp: Tensor | None = None  # [N, T] under the weights that sampled each row; None if train.on_policy
     values: Tensor | None = None  # [N, T] the critic's, before the update (PPO only)
-    # [N] the critic's value of last_obs; 0 for completions (nothing follows)
-    last_value: Tensor | None = None
+    last_value: Tensor | None = None  # [N] the critic's value of last_obs (PPO only)
     ref_logp: Tensor | None = None  # [N, T] under the KL reference (kl_coef > 0 only)
     teacher_logp: Tensor | None = None  # [N, T] under --teacher (--algo opd only)
     adv: Tensor | None = None  # [N, T] ALGOS[cfg.algo]
@@ -65,8 +62,7 @@ class Batch:
 
     def select(self, rows: slice) -> Batch:
         """Rows `rows` of the stage-1 fields, e.g. one rank's share."""
-        t = [getattr(self, n)[rows] for n in ("tokens", "attn", "obs", "last_obs", "mask", "logp", "rewards",
-                                               "truncated", "group", "version")]
+        t = [getattr(self, f.name)[rows] for f in dataclasses.fields(self)[:10]]  # tokens .. version
         return Batch(*t, {k: v[rows] for k, v in self.stats.items()}, self.texts[rows])
 
     def wire(self) -> dict[str, Tensor]:
@@ -74,7 +70,11 @@ class Batch:
         return {n: getattr(self, n) for n in WIRE} | self.stats
 
 
-WIRE = ("tokens", "attn", "mask", "logp", "rewards", "truncated", "group", "version")  # what workers send
+# What a rollout worker sends of a Batch (the fields above), as serve.check_batch checks it: name ->
+# (dims, dtype), with dims 2 for [N, T] and 1 for [N]; the stats go along as [N] float32.
+WIRE = {"tokens": (2, torch.int64), "attn": (2, torch.float32), "mask": (2, torch.float32),
+        "logp": (2, torch.float32), "rewards": (2, torch.float32), "truncated": (1, torch.bool),
+        "group": (1, torch.int64), "version": (1, torch.int64)}
 
 
 def from_wire(t: dict[str, Tensor], texts: list[tuple[str, str, str]]) -> Batch:
@@ -85,11 +85,11 @@ def from_wire(t: dict[str, Tensor], texts: list[tuple[str, str, str]]) -> Batch:
 
 
 def make_batch(prefixes: list[list[int]], samples: list, rewards: list[float], pad_id: int,
-               loss_mask: list[list[int]] | None = None) -> Batch:
-    """Collates (prefix, completion) rows into a Batch, each row its own group at version 0.
-    `loss_mask` (0/1 per completion token) masks out tokens the policy did not sample, e.g.
-    environment replies inside a multi-turn episode; the row's reward then sits on its last
-    token with mask 1."""
+               loss_mask: list[list[int]] | None = None, *, group: Tensor | None = None, version: int = 0,
+               stats: dict | None = None, texts: list | None = None) -> Batch:
+    """Collates (prefix, completion) rows into a Batch; by default each row is its own group. `loss_mask`
+    (0/1 per completion token) masks out tokens the policy did not sample, e.g. environment replies
+    inside a multi-turn episode; the row's reward then sits on its last token with mask 1."""
     N, L = len(prefixes), max(len(p) + len(s.ids) for p, s in zip(prefixes, samples))
     tokens, attn = torch.full((N, L), pad_id, dtype=torch.long), torch.zeros(N, L)  # [N, L] each
     mask, logp, reward = torch.zeros(N, L), torch.zeros(N, L), torch.zeros(N, L)  # [N, L] each
@@ -101,14 +101,15 @@ def make_batch(prefixes: list[list[int]], samples: list, rewards: list[float], p
         tokens[r, :e], attn[r, :e], mask[r, a:e] = torch.tensor(p + s.ids), 1.0, m
         logp[r, a:e] = torch.tensor(s.logps) * m
         reward[r, a + int(m.nonzero().max()) if m.any() else e - 1] = rewards[r]
-    return Batch(tokens, attn, torch.zeros(N, 0, 0), torch.zeros(N, 0), mask, logp, reward,
-                 torch.tensor([s.truncated for s in samples], dtype=torch.bool), torch.arange(N),
-                 torch.zeros(N, dtype=torch.long), {}, [("", "", "")] * N)
+    truncated = torch.tensor([s.truncated for s in samples], dtype=torch.bool)  # [N]
+    return Batch(tokens, attn, torch.zeros(N, 0, 0), torch.zeros(N, 0), mask, logp, reward, truncated,
+                 torch.arange(N) if group is None else group, torch.full((N,), version), stats or {},
+                 texts or [("", "", "")] * N)
 
 
 # ================================================================ the three rollouts
 def rollout_control(env: CartPole, policy, n: int, seed: int, group_size: int = 1,
-                    greedy: bool = False) -> Batch:
+                    greedy: bool = False, version: int = 0) -> Batch:
     """n episodes in lockstep from `seed`, one policy forward per time step for all of them.
     Episodes in the same group of `group_size` start from the same state, so GRPO/RLOO compare
     like with like. The time limit truncates (bootstrapped by PPO); a fallen pole terminates."""
@@ -131,10 +132,9 @@ def rollout_control(env: CartPole, policy, n: int, seed: int, group_size: int = 
             break
     mask = torch.stack(alive_t, 1)  # [N, T]
     leader = torch.arange(n) // group_size * group_size  # [N]
-    logp = torch.stack(logp_t, 1) * mask  # [N, T]
-    return Batch(torch.stack(act_t, 1), mask, torch.stack(obs_t, 1), last_obs, mask, logp,
-                 # +1 a step
-                 mask.clone(), truncated, leader, torch.zeros(n, dtype=torch.long), {}, [("", "", "")] * n)
+    logp, reward = torch.stack(logp_t, 1) * mask, mask.clone()  # [N, T] each; reward: +1 a step
+    return Batch(torch.stack(act_t, 1), mask, torch.stack(obs_t, 1), last_obs, mask, logp, reward, truncated,
+                 leader, torch.full((n,), version), {}, [("", "", "")] * n)
 
 
 class Row(NamedTuple):
@@ -169,16 +169,14 @@ def collate_groups(groups: list[list[Row]], pad_id: int, version: int, drop: boo
     # A group with an unscored sample (reward NaN: --judge-down drop) keeps its rows, masked out: no
     # advantage, no loss, no tokens. NaN stays in the logged parts, whose means skip it.
     lost = [math.isnan(sum(r.reward for r in g)) for g in groups for _ in g]
-    batch = make_batch([r.prefix for r in rows], [r.sample for r in rows],
-                       [0.0 if x else r.reward for x, r in zip(lost, rows)], pad_id,
-                       [[int(not x)] * len(r.sample.ids) for x, r in zip(lost, rows)])
-    batch.group = torch.arange(len(groups)).repeat_interleave(len(groups[0]))  # [N]
-    batch.version = torch.full((len(rows),), version)  # [N]
-    batch.stats = {f"reward_{n}": torch.tensor([r.parts[n] for r in rows]) for n in rows[0].parts}
+    stats = {f"reward_{n}": torch.tensor([r.parts[n] for r in rows]) for n in rows[0].parts}
     if drop:
-        batch.stats["judge_dropped_frac"] = torch.tensor(lost, dtype=torch.float)
-    batch.texts = [(r.problem.prompt, r.text, r.problem.answer) for r in rows]
-    return batch
+        stats["judge_dropped_frac"] = torch.tensor(lost, dtype=torch.float)
+    return make_batch([r.prefix for r in rows], [r.sample for r in rows],
+                      [0.0 if x else r.reward for x, r in zip(lost, rows)], pad_id,
+                      [[int(not x)] * len(r.sample.ids) for x, r in zip(lost, rows)], version=version,
+                      group=torch.arange(len(groups)).repeat_interleave(len(groups[0])), stats=stats,  # [N]
+                      texts=[(r.problem.prompt, r.text, r.problem.answer) for r in rows])
 
 
 @dataclass
@@ -231,7 +229,8 @@ def _start(policy, env_factory, problem: Problem) -> Episode:
 
 
 def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: int, max_turns: int,
-                      max_new_tokens: int, max_len: int, greedy: bool = False, workers: int = 8) -> Batch:
+                      max_new_tokens: int, max_len: int, greedy: bool = False, workers: int = 8,
+                      version: int = 0) -> Batch:
     """group_size episodes per problem, up to max_turns model turns each, with one policy.generate
     call per turn for all live episodes; env steps run in `workers` threads (the sandbox and
     SQLite release the GIL). Only the model's tokens have mask 1, and all carry the episode's
@@ -267,14 +266,14 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
                         e.ids, e.logps = e.ids + reply, e.logps + [0.0] * len(reply)
                         e.mask += [0] * len(reply)
                         e.text += policy.decode(reply)
-    rewards, masks = [e.reward for e in eps], [e.mask for e in eps]
-    batch = make_batch([e.prompt for e in eps], eps, rewards, policy.pad_id, masks)
-    batch.group = torch.arange(len(problems)).repeat_interleave(group_size)  # [N]
     at = torch.tensor([float(e.solved_at_turn) for e in eps])  # [N], 0 = never
-    batch.stats = {"solved": (at > 0).float(), "solved_first_turn": (at == 1).float(),
-                   "turns": torch.tensor([float(e.turns) for e in eps])}
-    batch.texts = [(e.problem.prompt, e.text, e.problem.answer) for e in eps]
-    return batch
+    stats = {"solved": (at > 0).float(), "solved_first_turn": (at == 1).float(),
+             "turns": torch.tensor([float(e.turns) for e in eps])}
+    return make_batch([e.prompt for e in eps], eps, [e.reward for e in eps], policy.pad_id,
+                      [e.mask for e in eps],
+                      group=torch.arange(len(problems)).repeat_interleave(group_size), version=version,
+                      stats=stats,
+                      texts=[(e.problem.prompt, e.text, e.problem.answer) for e in eps])
 
 
 # ================================================================ batch sources
@@ -286,6 +285,8 @@ def live_weights(version: int) -> contextlib.AbstractContextManager:
 class BatchSource:
     """What the loop asks of wherever batches come from. Sync sources generate with the live
     policy, so `weights` and `publish` have nothing to do there."""
+
+    position = 0  # seeds or problems drawn so far: what a checkpoint holds by default
 
     def next(self, step: int) -> Batch:
         """Stage 1: this rank's rows for `step`."""
@@ -315,10 +316,10 @@ class BatchSource:
 
     def state(self) -> dict:
         """What a checkpoint must hold so a resumed run sees the data it would have seen."""
-        return {}
+        return {"position": self.position}
 
     def load_state(self, state: dict) -> None:
-        pass
+        self.position = state["position"]
 
     def close(self) -> None:
         pass
@@ -328,8 +329,7 @@ class ControlRollouts(BatchSource):
     """CartPole episodes. The seed position is part of the checkpoint."""
 
     def __init__(self, cfg, policy):
-        self.env, self.policy, self.cfg = CartPole(), policy, cfg
-        self.position = 0  # training seeds used so far, one per rank per step
+        self.env, self.policy, self.cfg = CartPole(), policy, cfg  # position: one seed per rank per step
 
     def next(self, step: int) -> Batch:
         """This rank's batch / W episodes, from its own seed (rank r of W uses position + r)."""
@@ -337,20 +337,12 @@ class ControlRollouts(BatchSource):
         seed = (self.cfg.seed * 100_003 + self.position + utils.rank()) % EVAL_SEED
         self.position += utils.world()
         n = self.cfg.batch // utils.world()
-        batch = rollout_control(self.env, self.policy, n, seed, self.cfg.group_size)
-        batch.version.fill_(step)
-        return batch
+        return rollout_control(self.env, self.policy, n, seed, self.cfg.group_size, version=step)
 
     def evaluate(self) -> dict:
         """Not sharded: every rank plays the same greedy episodes, cheaper than sharding them."""
         batch = rollout_control(self.env, self.policy, self.cfg.eval_episodes, EVAL_SEED, greedy=True)
         return {"eval_return": batch.rewards.sum(1).mean().item()}
-
-    def state(self) -> dict:
-        return {"position": self.position}
-
-    def load_state(self, state: dict) -> None:
-        self.position = state["position"]
 
 
 class TaskRollouts(BatchSource):
@@ -363,9 +355,7 @@ class TaskRollouts(BatchSource):
             self.task = self.make_task(cfg)
         except (ValueError, OSError) as e:  # bad --data rows, a missing file, too small a split
             raise utils.ConfigError(f"--task {cfg.task}: {e}") from None
-        self.position = 0  # training problems drawn so far, by all ranks together
-        # recent problems whose groups had reward spread (prompt_reweight replays them)
-        self.spread: list = []
+        self.spread: list = []  # recent problems whose groups had reward spread: prompt_reweight replays them
         self.last: dict[str, float] = {}
 
     def make_task(self, cfg) -> tasks.Task:
@@ -432,13 +422,11 @@ class TaskRollouts(BatchSource):
         lenient = [self.task.lenient(p, g[0].text) for p, g in zip(problems, greedy)]
         if None not in lenient:  # the right answer anywhere, any format: what is left is format
             sums["eval_accuracy_lenient"] = sum(lenient)
-        if cfg.pass_k:
-            k = cfg.pass_k
+        if k := cfg.pass_k:
             groups = rollout_single(self.policy, self.task, problems, k, cfg.max_new_tokens, cfg.gen_batch,
                                     drop=drop)
             c = [sum(self.task.correct(r.problem, r.text) for r in g) for g in groups]
-            sums["eval_pass@1"] = sum(c) / cfg.pass_k
-            sums[f"eval_pass@{cfg.pass_k}"] = sum(tasks.pass_at_k(cfg.pass_k, ci, cfg.pass_k) for ci in c)
+            sums |= {"eval_pass@1": sum(c) / k, f"eval_pass@{k}": sum(tasks.pass_at_k(k, ci, k) for ci in c)}
         sums = utils.reduce_dict(sums)
         n = sums.pop("n")
         self.eval_batch = collate_groups(greedy, self.policy.pad_id, 0) if greedy else None
@@ -456,12 +444,11 @@ class TaskRollouts(BatchSource):
         return make_batch(prefixes, demos, [0.0] * n, self.policy.pad_id)
 
     def state(self) -> dict:
-        if not self.cfg.prompt_reweight:
-            return {"position": self.position}
-        return {"position": self.position, "spread": [dataclasses.astuple(p) for p in self.spread]}
+        spread = [dataclasses.astuple(p) for p in self.spread]
+        return super().state() | ({"spread": spread} if self.cfg.prompt_reweight else {})
 
     def load_state(self, state: dict) -> None:
-        self.position = state["position"]
+        super().load_state(state)
         self.spread = [Problem(*p) for p in state.get("spread", [])]  # absent: prompt_reweight was off
 
 
@@ -473,15 +460,14 @@ class EnvRollouts(TaskRollouts):
         self.env = TEXT_ENVS[cfg.task]
         return self.env.task(seed=cfg.seed, eval_size=cfg.eval_size)
 
-    def episodes(self, problems: list[Problem], k: int, greedy: bool = False) -> Batch:
+    def episodes(self, problems: list[Problem], k: int, greedy: bool = False, version: int = 0) -> Batch:
         cfg = self.cfg
         return rollout_multiturn(self.policy, self.env, problems, k, cfg.max_turns, cfg.max_new_tokens,
-                                 cfg.max_len, greedy)
+                                 cfg.max_len, greedy, version=version)
 
     def next(self, step: int) -> Batch:
-        batch = self.episodes(self.draw(self.cfg.batch // self.cfg.group_size), self.cfg.group_size)
-        batch.version.fill_(step)
-        return batch
+        k = self.cfg.group_size
+        return self.episodes(self.draw(self.cfg.batch // k), k, version=step)
 
     def evaluate(self) -> dict:
         """Rank r plays eval problems r, r + W, ...; per-rank sums are added over ranks."""

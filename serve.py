@@ -4,14 +4,8 @@
     NANORL_TOKEN=... python train.py --config C --role rollout --trainer-url http://HOST:PORT [--vllm]
 
 Routes: POST /hello (fingerprint check, worker id), GET /adapter?have=V (long-polls for a newer
-adapter), POST /batch (scored groups). Standard library HTTP only; everything on the wire is a
-safetensors blob from `transport.encode` (tensors, the caller's meta, a SHA-256 of the tensors), never
-unpickled. A worker runs the trainer's own batch source (rollouts.py) over its sampler.
-
-Security: every request carries the shared secret NANORL_TOKEN as `Authorization: Bearer <token>`,
-checked in constant time. A loopback bind without one generates it (`Server.token`) for the workers
-the trainer spawns, since a token-less server would let any local user push batches; any other bind
-without NANORL_TOKEN refuses to start.
+adapter), POST /batch (scored groups). HTTP, the token and the payload codec (never pickled) are
+transport.py's. A worker runs the trainer's own batch source (rollouts.py) over its sampler.
 """
 import contextlib
 import json
@@ -32,17 +26,15 @@ import torch
 import torch.nn.functional as F
 
 import utils
-from transport import Client, PayloadError, Request, ServeError, Server, decode, encode, views
 from model import HFGenerator, LLMPolicy, Sample, VLLMGenerator
-from rollouts import Batch, BatchSource, from_wire, sources
+from rollouts import WIRE, Batch, BatchSource, from_wire, sources
+from transport import Client, PayloadError, Request, ServeError, Server, decode, encode, views
 
 # ================================================================ disaggregated training
-FINGERPRINT = ("task", "seed", "eval_size", "data", "model", "lora", "lora_rank", "lora_alpha", "lora_targets",
-               "max_new_tokens", "group_size", "temperature", "top_p", "chat_template", "thinking",
-               "overlong_buffer")
-ROWS = {"tokens": torch.int64, "attn": torch.float32, "mask": torch.float32, "logp": torch.float32,
-        "rewards": torch.float32, "truncated": torch.bool, "group": torch.int64, "version": torch.int64}
-STATS = r"reward_\w{1,64}|solved|solved_first_turn|turns"  # [N] float32 per-row stats (rollouts.Batch.stats)
+FINGERPRINT = ("task", "seed", "eval_size", "data", "model", "lora", "lora_rank", "lora_alpha",
+               "lora_targets", "max_new_tokens", "group_size", "temperature", "top_p", "chat_template",
+               "thinking", "overlong_buffer")
+STATS = r"reward_\w{1,64}|solved|solved_first_turn|turns|judge_dropped_frac"  # [N] float32 (Batch.stats)
 MULTITURN = {"solved", "solved_first_turn", "turns"}  # a multi-turn source sends all of these
 STRIDE = 1_000_000  # worker w samples train problems w*STRIDE, w*STRIDE+1, ...: workers never share a prompt
 LONG_POLL = 2.0  # seconds GET /adapter waits for a newer version; also the workers' heartbeat period
@@ -54,40 +46,11 @@ def fingerprint(cfg) -> dict:
     return {k: getattr(cfg, k) for k in FINGERPRINT}
 
 
-def check_batch(t: dict, k: int, newest: int, vocab: int, max_len: int, max_groups: int,
-                keys: set | None) -> str | None:
-    """Why a worker's batch must not be trained on, or None: every key, dtype, shape and value the
-    training loop relies on, before the model sees it. `keys`: the run's first accepted batch's key
-    set (None before it), which every batch repeats, so that groups collate and stats stay whole."""
-    missing = [n for n in ROWS if n not in t]
-    extra = [n for n in t if n not in ROWS and not re.fullmatch(STATS, n)]
-    if missing or extra or t["tokens"].ndim != 2:
-        return f"batch keys: missing {missing}, unexpected {extra}" if missing or extra else "tokens must be [N, L]"
-    if keys not in (None, set(t)) or len(MULTITURN & set(t)) not in (0, len(MULTITURN)):
-        return f"batch keys {sorted(t)}; this run's: {sorted(keys or [])} ({sorted(MULTITURN)}: all or none)"
-    N, L = t["tokens"].shape
-    if L > max_len or N > max_groups * k:
-        return f"{N} rows of {L} tokens; at most {max_groups} groups of {k} rows of at most {max_len} tokens"
-    for n, x in t.items():
-        want, dtype = ((N, L) if n in ("tokens", "attn", "mask", "logp", "rewards") else (N,)), ROWS.get(n, torch.float32)
-        if x.dtype != dtype or tuple(x.shape) != want or x.is_floating_point() and not torch.isfinite(x).all():
-            return f"{n} is {x.dtype} {list(x.shape)} (NaN or inf?); expected finite {dtype} {list(want)}"
-    if N == 0 or N % k or (t["group"].unique(return_counts=True)[1] != k).any():
-        return f"every group needs exactly group_size={k} rows"
-    if t["tokens"].min() < 0 or t["tokens"].max() >= vocab:
-        return f"token ids outside the vocabulary [0, {vocab})"
-    if t["version"].min() < 0 or t["version"].max() > newest:
-        return f"versions {int(t['version'].min())}..{int(t['version'].max())} outside the published 0..{newest}"
-    m, a = t["mask"], t["attn"]
-    if ((m != 0) & (m != 1)).any() or ((a != 0) & (a != 1)).any() or (m > a).any() or m[:, 0].any():
-        return "mask and attn must be 0/1, mask inside attn and 0 in column 0"
-
-
 def collate(groups: list[dict], pad_id: int) -> dict:
     """Concatenates groups of rows, right-padding [n, L] tensors to the longest L."""
     L = max(g["tokens"].shape[1] for g in groups)
-    pad = lambda n, x: F.pad(x, (0, L - x.shape[1]), value=pad_id if n == "tokens" else 0) if x.ndim == 2 else x
-    return {n: torch.cat([pad(n, g[n]) for g in groups]) for n in groups[0]}
+    pad = lambda n, x: F.pad(x, (0, L - x.shape[1]), value=pad_id if n == "tokens" else 0)
+    return {n: torch.cat([pad(n, g[n]) if g[n].ndim > 1 else g[n] for g in groups]) for n in groups[0]}
 
 
 class Inbox:
@@ -98,10 +61,9 @@ class Inbox:
     def __init__(self, cfg, vocab: int, pad_id: int, max_len: int):
         self.cfg, self.vocab, self.pad_id, self.groups = cfg, vocab, pad_id, cfg.batch // cfg.group_size
         self.max_len, self.keys = max_len, None  # longest row; the key set of every batch (the first's)
-        # Groups. A batch ages a step while it is generated and one per batch ahead of it here, so a queue of
-        # max_staleness - 1 batches keeps most inside the bound (bench/async.py's workload: ~10% of the
-        # groups
-        # dropped as stale, against ~25% with max_staleness batches, at the same trained sequences/s).
+        # Groups. A batch ages a step while it is generated and one per batch ahead of it here, so a queue
+        # of max_staleness - 1 batches keeps most inside the bound (bench/async.py's workload: ~10% of the
+        # groups dropped as stale, against ~25% with max_staleness batches, at the same trained sequences/s).
         self.capacity = max(1, cfg.max_staleness - 1) * self.groups
         self.cond = threading.Condition()
         self.queue: list[tuple[dict, list]] = []  # (tensors of one group, its rows' texts)
@@ -109,12 +71,13 @@ class Inbox:
         self.seen, self.told = {}, set()  # worker -> time of its last request; workers told "finished"
         self.counts, self.apply_s, self.publish_s, self.rollout_metrics = Counter(), [], 0.0, []
         url = urlsplit(cfg.trainer_url)  # "" (the usual case) binds an ephemeral loopback port
+        routes = {("POST", "/hello"): self.hello, ("GET", "/adapter"): self.adapter,
+                  ("POST", "/batch"): self.receive}
         try:
-            self.server = Server({("POST", "/hello"): self.hello, ("GET", "/adapter"): self.adapter,
-                                  ("POST", "/batch"): self.receive}, url.hostname or "127.0.0.1", url.port or 0)
+            self.server = Server(routes, url.hostname or "127.0.0.1", url.port or 0)
         except ValueError as e:  # no token off loopback, or a short one
             raise utils.ConfigError(str(e)) from None
-        alone = "" if os.environ.get("NANORL_TOKEN") else " (none is set: only --workers started here can join)"
+        alone = "" if os.environ.get("NANORL_TOKEN") else " (none is set: only --workers started here join)"
         utils.stderr(f"trainer listening on {self.server.url}; start workers with --role rollout "
                      f"--trainer-url {self.server.url} and the same NANORL_TOKEN{alone}")
 
@@ -152,15 +115,52 @@ class Inbox:
             self.counts["adapters_sent"] += self.version > have
             return (200, self.payload) if self.version > have else (204, None)
 
+    def check(self, t: dict, meta: dict) -> str | None:
+        """Why a worker's batch must not be trained on, or None: every key, dtype, shape and value the
+        loop relies on (rollouts.WIRE, and [N] float32 stats), before the model sees it. The run's first
+        accepted batch fixes the key set every batch repeats, so that groups collate and stats stay whole."""
+        k, keys = self.cfg.group_size, self.keys or []
+        missing = [n for n in WIRE if n not in t]
+        extra = [n for n in t if n not in WIRE and not re.fullmatch(STATS, n)]
+        if missing or extra:
+            return f"batch keys: missing {missing}, unexpected {extra}"
+        if self.keys not in (None, set(t)) or len(MULTITURN & set(t)) not in (0, len(MULTITURN)):
+            return f"batch keys {sorted(t)}; this run's: {sorted(keys)} ({sorted(MULTITURN)}: all or none)"
+        if t["tokens"].ndim != 2:
+            return "tokens must be [N, L]"
+        N, L = t["tokens"].shape
+        if L > self.max_len or N > self.capacity * k:
+            return f"{N} rows of {L} tokens; at most {self.capacity} groups of {k} rows, {self.max_len} long"
+        for n, x in t.items():
+            dims, dtype = WIRE.get(n, (1, torch.float32))
+            if x.dtype != dtype or list(x.shape) != (shape := [N, L][:dims]):
+                return f"{n} is {x.dtype} {list(x.shape)}; expected {dtype} {shape}"
+        # --judge-down drop: a row no judge scored has NaN reward parts (logged by nanmean, never trained)
+        unscored = t.get("judge_dropped_frac", torch.zeros(N)) == 1  # [N]
+        for n, x in t.items():
+            ok = x.isfinite() | unscored & x.isnan() if n.startswith("reward_") else x.isfinite()
+            if not ok.all():
+                return f"{n} holds NaN or inf; expected finite values"
+        if N == 0 or N % k or (t["group"].unique(return_counts=True)[1] != k).any():
+            return f"every group needs exactly group_size={k} rows"
+        if t["tokens"].min() < 0 or t["tokens"].max() >= self.vocab:
+            return f"token ids outside the vocabulary [0, {self.vocab})"
+        if (v := t["version"]).min() < 0 or v.max() > self.version:
+            return f"versions {int(v.min())}..{int(v.max())} outside the published 0..{self.version}"
+        m, a = t["mask"], t["attn"]
+        if ((m != 0) & (m != 1)).any() or ((a != 0) & (a != 1)).any() or (m > a).any() or m[:, 0].any():
+            return "mask and attn must be 0/1, mask inside attn and 0 in column 0"
+        if (texts := meta.get("texts")) is None or isinstance(texts, list) and len(texts) == N and all(
+                isinstance(r, list) and len(r) == 3 and all(isinstance(x, str) for x in r) for r in texts):
+            return None
+        return "meta texts must be one [prompt, completion, answer] of strings per row"
+
     def receive(self, req: Request):
         tensors, meta = decode(req.body)  # a PayloadError answers 400
         with self.cond:
             if self._heard(meta.get("worker")):
                 return 410, {"finished": True}
-            why = check_batch(tensors, self.cfg.group_size, self.version, self.vocab, self.max_len, self.capacity,
-                              self.keys)
-            why = why or check_texts(meta, tensors)
-            if why:
+            if why := self.check(tensors, meta):
                 self.counts["batches_rejected"] += 1
                 return 400, {"error": why}
             self.keys = self.keys or set(tensors)
@@ -239,23 +239,14 @@ class Inbox:
         self.server.close()
 
 
-def check_texts(meta: dict, tensors: dict) -> str | None:
-    """Why the rows' (prompt, completion, answer) texts in a batch's meta are malformed, or None."""
-    texts = meta.get("texts")
-    if texts is not None and not (isinstance(texts, list) and len(texts) == len(tensors["tokens"]) and all(
-            isinstance(t, list) and len(t) == 3 and all(isinstance(x, str) for x in t) for t in texts)):
-        return "meta texts must be one [prompt, completion, answer] of strings per row"
-    return None
-
-
 def spawn_workers(cfg, url: str, token: str) -> list[subprocess.Popen]:
     """--workers N: local rollout workers with exactly this run's config (so the fingerprints
-    match) and the token, without torchrun's rank variables."""
-    ranks = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
-    env = {k: v for k, v in os.environ.items() if k not in ranks}
-    with tempfile.TemporaryDirectory(prefix="nanorl-worker-") as tmp:  # the config goes by pipe: no file stays
-        path = Path(tmp) / "config.yaml"
-        utils.save_config(replace(cfg, role="rollout", trainer_url=url, workers=0, out="", resume=""), path)
+    match), sent by pipe (no file stays), and the token, without torchrun's rank variables."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                                            "LOCAL_WORLD_SIZE")}
+    with tempfile.TemporaryDirectory(prefix="nanorl-worker-") as tmp:
+        utils.save_config(replace(cfg, role="rollout", trainer_url=url, workers=0, out="", resume=""),
+                          path := Path(tmp) / "config.yaml")
         config = path.read_bytes()
     argv = [sys.executable, str(Path(__file__).with_name("train.py")), "--config", "/dev/stdin"]
     procs = [subprocess.Popen(argv, env=env | {"NANORL_TOKEN": token}, stdin=subprocess.PIPE)
@@ -294,8 +285,8 @@ class AsyncRollouts(BatchSource):
     def next(self, step: int) -> Batch:
         if self.version < step:
             self.publish(step)  # the first call: after any resume or SFT warm-start, so v0 is what trains
-        # groups per rank
-        k, share = self.cfg.group_size, self.cfg.batch // self.cfg.group_size // utils.world()
+        k = self.cfg.group_size
+        share = self.cfg.batch // k // utils.world()  # this rank's groups
         rows, meta = self.inbox.take(step, set(self.snapshots)) if self.inbox else ({}, {})
         rows, meta = shard(rows, meta, share, k)
         batch = from_wire(rows, [tuple(t) for t in meta.pop("texts")])
@@ -324,8 +315,7 @@ class AsyncRollouts(BatchSource):
         t = time.perf_counter()
         payload = encode(self.policy.wire_state(), {"version": step, "adapter_config": self.config_json})
         self.snapshots = {v: s for v, s in self.snapshots.items() if v >= step - self.cfg.max_staleness}
-        # named as on the wire, like what workers load
-        self.snapshots[step], self.version = views(payload), step
+        self.snapshots[step], self.version = views(payload), step  # named as on the wire, as workers load it
         if self.inbox:
             self.inbox.serve(step, payload, time.perf_counter() - t)
 
@@ -377,7 +367,8 @@ class AdapterFetcher(threading.Thread):
             except ServeError as e:
                 status, body, down_since = 0, b"", down_since or time.time()
                 if time.time() - down_since > self.patience:
-                    utils.stderr(f"worker {self.worker}: trainer unreachable for {self.patience:.0f} s ({e}); exiting")
+                    utils.stderr(f"worker {self.worker}: trainer unreachable for {self.patience:.0f} s "
+                                 f"({e}); exiting")
                     self.done.set()
             if status == 410:
                 self.done.set()
@@ -388,7 +379,8 @@ class AdapterFetcher(threading.Thread):
                     if type(meta.get("version")) is not int or meta["version"] <= self.have:
                         raise PayloadError(f"version {meta.get('version')!r} is not newer than {self.have}")
                     with self.lock:
-                        self.pending, self.have = (meta["version"], tensors, meta, body, time.perf_counter() - t), meta["version"]
+                        self.have = meta["version"]
+                        self.pending = (self.have, tensors, meta, body, time.perf_counter() - t)
                     continue
                 except PayloadError as e:
                     self.rejected += 1
@@ -411,10 +403,12 @@ def hello(client: Client, cfg) -> dict | None:
             break
         except ServeError:
             if time.time() - since > cfg.worker_patience:
-                raise utils.ConfigError(f"no trainer answered at {cfg.trainer_url} for {cfg.worker_patience:.0f} s") from None
+                raise utils.ConfigError(f"no trainer answered at {cfg.trainer_url} for "
+                                        f"{cfg.worker_patience:.0f} s") from None
             time.sleep(1.0)
     if status not in (200, 410):
-        raise utils.ConfigError(f"the trainer refused this worker ({status}): {json.loads(reply).get('error', reply[:200])}")
+        why = json.loads(reply).get("error", reply[:200])
+        raise utils.ConfigError(f"the trainer refused this worker ({status}): {why}")
     return json.loads(reply) if status == 200 else None
 
 
@@ -453,16 +447,12 @@ def run_worker(cfg) -> int:
     """A rollout worker: the trainer's own batch source (rollouts.sources()) over a sampler that
     holds the newest adapter, one version per batch; POSTs each batch. Returns the exit code."""
     client = Client(cfg.trainer_url, timeout=30 + LONG_POLL, retries=1)
-    # before loading any model: a mismatched worker fails in seconds
-    if (reply := hello(client, cfg)) is None:
+    if (reply := hello(client, cfg)) is None:  # before loading a model: a mismatched worker fails in seconds
         return 0
     me = reply["worker"]
     policy = LLMPolicy(cfg)  # --vllm: the tokenizer side only, vLLM holds the weights
     torch.manual_seed(seed := cfg.seed * STRIDE + me)  # workers share cfg.seed, not their sampling noise
-    if cfg.vllm:
-        gen = VLLMGenerator(policy.path, cfg, policy.eos_ids, seed)
-    else:
-        gen = HFGenerator(policy)
+    gen = VLLMGenerator(policy.path, cfg, policy.eos_ids, seed) if cfg.vllm else HFGenerator(policy)
     fetcher = AdapterFetcher(client, me, cfg.worker_patience)
     fetcher.start()
     sampler = _Sampler(policy, gen, fetcher, cfg.gen_batch)

@@ -44,15 +44,16 @@ class ServeError(RuntimeError):
     """The peer could not be reached or did not answer in time (the caller decides to retry or exit)."""
 
 
-# ---------------------------------------------------------------- HTTP: an authenticated server, a retrying client
+# ---------------------------------------------------------------- HTTP: an authenticated server and a client
 def _check_token(token: str) -> str:
     if not re.fullmatch(r"[\x21-\x7e]{16,}", token):  # 16 random characters: far beyond guessing over HTTP
         raise ValueError(f"NANORL_TOKEN must be at least 16 printable ASCII characters without spaces (got "
-                         f"{len(token)}); make one with python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+                         f"{len(token)}); make one with "
+                         "python -c 'import secrets; print(secrets.token_urlsafe(32))'")
     return token
 
 
-Request = namedtuple("Request", "path query body peer")  # str, dict[str, str] from the query string, bytes, client ip
+Request = namedtuple("Request", "path query body peer")  # str, {name: value} of the query, bytes, client ip
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -94,9 +95,9 @@ class _Handler(BaseHTTPRequestHandler):
         if len(set(lengths)) > 1:
             return self.send_error(400, f"conflicting Content-Length headers: {lengths}")
         if not lengths and self.command == "POST":
-            return self.send_error(411, "POST needs a Content-Length header (chunked bodies are not supported)")
+            return self.send_error(411, "POST needs a Content-Length header (chunked bodies are not taken)")
         if not re.fullmatch(r"[0-9]{1,19}", length):
-            return self.send_error(400, f"malformed Content-Length {length[:40]!r}; expected a non-negative integer")
+            return self.send_error(400, f"malformed Content-Length {length[:40]!r}; expected an integer >= 0")
         if (n := int(length)) > srv.max_body:
             return self.send_error(413, f"body of {n} bytes exceeds the server limit of {srv.max_body} bytes")
         srv.admit(self.request, BODY_S + n / BODY_RATE)
@@ -104,7 +105,8 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             while len(body) < n and (chunk := self.rfile.read1(min(n - len(body), 1 << 20))):
                 if not srv.hold(len(chunk)):
-                    return self.send_error(503, f"the server holds {srv.max_body} bytes of uploads; retry shortly")
+                    return self.send_error(503, f"the server holds {srv.max_body} bytes of uploads; "
+                                                "retry shortly")
                 body += chunk
             if len(body) < n:
                 return self.send_error(400, f"body truncated: got {len(body)} of {n} bytes")
@@ -146,7 +148,7 @@ class Server(ThreadingHTTPServer):
         self.token = _check_token(token or secrets.token_urlsafe(32))
         self.routes, self.max_body = dict(routes), max_body
         self.lock, self.conns, self.held, self.counts = threading.Lock(), {}, 0, Counter()
-        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET  # read when the socket is made
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET  # read by the socket's maker
         super().__init__((host, port), _Handler)
         host, port = self.server_address[:2]
         self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -161,19 +163,19 @@ class Server(ThreadingHTTPServer):
 
     request_queue_size = 128  # the listen backlog: a flood is accepted (and evicted) instead of stalling SYNs
 
-    def count(self, what: str, n: int = 1):
+    def count(self, what: str):
         with self.lock:
-            self.counts[what] += n
+            self.counts[what] += 1
 
     def process_request(self, request, client_address):
         """At MAX_CONNS, a new connection evicts the oldest one still sending its headers (a real
         client sends them at once); when all are past their headers it is closed."""
         with self.lock:
             if len(self.conns) >= MAX_CONNS:
-                if (old := next((c for c, (_, admitted) in self.conns.items() if not admitted), None)) is None:
+                if not (waiting := [c for c, (_, admitted) in self.conns.items() if not admitted]):
                     self.counts["connections_refused"] += 1
                     return self.shutdown_request(request)
-                self._drop(old, "connections_evicted")
+                self._drop(waiting[0], "connections_evicted")  # dicts keep order: the oldest
             self.conns[request] = (time.monotonic() + HEADER_S, False)
         super().process_request(request, client_address)
 
@@ -257,15 +259,16 @@ class Client:
                 resp = conn.getresponse()
                 if resp.length is None:  # no Content-Length: read to the end
                     return resp.status, resp.read()
-                body = bytearray(resp.length)  # read in place: decode views these bytes, no copy
-                if (got := resp.readinto(body)) < len(body):  # a buffered reader fills it unless the peer hung up
-                    raise http.client.IncompleteRead(b"", len(body) - got)
-                return resp.status, body
+                out = bytearray(resp.length)  # read in place: decode views these bytes, no copy
+                if (got := resp.readinto(out)) < len(out):  # short only if the peer hung up
+                    raise http.client.IncompleteRead(b"", len(out) - got)
+                return resp.status, out
             except (OSError, http.client.HTTPException) as e:
                 if attempt == self.retries or (sent and method != "GET"):
                     stage = "during" if sent else "connecting for"
                     raise ServeError(f"{method} {self.url}{path} failed {stage} the request after {attempt} "
-                                     f"tries: {type(e).__name__}: {e}; is the trainer running at {self.url}?") from e
+                                     f"tries: {type(e).__name__}: {e}; is the trainer running at {self.url}?"
+                                     ) from e
                 log.warning("%s %s: %s; retry %d/%d", method, path, e, attempt, self.retries - 1)
                 time.sleep(self.backoff * attempt)
             finally:
@@ -273,10 +276,9 @@ class Client:
 
 
 # ---------------------------------------------------------------- payloads: tensors <-> bytes, never pickled
-DTYPES = {  # safetensors name -> torch dtype; anything else on the wire is refused
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}  # safetensors name -> torch dtype; anything else on the wire is refused
 NAMES = {t: n for n, t in DTYPES.items()}
 MAX_HEADER, MAX_NDIM = 16 << 20, 8  # a LoRA state dict header is tens of KB; these bound the header we parse
 FORMAT = "nanorl/1"
@@ -304,8 +306,9 @@ def encode(tensors: dict[str, torch.Tensor], meta: dict) -> bytearray:
             raise PayloadError(f"encode needs dict[str, Tensor] with dtypes {sorted(map(str, NAMES))}; "
                                f"got {k!r} -> {getattr(t, 'dtype', type(t).__name__)}")
         flat[k] = t.detach().reshape(-1).view(torch.uint8)  # reshape(-1): a 0-dim tensor has no byte view
-        entries[k] = {"dtype": NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(flat[k])]}
-        offset += len(flat[k])
+        end = offset + len(flat[k])
+        entries[k] = {"dtype": NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, end]}
+        offset = end
     # The digest goes in the header, before the data it covers: a placeholder of its length first,
     # so the tensors are copied once, straight into place (and off the GPU), then hashed there.
     head = json.dumps({"sha256": "0" * 64, "format": FORMAT, "meta": meta})
@@ -343,7 +346,8 @@ def _check_header(data: bytearray) -> tuple[object, dict, int]:
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise PayloadError(f"tensor {name!r}: dtype {dtype!r} not allowed; allowed: {sorted(DTYPES)}")
         shape, offs = info.get("shape"), info.get("data_offsets")
-        if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(type(d) is int and d >= 0 for d in shape)):
+        if not (isinstance(shape, list) and len(shape) <= MAX_NDIM
+                and all(type(d) is int and d >= 0 for d in shape)):
             raise PayloadError(f"tensor {name!r}: shape {shape!r} is not a list of <= {MAX_NDIM} sizes")
         if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
                 and offs[1] - offs[0] == math.prod(shape) * DTYPES[dtype].itemsize):
@@ -395,5 +399,5 @@ def decode(data: bytes | bytearray) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def views(data: bytearray) -> dict[str, torch.Tensor]:
-    """The tensors of a payload this process encoded itself, viewed in place (its own bytes: no hash check)."""
+    """The tensors of a payload this process encoded itself, viewed in place (no hash check)."""
     return _tensors(data, *_check_header(data)[1:])

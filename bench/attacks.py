@@ -29,6 +29,7 @@ import serve  # noqa: E402
 import transport  # noqa: E402
 import utils  # noqa: E402
 from envs import sql_database  # noqa: E402
+from flood import flood  # noqa: E402
 from modeldir import build_tiny_model  # noqa: E402
 from sandbox_escapes import escapes  # noqa: E402
 
@@ -89,29 +90,11 @@ def forge(version: int, groups: int = 1, length: int = 12, k: int = 4, **extra) 
     return {**t, **extra}
 
 
-def flood(url: str, seconds: float) -> int:
-    """3x the server's connection cap of sockets sending a byte of headers every 0.5 s; reopens dropped ones."""
-    host, port = re.match(r"http://([^:]+):(\d+)", url).groups()
-    socks, opened, end = [], 0, time.monotonic() + seconds
-    while time.monotonic() < end:
-        while len(socks) < 3 * transport.MAX_CONNS:
-            socks.append(socket.create_connection((host, int(port))))
-            opened += 1
-        for s in list(socks):
-            try:
-                s.send(b"G")
-            except OSError:
-                socks.remove(s)
-                s.close()
-        time.sleep(0.5)
-    for s in socks:
-        s.close()
-    return opened
-
-
 def http_attacks(url: str, proc: subprocess.Popen, out: Path, undisturbed: float):
-    result = {}
-    flooder = threading.Thread(target=lambda: result.update(opened=flood(url, 30.0)))
+    host, port = re.match(r"http://([^:]+):(\d+)", url).groups()
+    result, stop = {}, threading.Event()
+    threading.Timer(30.0, stop.set).start()
+    flooder = threading.Thread(target=lambda: result.update(opened=flood(host, int(port), stop)))
     flooder.start()
     time.sleep(5.0)
     rate = step_rate(out, 20.0)
@@ -119,7 +102,6 @@ def http_attacks(url: str, proc: subprocess.Popen, out: Path, undisturbed: float
     row("slow-header flood: 192 sockets (3x the cap), reopened as dropped, 30 s", "training continues",
         f"{rate:.2f} steps/s vs {undisturbed:.2f} undisturbed; {result['opened']} connections", rate > 0.3 * undisturbed)
 
-    host, port = re.match(r"http://([^:]+):(\d+)", url).groups()
     base, socks = rss_mb(proc.pid), []
     for _ in range(2):  # announce 1 GiB - 1 MiB, send 64 MiB, stall
         s = socket.create_connection((host, int(port)))

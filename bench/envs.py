@@ -17,13 +17,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tests/: the scripted policy and its helpers
 
 import envs  # noqa: E402
 import rollouts  # noqa: E402
 import sandbox  # noqa: E402
 from tasks import solve_countdown  # noqa: E402
-from tests.test_envs import ScriptedPolicy, chat_tokenizer  # noqa: E402
+from test_envs import ScriptedPolicy, chat_tokenizer  # noqa: E402
 
 
 def first_turn(text: str) -> bool:

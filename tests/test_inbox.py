@@ -116,3 +116,15 @@ def test_python_tool_without_an_isolating_sandbox_stops_in_one_line(capsys, monk
     err = one_line_error(capsys, ["--task", "python_tool", "--model", "tiny", "--no-progress", "--steps", "1",
                                   "--out", str(tmp_path / "r")])
     assert "--sandbox weak" in err
+
+
+def test_a_group_no_judge_scored_lands_with_nan_reward_parts_only_on_its_own_rows(inbox):
+    """--judge-down drop: the worker masks an unscored group out and marks it; its reward parts are
+    NaN (logged by nanmean). NaN on a scored row, or inf anywhere, is still refused."""
+    nan, marked = torch.full((K,), math.nan), torch.ones(K)
+    assert post(inbox, forge(reward_int_correct=nan, judge_dropped_frac=marked))[0] == 200
+    assert post(inbox, forge(reward_int_correct=nan, judge_dropped_frac=torch.zeros(K)))[0] == 400
+    assert post(inbox, forge(reward_int_correct=torch.full((K,), math.inf), judge_dropped_frac=marked))[0] == 400
+    assert post(inbox, forge(judge_dropped_frac=torch.zeros(K)))[0] == 200
+    rows, _ = inbox.take(0, {0})
+    assert rows["reward_int_correct"].isnan().tolist() == [True] * K + [False] * K

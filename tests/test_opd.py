@@ -1,12 +1,23 @@
 """On-policy distillation (--algo opd): the advantage is the teacher's log-prob minus the student's,
 token by token, masked like the loss; a teacher identical to the student teaches nothing."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
+import serve
 import train
 import utils
 from modeldir import build_tiny_model
+from rollouts import make_batch
+from transport import Client, encode
+
+ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -107,3 +118,59 @@ def test_teacher_with_another_tokenizer_is_refused_in_one_line(models, tmp_path)
     with pytest.raises(utils.ConfigError, match=r"--teacher .*tokenizer differs from the student's") as e:
         setup(student, str(other))
     assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- async: the trainer's teacher scores
+def test_async_opd_advantage_is_teacher_minus_each_rows_sampling_version_for_rows_from_the_wire(models):
+    """Rows of two versions POSTed over real HTTP: the advantage is the teacher's log-prob minus the
+    log-prob under the very version that sampled the row (a snapshot, not the live weights)."""
+    student, teacher = models
+    cfg, policy, _, src, t = setup(student, teacher, "--role", "trainer", "--max-staleness", "2")
+    assert isinstance(src, serve.AsyncRollouts)
+    client = Client(src.inbox.server.url, src.inbox.server.token)
+    try:
+        states = []
+        for v in (0, 1):  # version 1: other adapter weights than version 0
+            with torch.no_grad():
+                for p in (p for p in policy.parameters() if p.requires_grad):
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(v)) * 0.1)
+            src.publish(v)
+            states.append({k: x.clone() for k, x in policy.trainable_state().items()})
+            prefixes = [policy.encode_prompt(f"{v}{i}+1=") for i in range(4)]
+            rows = make_batch(prefixes, policy.generate(prefixes, 4), [0.0] * 4, policy.pad_id)
+            rows.group, rows.version = torch.zeros(4, dtype=torch.long), torch.full((4,), v)
+            assert client.post("/batch", encode(rows.wire(), {"worker": 0}))[0] == 200
+        batch = train.prepare(policy, src.next(1), cfg, src.weights, teacher=t)
+    finally:
+        src.close()
+    assert batch.version.tolist() == [0] * 4 + [1] * 4
+    student_logp = torch.zeros_like(batch.mask)
+    for v, state in enumerate(states):
+        policy.load_trainable(state)
+        with torch.no_grad():
+            student_logp[4 * v : 4 * v + 4] = policy.score(batch, slice(0, 8))[0][4 * v : 4 * v + 4]
+    expected = (reference_logp(teacher, batch) - student_logp) * batch.mask
+    assert batch.mask.sum() > 8 and (batch.adv[batch.mask == 0] == 0).all()
+    assert torch.allclose(batch.adv, expected, atol=1e-5) and expected.abs().max() > 0.1
+
+
+def test_async_opd_run_with_the_student_as_teacher_trains_nothing(models, tmp_path):
+    """A real trainer and worker process: every step's advantage, reverse KL and gradient are
+    exactly 0, so the adapter's B (zero at init) is still exactly 0 at the end."""
+    student, _ = models
+    run = tmp_path / "run"
+    env = {**os.environ, "NANORL_TOKEN": "opd-test-token-0123456789", "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, str(ROOT / "train.py"), "--task", "arith", "--model", student, "--algo", "opd",
+            "--teacher", student, "--batch", "8", "--group-size", "4", "--max-new-tokens", "4",
+            "--steps", "3",
+            "--eval-every", "1000", "--eval-size", "4", "--lr", "0.1", "--no-progress", "--out", str(run),
+            "--role", "trainer", "--workers", "1", "--max-staleness", "2"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    m = utils.read_metrics(run / "metrics.csv")
+    assert [s for s, _, _ in m["loss"]] == [1, 2, 3] and m["groups_received"][-1][2] >= 6  # from the worker
+    for key in ("opd_reverse_kl", "adv_mean", "adv_std", "grad_norm"):
+        assert [v for _, _, v in m[key]] == [0.0] * 3, key
+    weights = load_file(str(utils.checkpoints(run)[-1] / "weights.safetensors"))
+    b = [w for n, w in weights.items() if "lora_B" in n]
+    assert b and all(torch.equal(w, torch.zeros_like(w)) for w in b)
