@@ -5,7 +5,8 @@
 recomputes, with grad, the log-probability of the actions stored in a rollouts.Batch's `rows`,
 so the training loop never needs to know whether it is pushing a cart or writing an answer.
 MLPPolicy acts in control tasks; LLMPolicy, a Hugging Face causal LM (LoRA or full fine-tuning), also
-samples completions with their log-probs, as VLLMGenerator does with vLLM for rollout workers (serve.py).
+samples completions with their log-probs; a rollout worker (serve.py) samples with it, or with vLLM
+through VLLMGenerator, which has the same generate and load.
 """
 from __future__ import annotations
 
@@ -412,6 +413,10 @@ class LLMPolicy(nn.Module):
         names = {w: n for n, w in self.wire_names().items()}
         self.load_trainable({names.get(w, w): t for w, t in tensors.items()})
 
+    def load(self, version: int, tensors: dict, meta: dict, payload: bytearray) -> None:
+        """A rollout worker sampling with its own policy loads each adapter version in place."""
+        self.load_wire(tensors)
+
     def adapter_config(self) -> str:
         """adapter_config.json exactly as PEFT writes it, after checking wire_names against PEFT's keys."""
         if not self.lora:
@@ -426,16 +431,6 @@ class LLMPolicy(nn.Module):
 
 
 # ================================================================ generation for rollout workers
-class HFGenerator:
-    """The worker's own LLMPolicy samples; each adapter version loads into it in place."""
-
-    def __init__(self, policy: LLMPolicy):
-        self.policy, self.generate = policy, policy.generate
-
-    def load(self, version: int, tensors: dict, meta: dict, payload: bytearray) -> None:
-        self.policy.load_wire(tensors)
-
-
 class VLLMGenerator:
     """vLLM with LoRA: each adapter version becomes a directory holding the trainer's bytes
     (adapter_config.json + adapter_model.safetensors) and a LoRARequest. Sampling is plain

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 import utils
 from transport import Client, PayloadError, Request, ServeError, Server, decode, encode, views
-from model import HFGenerator, LLMPolicy, Sample, VLLMGenerator
+from model import LLMPolicy, Sample, VLLMGenerator
 from rollouts import Batch, BatchSource, from_wire, sources
 
 # ================================================================ disaggregated training
@@ -462,7 +462,7 @@ def run_worker(cfg) -> int:
     if cfg.vllm:
         gen = VLLMGenerator(policy.path, cfg, policy.eos_ids, seed)
     else:
-        gen = HFGenerator(policy)
+        gen = policy  # samples with its own weights; each adapter version loads into it (LLMPolicy.load)
     fetcher = AdapterFetcher(client, me, cfg.worker_patience)
     fetcher.start()
     sampler = _Sampler(policy, gen, fetcher, cfg.gen_batch)

@@ -37,7 +37,7 @@ from rollouts import (CONTROL, Batch, BatchSource, TaskRollouts, live_weights, s
 
 @dataclasses.dataclass
 class Config:
-    """nanorl training run; every flag is a field of train.Config. LLM tasks get their own defaults."""
+    """nanorl training run; every flag is a field of train.Config. LLM tasks: their own task_defaults."""
 
     task: str = "cartpole"  # cartpole is the seconds-long sanity check; LLM tasks live in tasks.py
     algo: str = "reinforce"  # one of algos.ALGOS; the rest of the loop does not care which
@@ -303,7 +303,7 @@ def on_policy(policy, cfg: Config) -> bool:
 @torch.no_grad()
 def old_scores(policy, batch: Batch, cfg: Config, weights) -> tuple[torch.Tensor, torch.Tensor | None]:
     """old_logp and values [N, T], each row under the weights of the version that sampled it (`weights`:
-    live or a snapshot), in update()'s micro-batches: live rows get exactly its first forward's numbers."""
+    live or a snapshot), in update()'s micro-batches: live rows get exactly the update's first forward."""
     logp, values = torch.zeros_like(batch.mask), torch.zeros_like(batch.mask) if policy.has_critic else None
     for rows in micro_slices(torch.arange(len(batch)), cfg.micro_batch):
         for v in batch.version[rows].unique().tolist():
