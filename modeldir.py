@@ -17,8 +17,7 @@ import utils
 
 SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>"]  # `|` is not in CHARS, so no text spells them
 CHARS = "0123456789+-*/=() abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ<>.,:?!_\n"
-LOAD_HINT = ("check the model id, or pass a local directory holding config.json, the weights and the "
-             "tokenizer files")
+LOAD_HINT = "check the model id, or pass a local directory holding config.json, weights and tokenizer files"
 
 
 def cache_root() -> Path:
