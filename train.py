@@ -4,11 +4,9 @@
     python train.py --config configs/cartpole_ppo.yaml --steps 50
     torchrun --nproc_per_node=4 train.py --config configs/arith_tiny_cpu.yaml   # data parallel, same --batch
 
-Every step is five stages: (1) rollout: a rollouts.Batch from the batch source, (2) advantage:
-score it under the weights that sampled it and call the algorithm's estimator, (3) update: the
-clipped surrogate over inner epochs, (4) publish: hand the new weights to whoever generates,
-(5) log, evaluate, checkpoint. Synchronous and asynchronous training differ only in the source
-(rollouts.py or serve.AsyncRollouts), never in the loop.
+Every step is five stages (train()'s numbered lines): rollout a rollouts.Batch, score it under the
+weights that sampled it and estimate advantages, update (the clipped surrogate), publish the new weights,
+log / evaluate / checkpoint. Sync and async differ only in the batch source, never in the loop.
 """
 from __future__ import annotations
 
@@ -18,7 +16,6 @@ import signal
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,15 +30,14 @@ from algos import (AGGREGATIONS, ALGOS, EPS, GROUPED, IS_LEVELS, KL, LOSSES, gro
                    importance_correction, loss_weights, masked_mean, policy_loss, value_loss)
 from envs import TEXT_ENVS, CartPole
 from judge import JudgeUnavailable
-from model import LLMPolicy, MLPPolicy
+from model import DTYPES, LLMPolicy, MLPPolicy
 from rollouts import (CONTROL, Batch, BatchSource, TaskRollouts, live_weights, sample_rows, show_samples,
                       sources)
 
 
-@dataclass
+@dataclasses.dataclass
 class Config:
-    """nanorl training run. Every flag below is a field of train.Config. LLM tasks get their own
-    algo, group_size, batch, lr and max_new_tokens defaults (task_defaults)."""
+    """nanorl training run; every flag is a field of train.Config. LLM tasks: their own task_defaults."""
 
     task: str = "cartpole"  # cartpole is the seconds-long sanity check; LLM tasks live in tasks.py
     algo: str = "reinforce"  # one of algos.ALGOS; the rest of the loop does not care which
@@ -70,8 +66,7 @@ class Config:
     hidden: int = 64  # MLP width: CartPole needs little, and small is fast
     eval_every: int = 5  # steps between greedy evals; one 10-episode eval costs about one step
     eval_episodes: int = 10  # held-out greedy episodes per eval (the solve criterion uses 10)
-    # stop once eval_return / eval_accuracy reaches it: 475 is CartPole's solved bar, above any accuracy
-    target: float = 475.0  # LLM tasks: e.g. 0.9; 0 = never
+    target: float = 475.0  # stop at this eval score: 475 solves CartPole; LLM accuracy e.g. 0.9; 0 = never
     out: str = ""  # run directory; empty = runs/<task>-<algo>-<timestamp>
     resume: str = ""  # a run directory (its config.yaml, newest checkpoint that loads) or a ckpt-* in one
     eval_only: bool = False  # evaluate --resume's checkpoint (into RUN/eval-STEP) or a bare --model (--out)
@@ -134,11 +129,10 @@ class Config:
 
 
 def task_defaults(given: dict) -> dict:
-    """The defaults above are CartPole's; an LLM task gets these in their place, under what a preset
-    or flag gives (`given`); config.yaml records the values used. lr: GRPO on SmolLM2-135M (countdown,
-    16 x 24 tokens, LoRA r=16), entropy over steps 1-4: 5e-3 2.1 -> 3.5 -> 0.9 -> 1.4, 5e-4 2.1 -> 2.7
-    -> 2.9 -> 2.5, 1e-4 2.1 -> 2.6 -> 2.8 -> 2.4 (5e-4 and 1e-4 differ by less than the noise of a new
-    batch each step: the faster one). Full fine-tuning: 5e-5, the tiny preset's GRPO rate (1e-4 plateaued)."""
+    """The defaults above are CartPole's; an LLM task gets these instead, under what a preset or flag
+    gives (`given`); config.yaml records them. lr: GRPO on SmolLM2-135M (countdown, 16 x 24 tokens, LoRA
+    r=16), entropy at steps 1-4: 5e-3 2.1 3.5 0.9 1.4; 5e-4 2.1 2.7 2.9 2.5; 1e-4 2.1 2.6 2.8 2.4 (the
+    last two within batch noise: the faster). Full fine-tuning: the tiny preset's 5e-5 (1e-4 plateaued)."""
     task = given.get("task", Config.task)
     kind = tasks.TASKS.get(task) or getattr(TEXT_ENVS.get(task), "task", None)
     if kind is None:  # CartPole, or a name validate() rejects
@@ -267,15 +261,13 @@ def load_teacher(cfg: Config, student):
         raise utils.ConfigError(f"--teacher {cfg.teacher}: its tokenizer differs from the student's "
                                 f"({len(b)} vs {len(a)} tokens, or other ids); it scores the student's own "
                                 "token ids, so pick a teacher of the student's family")
-    teacher.requires_grad_(False)
-    return teacher.to(torch.bfloat16) if cfg.dtype == "bf16" else teacher  # frozen: bf16 halves its memory
+    return teacher.requires_grad_(False).to(DTYPES[cfg.dtype])  # frozen: --dtype bf16 halves its memory
 
 
 def warm_start(policy, opt, source: BatchSource, cfg: Config, log, first: int, stop) -> bool:
-    """Optional supervised stage before RL on the task's own solver's demonstrations (never a model's),
-    so the RL gain on top is reported apart. Steps first..-1 (logged at first+1..0) use the RL optimizer
-    at sft_lr, whose state is then cleared: RL starts from a fresh Adam, and a checkpoint on the way holds
-    all a resumed warm-start needs. True: stop() saw a Ctrl-C (and checkpointed)."""
+    """Supervised steps first..-1 (logged at first+1..0) on the task's own solver's demonstrations (never a
+    model's), so the RL gain on top is reported apart. The RL optimizer at sft_lr (so a checkpoint on the way
+    holds all a resume needs), its state then cleared: RL starts from a fresh Adam. True: a Ctrl-C stop."""
     opt.param_groups[0]["lr"] = cfg.sft_lr  # build() gives Adam one group
     for step in range(first, 0):
         batch = source.demonstrations(cfg.batch)
@@ -301,19 +293,17 @@ def micro_slices(rows: torch.Tensor, size: int):
 
 
 def on_policy(policy, cfg: Config) -> bool:
-    """One pass (one epoch, one minibatch) over rows the live weights just sampled, with no critic, no
-    IS correction and no teacher (OPD needs old_logp before the update): the update's own forward is
-    then the old policy, its ratio exactly 1 (REINFORCE, GRPO, ... are the plain policy gradient), and
-    stage 2 skips a forward. Async rows are always rescored: older versions sampled them."""
+    """The update's own forward is the old policy (ratio exactly 1: REINFORCE, GRPO, ... are the plain
+    policy gradient), so stage 2 skips one: a single pass over rows the live weights just sampled, no
+    critic, no IS correction, no teacher (OPD needs old_logp first). Async rows: older versions sampled."""
     return (cfg.role == "sync" and cfg.inner_epochs == 1 and cfg.minibatches == 1 and not policy.has_critic
             and cfg.tis == "off" and cfg.mis == "off" and cfg.algo != "opd")
 
 
 @torch.no_grad()
 def old_scores(policy, batch: Batch, cfg: Config, weights) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """old_logp and values [N, T], each row under the weights of the version that sampled it
-    (`weights(version)`: the live ones in sync mode, a snapshot in async mode), in the micro-batches
-    update() uses, so rows of the live version get exactly the numbers its first forward will."""
+    """old_logp and values [N, T], each row under the weights of the version that sampled it (`weights`:
+    live or a snapshot), in update()'s micro-batches: live rows get exactly the update's first forward."""
     logp, values = torch.zeros_like(batch.mask), torch.zeros_like(batch.mask) if policy.has_critic else None
     for rows in micro_slices(torch.arange(len(batch)), cfg.micro_batch):
         for v in batch.version[rows].unique().tolist():
@@ -344,10 +334,9 @@ def rollout_metrics(batch: Batch, rewards: torch.Tensor, cfg: Config) -> dict:
 
 @torch.no_grad()
 def prepare(policy, batch: Batch, cfg: Config, weights=live_weights, teacher=None) -> Batch:
-    """Stage 2: old log-probs and values under the weights that sampled each row, then advantages, loss
-    weights and batch.metrics (floats for the log). Old log-probs are recomputed, not trusted from the
-    sampler, in the micro-batches update() uses, so live rows' first-epoch ratio is exactly 1; the
-    sampler's own (batch.logp) only enter the mismatch corrections (tis / mis) and the logged logp_gap."""
+    """Stage 2: old log-probs and values (old_scores), then advantages, loss weights and batch.metrics
+    (floats for the log). The sampler's own log-probs (batch.logp) are never the old ones: they enter
+    only the mismatch corrections (tis / mis) and the logged logp_gap."""
     mask, metrics, rows = batch.mask, {}, micro_slices(torch.arange(len(batch)), cfg.micro_batch)
     if not on_policy(policy, cfg):
         batch.old_logp, batch.values = old_scores(policy, batch, cfg, weights)
@@ -370,7 +359,6 @@ def prepare(policy, batch: Batch, cfg: Config, weights=live_weights, teacher=Non
         batch.is_weight, kept, s = importance_correction(batch.old_logp, batch.logp, mask, cfg.tis,
                                                          cfg.tis_cap, cfg.mis, cfg.mis_low, cfg.mis_high)
         batch.loss_mask, metrics = keep * kept, {**metrics, **s}
-    # Global denominators: under torchrun the totals are every rank's (utils.batch_totals).
     batch.weights = loss_weights(batch.loss_mask, cfg.loss_agg, **utils.batch_totals(batch.loss_mask),
                                  constant=cfg.loss_agg_constant or cfg.max_new_tokens)
     # Means over ranks (equal rows per rank): exact for means and fractions; std and max: per-rank averages.
@@ -386,7 +374,6 @@ def update(policy, opt, batch: Batch, cfg: Config) -> dict:
     critic = list(policy.v.parameters()) if policy.has_critic and cfg.critic_max_grad_norm else []
     actor = [p for p in policy.parameters() if p.requires_grad and all(p is not c for c in critic)]
     stats, means, updates, skipped = defaultdict(float), defaultdict(float), 0, 0
-    # what a denominator counts: tokens (token_mean) or rows (seq_mean, constant)
     unit = batch.loss_mask if cfg.loss_agg == "token_mean" else (batch.loss_mask.sum(1) > 0).float()
     for _ in range(cfg.inner_epochs):
         order = torch.randperm(n) if cfg.minibatches > 1 else torch.arange(n)
@@ -509,23 +496,17 @@ def resume(cfg: Config, policy, opt, source: BatchSource) -> dict | None:
     meta = utils.resume_checkpoint(Path(cfg.resume), policy, opt) if cfg.resume else None
     if meta:  # every rank reads the checkpoint: multi-node runs need --out on shared storage
         source.load_state(meta["source"])
-    elif cfg.resume:
-        utils.stderr(f"--resume {cfg.resume}: no checkpoint loads; the run starts over")
     utils.split_rng()  # after any restored RNG state: ranks must not sample identical tokens
     return meta
 
 
 def start_run(cfg: Config, out: Path, policy, opt, source: BatchSource, meta: dict | None, stop):
-    """The run's config and log, and what comes before RL step 0: the evaluations and the warm-start.
-    Returns the log and the step RL starts at."""
+    """The run's log, then what precedes RL step 0 (evaluations, warm-start): (log, RL's first step)."""
     start = meta["step"] if meta else -cfg.sft_steps  # < 0: (in) the warm-start
-    if utils.rank() == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        utils.save_config(cfg, out / "config.yaml")
     # A resumed run rewrites what came after its checkpoint (everything, when none loads).
     resumed_at = (start if meta else -cfg.sft_steps - 1) if cfg.resume else None
     wall = meta["wall_s"] if meta else 0.0
-    log = utils.Metrics(out, cfg.log, wall, resumed_at) if utils.rank() == 0 else utils.NoMetrics()
+    log = utils.Metrics(out, cfg, wall, resumed_at) if utils.rank() == 0 else utils.NoMetrics()
     if cfg.sft_steps and not meta:
         evaluate(source, log, -cfg.sft_steps, out, "_before_sft")
     if start < 0 and warm_start(policy, opt, source, cfg, log, start, stop):
@@ -562,16 +543,11 @@ def finish(cfg: Config, policy, out: Path, wall_s: float) -> None:
 def evaluate_only(cfg: Config, policy, source: BatchSource, step: int) -> Path:
     """--eval-only: one eval of the loaded weights, logged at their step in a run directory of its own."""
     out = run_dir(cfg) / f"eval-{step:07d}" if cfg.resume else run_dir(cfg)
-    out.mkdir(parents=True, exist_ok=True)
-    utils.save_config(cfg, out / "config.yaml")
-    log = utils.Metrics(out, cfg.log)
+    log = utils.Metrics(out, cfg)
     evaluate(source, log, step, out)
     log.close()
     finish(cfg, policy, out, 0.0)
     return out
-
-
-IDENTITY = ("task", "data", "model", "lora", "lora_rank", "lora_targets", "algo", "loss")  # another run's
 
 
 def parse(argv: list[str]) -> Config:
@@ -584,7 +560,8 @@ def parse(argv: list[str]) -> Config:
         raise utils.ConfigError(f"--resume {cfg.resume}: no config.yaml in {saved.parent}: not a run")
     old, cfg = (utils.load_config(Config, flags, choices(), base=saved, defaults=task_defaults)
                 for flags in ([], argv))
-    for name in [n for n in IDENTITY if getattr(cfg, n) != getattr(old, n)]:
+    identity = ("task", "data", "model", "lora", "lora_rank", "lora_targets", "algo", "loss")  # what trains
+    for name in [n for n in identity if getattr(cfg, n) != getattr(old, n)]:
         utils.stderr(f"warning: {name} {getattr(cfg, name)!r} replaces the run's {getattr(old, name)!r}")
     return cfg
 

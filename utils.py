@@ -110,12 +110,13 @@ def save_config(cfg, path: Path) -> None:
 
 # ---------------------------------------------------------------- metrics
 class Metrics:
-    """metrics.csv in long format (step, wall_s, key, value): any tool can read any metric. Samples go to
-    samples.jsonl. The loggers named in --log get the same numbers. A resumed run first drops the lines
-    after its checkpoint's step, which it is about to write again."""
+    """A run directory: config.yaml, metrics.csv in long format (step, wall_s, key, value: any tool reads
+    any metric), samples.jsonl, and the same numbers to the loggers named in cfg.log. A resumed run first
+    drops the lines after its checkpoint's step, which it is about to write again."""
 
-    def __init__(self, out: Path, loggers: str = "", wall_offset: float = 0.0,
-                 resumed_at: float | None = None):
+    def __init__(self, out: Path, cfg, wall_offset: float = 0.0, resumed_at: float | None = None):
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out / "config.yaml")  # before the loggers: wandb records it
         self.path, self.samples_path = out / "metrics.csv", out / "samples.jsonl"
         if resumed_at is not None:
             for path in (self.path, self.samples_path, out / "samples.1.jsonl"):
@@ -126,7 +127,7 @@ class Metrics:
             self.writer.writerow(["step", "wall_s", "key", "value"])
         self.samples_file = open(self.samples_path, "a")
         self.t0 = time.perf_counter() - wall_offset
-        self.loggers = [LOGGERS[name](out, resumed_at) for name in filter(None, loggers.split(","))]
+        self.loggers = [LOGGERS[name](out, resumed_at) for name in filter(None, cfg.log.split(","))]
 
     def wall(self) -> float:
         return time.perf_counter() - self.t0
@@ -244,13 +245,11 @@ def read_metrics(path: Path) -> dict[str, list[tuple[int, float, float]]]:
 
 
 def plot(out: Path, keys=("reward", "eval_return")) -> Path:
-    import matplotlib  # imported here: only the end-of-run plot needs it
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # lazily: only the end-of-run plot needs it (no pyplot: no GUI)
 
     series = read_metrics(out / "metrics.csv")
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    fig = Figure(figsize=(10, 3.5))
+    axes = fig.subplots(1, 2)
     for key in [k for k in keys if k in series]:  # an eval before a warm-start is step -sft_steps
         steps, walls, values = zip(*series.get(f"{key}_before_sft", []) + series[key])
         axes[0].plot(steps, values, label=key)
@@ -265,7 +264,6 @@ def plot(out: Path, keys=("reward", "eval_return")) -> Path:
     fig.tight_layout()
     path = out / "curve.png"
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path
 
 
@@ -300,17 +298,16 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 def save_checkpoint(out: Path, step: int, policy: torch.nn.Module, opt: torch.optim.Optimizer, meta: dict,
                     keep: int) -> Path:
-    """Writes ckpt-<step>/ atomically: a temp directory, fsync'd files, then one os.replace.
-    Weights are safetensors, optimizer and RNG state a tensors-only torch.save read back with
-    weights_only=True, everything else JSON. Keeps the newest `keep` checkpoints."""
+    """ckpt-<step>/ by atomic_dir, its files fsync'd: weights as safetensors, optimizer and RNG state a
+    tensors-only torch.save (read back weights_only=True), the rest JSON. Keeps the newest `keep`."""
     final = out / f"ckpt-{step:07d}"
     with atomic_dir(final) as tmp:
         weights = {n: p.detach().contiguous() for n, p in policy.named_parameters() if p.requires_grad}
         save_file(weights, str(tmp / "weights.safetensors"))
         torch.save({"optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state()}, tmp / "state.pt")
-        atomic_write(tmp / "meta.json", json.dumps({"step": step, **meta}, indent=1).encode())
-        for name in ("weights.safetensors", "state.pt"):
-            with open(tmp / name, "rb") as f:
+        (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=1))
+        for path in tmp.iterdir():  # on disk before the rename publishes them
+            with open(path, "rb") as f:
                 os.fsync(f.fileno())
     for old in checkpoints(out)[:-keep]:
         shutil.rmtree(old)
@@ -345,6 +342,7 @@ def resume_checkpoint(run: Path, policy: torch.nn.Module, opt: torch.optim.Optim
             return load_checkpoint(ckpt, policy, opt)
         except (SafetensorError, json.JSONDecodeError, RuntimeError, OSError) as e:  # Runtime: torch.load
             stderr(f"skipping {ckpt}: {type(e).__name__}: {str(e).splitlines()[0]}")
+    stderr(f"--resume {run}: no checkpoint loads; the run starts over")
     return None
 
 
@@ -358,8 +356,7 @@ def stderr(msg: str) -> None:
 # denominators, statistics). In a plain `python train.py` every helper below is a no-op; under
 # torchrun every one is a collective, so all ranks must call it, in the same order.
 def init_distributed(timeout_s: float) -> None:
-    """Joins the group torchrun describes in RANK / WORLD_SIZE / LOCAL_RANK: CUDA tensors over NCCL,
-    CPU ones over gloo. A rank stuck in a collective for timeout_s raises rather than hangs."""
+    """Joins torchrun's group; a rank stuck in a collective for timeout_s raises rather than hangs."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or dist.is_initialized():
         return
     if torch.cuda.is_available():
@@ -410,9 +407,8 @@ def reduce_dict(values: dict[str, float], mean: bool = False) -> dict[str, float
 def batch_totals(mask: torch.Tensor) -> dict[str, float]:
     """The whole batch's token and row counts for loss_weights: with one global denominator on every
     rank, the sum of the ranks' gradients is the gradient of one backward on the whole batch."""
-    kept = (mask.sum(1) > 0).sum().item()  # a row masked out entirely (truncated, masked IS) is not counted
-    tokens, rows = all_sum(torch.tensor([mask.sum().item(), kept], dtype=torch.float64)).tolist()
-    return {"total_tokens": tokens, "total_rows": rows}
+    # a row masked out entirely (truncated, masked IS) is not counted
+    return reduce_dict({"total_tokens": mask.sum().item(), "total_rows": (mask.sum(1) > 0).sum().item()})
 
 
 def sum_grads(module: torch.nn.Module) -> None:
@@ -441,8 +437,7 @@ def broadcast_bytes(data: bytearray | None) -> bytearray:
 
 @torch.no_grad()
 def broadcast_weights(module: torch.nn.Module) -> None:
-    """Rank 0's weights everywhere. Ranks then stay identical with no further syncing: they apply
-    the same summed gradients with the same optimizer."""
+    """Rank 0's weights everywhere; ranks then stay identical: same summed gradients, same optimizer."""
     if world() > 1:
         for t in module.state_dict().values():
             dist.broadcast(t, 0)

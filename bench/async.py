@@ -32,7 +32,7 @@ import serve  # noqa: E402
 import transport  # noqa: E402
 import train  # noqa: E402
 import utils  # noqa: E402
-from model import HFGenerator, LLMPolicy, VLLMGenerator  # noqa: E402
+from model import LLMPolicy, VLLMGenerator  # noqa: E402
 from rollouts import live_weights, make_batch  # noqa: E402
 
 TOKEN = "bench-token-0123456789"
@@ -116,7 +116,7 @@ def two_hashes_seconds(data: bytearray) -> float:
 def adapter_sync(args) -> dict:
     cfg = utils.load_config(train.Config, ["--task", "arith", "--role", "trainer"])
     policy = LLMPolicy(cfg)
-    worker = HFGenerator(LLMPolicy(cfg))
+    worker = LLMPolicy(cfg)
     src = serve.AsyncRollouts(cfg, policy, SimpleNamespace(task=None, draw=None))
     client = transport.Client(src.inbox.server.url, token=src.inbox.server.token)
     sync, raw, hashes, copy = [], [], [], None
@@ -175,7 +175,7 @@ def generation(args) -> dict:
     cfg = utils.load_config(train.Config, ["--task", "arith", "--max-new-tokens", str(args.gen_tokens)])
     policy = LLMPolicy(cfg)
     prefixes = [policy.encode_prompt(f"{a}+{a * 7 % 97}=") for a in range(64) for _ in range(8)]
-    hf = HFGenerator(policy)
+    hf = policy
     with torch.no_grad():
         out = {"hf_worker": tokens_per_second(lambda: worker_path(hf, policy, prefixes, args.gen_tokens), args.repeats),
                "hf_raw": tokens_per_second(lambda: hf_raw(policy, prefixes, args.gen_tokens), args.repeats)}
