@@ -1,17 +1,22 @@
 """Disaggregated training, measured in one run on this machine (medians; a markdown table at the end):
 
-1. trained sequences/s: the synchronous loop vs a trainer + one rollout worker, same workload,
-   and the most a split onto one core each could reach (each phase timed on one thread);
+1. trained sequences/s: the synchronous loop vs a trainer + one rollout worker (HF, and with
+   --vllm-e2e a vLLM one), same workload, and the most a split onto one core each could reach
+   (each phase timed on one thread);
 2. adapter sync: publish + fetch of one adapter over the real routes vs a raw loopback socket
    copy of the same bytes (and that copy plus the two SHA-256 passes: the floor of any verified
    transport), and the bytes per sync next to the adapter and model sizes;
 3. completion tokens/s: each worker's generator (sampled-token logprobs captured, batch built
    and encoded) vs its raw engine called directly (HF `generate`, vLLM `LLM.generate`).
 
-    python bench/async.py [--steps 8] [--repeats 3] [--no-vllm]
+    python bench/async.py [--model tiny|smollm2-135m] [--steps 8] [--repeats 3] [--no-vllm] [--vllm-e2e]
+        [--parts e2e,bound,sync,gen] [--gen-prompts 64]
+
+Writes results/async.json (tiny) or results/async_<model>.json: every measurement, the command, the table.
 """
 import argparse
 import hashlib
+import json
 import os
 import re
 import socket
@@ -39,13 +44,30 @@ TOKEN = "bench-token-0123456789"
 
 
 # ---------------------------------------------------------------- 1. end to end
-def trained_per_second(args, role: list[str], env: dict) -> float:
-    """Trained sequences/s between the first and the last logged update (start-up excluded)."""
+def workload(args) -> list[str]:
+    return ["--model", args.model, "--task", "arith", "--algo", "grpo", "--batch", str(args.batch), "--group-size", "8",
+            "--max-new-tokens", str(args.tokens), "--eval-size", "8"]
+
+
+def trained_per_second(args, role: list[str], env: dict, worker: list[str] | None = None) -> float:
+    """Trained sequences/s between the first and the last logged update (start-up excluded).
+    `worker`: flags of a rollout worker started beside the trainer (a --vllm worker cannot be
+    one of the trainer's own --workers), pointed at a port picked here."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, str(ROOT / "train.py"), "--task", "arith", "--algo", "grpo", "--batch", str(args.batch),
-               "--group-size", "8", "--max-new-tokens", str(args.tokens), "--steps", str(args.steps), "--eval-size", "8",
+        cmd = [sys.executable, str(ROOT / "train.py"), *workload(args), "--steps", str(args.steps),
                "--eval-every", "1000", "--no-progress", "--out", f"{tmp}/run", *role]
-        subprocess.run(cmd, check=True, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        env, procs = {**os.environ, **env}, []
+        if worker is not None:
+            with socket.create_server(("127.0.0.1", 0)) as probe:  # a free port, released for the trainer
+                url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+            cmd += ["--trainer-url", url]
+            wenv = {k: v for k, v in env.items() if k != "MKL_NUM_THREADS"}  # ENV.md: it pins vLLM to one core
+            procs.append(subprocess.Popen([sys.executable, str(ROOT / "train.py"), *workload(args), "--role", "rollout",
+                                           "--trainer-url", url, *worker], env=wenv, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL))
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for p in procs:  # a worker exits on its own once the trainer says the run is over
+            p.wait(timeout=120)
         walls = {s: w for s, w, _ in utils.read_metrics(Path(tmp) / "run" / "metrics.csv")["loss"]}
     return (args.steps - 1) * args.batch / (walls[args.steps] - walls[1])
 
@@ -58,8 +80,7 @@ def one_core_phases(args) -> dict:
     2 * batch / (gen + rescore + update)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    cfg = utils.load_config(train.Config, ["--task", "arith", "--algo", "grpo", "--batch", str(args.batch), "--group-size", "8",
-                                           "--max-new-tokens", str(args.tokens), "--eval-size", "8"])
+    cfg = utils.load_config(train.Config, workload(args))
     policy, opt, source = train.build(cfg)
     times = {"gen": [], "rescore": [], "update": []}
     for step in range(args.steps + 2):  # 2 warm up
@@ -114,7 +135,7 @@ def two_hashes_seconds(data: bytearray) -> float:
 
 
 def adapter_sync(args) -> dict:
-    cfg = utils.load_config(train.Config, ["--task", "arith", "--role", "trainer"])
+    cfg = utils.load_config(train.Config, ["--model", args.model, "--task", "arith", "--role", "trainer"])
     policy = LLMPolicy(cfg)
     worker = LLMPolicy(cfg)
     src = serve.AsyncRollouts(cfg, policy, SimpleNamespace(task=None, draw=None))
@@ -158,23 +179,26 @@ def worker_path(gen, policy, prefixes, tokens) -> int:
 
 
 def hf_raw(policy, prefixes, tokens) -> int:
-    made = 0
+    """Completion tokens made, each row counted up to its end token included, as the worker counts."""
+    made, eos = 0, torch.tensor(sorted(policy.eos_ids))
     for s in range(0, len(prefixes), 64):  # the chunk size the worker uses (gen_batch 64)
         chunk = prefixes[s : s + 64]
         P = max(map(len, chunk))
-        ids = torch.tensor([[policy.pad_id] * (P - len(p)) + p for p in chunk])
-        attn = (ids != policy.pad_id).long()
+        ids = torch.tensor([[policy.pad_id] * (P - len(p)) + p for p in chunk])  # [B, P]
+        # from the lengths, not ids != pad: a chat template writes the pad id (an end token) inside prompts
+        attn = (torch.arange(P)[None] >= torch.tensor([P - len(p) for p in chunk])[:, None]).long()  # [B, P]
         out = policy.model.generate(input_ids=ids, attention_mask=attn, do_sample=True, top_k=0, top_p=1.0,
                                     temperature=1.0, max_new_tokens=tokens, pad_token_id=policy.pad_id,
                                     eos_token_id=sorted(policy.eos_ids))
-        made += int((out[:, P:] != policy.pad_id).sum())
+        ended = torch.isin(out[:, P:], eos)  # [B, T]
+        made += int(torch.where(ended.any(1), ended.int().argmax(1) + 1, out.shape[1] - P).sum())
     return made
 
 
 def generation(args) -> dict:
-    cfg = utils.load_config(train.Config, ["--task", "arith", "--max-new-tokens", str(args.gen_tokens)])
+    cfg = utils.load_config(train.Config, ["--model", args.model, "--task", "arith", "--max-new-tokens", str(args.gen_tokens)])
     policy = LLMPolicy(cfg)
-    prefixes = [policy.encode_prompt(f"{a}+{a * 7 % 97}=") for a in range(64) for _ in range(8)]
+    prefixes = [policy.encode_prompt(f"{a}+{a * 7 % 97}=") for a in range(args.gen_prompts) for _ in range(8)]
     hf = policy
     with torch.no_grad():
         out = {"hf_worker": tokens_per_second(lambda: worker_path(hf, policy, prefixes, args.gen_tokens), args.repeats),
@@ -194,44 +218,92 @@ def generation(args) -> dict:
     return out
 
 
+def rows(r: dict, args) -> list[tuple[str, str, str]]:
+    """The table's rows for whatever parts ran."""
+    out = []
+    if "e2e" in r:
+        sync, split = r["e2e"]["sync"], r["e2e"]["hf_split"]
+        out += [("trained sequences/s, sync loop", f"{sync:.2f}", ""),
+                ("trained sequences/s, trainer + 1 HF worker", f"{split:.2f}", f"{split / sync:.2f}x sync")]
+        if "vllm_split" in r["e2e"]:
+            v = r["e2e"]["vllm_split"]
+            out.append(("trained sequences/s, trainer + 1 vLLM worker", f"{v:.2f}", f"{v / sync:.2f}x sync"))
+    if "bound" in r:
+        p, sync = r["bound"], r.get("e2e", {}).get("sync")
+        vs = (lambda x: f"{x / sync:.2f}x sync") if sync else (lambda x: "")
+        balance, cores = args.batch / max(p["gen"], p["rescore"] + p["update"]), 2 * args.batch / sum(p.values())
+        out += [("  its bound: one core each, perfect overlap, free transport", f"{balance:.2f}",
+                 f"{vs(balance)} (gen {p['gen'] * 1e3:.0f} ms; trainer: rescore {p['rescore'] * 1e3:.0f} "
+                 f"+ update {p['update'] * 1e3:.0f} ms per step)"),
+                ("  its bound: all the work spread over 2 cores", f"{cores:.2f}", vs(cores))]
+    if "sync" in r:
+        a = r["sync"]
+        out += [("adapter sync: publish + fetch + load (s)", f"{a['sync_s'] * 1e3:.1f} ms",
+                 f"{a['sync_s'] / a['raw_s']:.1f}x raw socket copy ({a['raw_s'] * 1e3:.1f} ms)"),
+                ("  its floor: raw copy + the 2 SHA-256 passes", f"{(a['raw_s'] + a['hashes_s']) * 1e3:.1f} ms",
+                 f"{(a['raw_s'] + a['hashes_s']) / a['raw_s']:.1f}x raw socket copy (hashing {a['hashes_s'] * 1e3:.1f} ms)"),
+                ("bytes per sync", f"{a['bytes']:,}", f"adapter {a['adapter_bytes']:,} B, base model {a['model_bytes']:,} B")]
+    if "gen" in r:
+        g, shape = r["gen"], f"{args.gen_prompts}x8x{args.gen_tokens}"
+        out.append((f"HF worker tokens/s ({shape})", f"{g['hf_worker']:.0f}",
+                    f"{g['hf_worker'] / g['hf_raw']:.0%} of raw HF generate ({g['hf_raw']:.0f}; goal >= 80%)"))
+        if "vllm_raw" in g:
+            out.append((f"vLLM worker tokens/s ({shape})", f"{g['vllm_worker']:.0f}",
+                         f"{g['vllm_worker'] / g['vllm_raw']:.0%} of raw LLM.generate ({g['vllm_raw']:.0f}; goal >= 80%)"))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="tiny", help="as train.py's --model; the real one: smollm2-135m")
+    ap.add_argument("--parts", default="e2e,bound,sync,gen", help="comma list of what to measure")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=16, help="max_new_tokens of the training workload")
     ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--gen-prompts", type=int, default=64, help="x 8 samples each")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sync-repeats", type=int, default=20, help="adapter syncs (milliseconds each)")
     ap.add_argument("--e2e-repeats", type=int, default=1, help="end-to-end runs per mode (each is minutes on 2 cores)")
     ap.add_argument("--no-vllm", dest="vllm", action="store_false")
+    ap.add_argument("--vllm-e2e", action="store_true", help="end to end with a vLLM worker too")
+    ap.add_argument("--out", default="", help="default results/async.json (tiny), else async_<model>.json")
     args = ap.parse_args()
-    one = {"OMP_NUM_THREADS": "1", "NANORL_TOKEN": TOKEN}  # trainer and worker get a core each
-    runs = [(trained_per_second(args, [], {}), trained_per_second(args, ["--role", "trainer", "--workers", "1"], one))
-            for _ in range(args.e2e_repeats)]  # interleaved: a drift in the machine's speed hits both modes
-    sync, split = (statistics.median(r) for r in zip(*runs))
-    print(f"trained sequences/s: sync {sync:.2f}, trainer + 1 worker {split:.2f}", flush=True)  # the table comes last
-    p = one_core_phases(args)
-    balance, cores = args.batch / max(p["gen"], p["rescore"] + p["update"]), 2 * args.batch / sum(p.values())
-    print(f"one-thread phases (s/step): {p}", flush=True)
-    a = adapter_sync(args)
-    print(f"adapter sync: {a}", flush=True)
-    g = generation(args)
-    rows = [("trained sequences/s, sync loop", f"{sync:.1f}", ""),
-            ("trained sequences/s, trainer + 1 HF worker", f"{split:.1f}", f"{split / sync:.2f}x sync (goal >= 1.5x)"),
-            ("  its bound: one core each, perfect overlap, free transport",
-             f"{balance:.1f}", f"{balance / sync:.2f}x sync (gen {p['gen'] * 1e3:.0f} ms; trainer: rescore {p['rescore'] * 1e3:.0f} + update {p['update'] * 1e3:.0f} ms per step)"),
-            ("  its bound: all the work spread over 2 cores", f"{cores:.1f}", f"{cores / sync:.2f}x sync"),
-            ("adapter sync: publish + fetch + load (s)", f"{a['sync_s'] * 1e3:.1f} ms", f"{a['sync_s'] / a['raw_s']:.1f}x raw socket copy ({a['raw_s'] * 1e3:.1f} ms; goal <= 2x)"),
-            ("  its floor: raw copy + the 2 SHA-256 passes", f"{(a['raw_s'] + a['hashes_s']) * 1e3:.1f} ms",
-             f"{(a['raw_s'] + a['hashes_s']) / a['raw_s']:.1f}x raw socket copy (hashing {a['hashes_s'] * 1e3:.1f} ms)"),
-            ("bytes per sync", f"{a['bytes']:,}", f"adapter {a['adapter_bytes']:,} B, base model {a['model_bytes']:,} B"),
-            ("HF worker tokens/s (64x8x64)", f"{g['hf_worker']:.0f}", f"{g['hf_worker'] / g['hf_raw']:.0%} of raw HF generate ({g['hf_raw']:.0f}; goal >= 80%)")]
-    if args.vllm:
-        rows.append(("vLLM worker tokens/s (64x8x64)", f"{g['vllm_worker']:.0f}",
-                     f"{g['vllm_worker'] / g['vllm_raw']:.0%} of raw LLM.generate ({g['vllm_raw']:.0f}; goal >= 80%)"))
-    print(f"\n{os.cpu_count()} cores, tiny model, medians of {args.repeats} ({args.e2e_repeats} for end to end)\n\n| measure | value | vs |\n|---|---|---|")
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
+    parts, r = args.parts.split(","), {}
+    name = "" if args.model == "tiny" else "_" + Path(args.model).name.removesuffix(".gguf")
+    out = Path(args.out or ROOT / "results" / f"async{name}.json")
+    meta = {"command": " ".join(sys.argv), "cpus": os.cpu_count(), "load_before": os.getloadavg(), **vars(args)}
+
+    def save() -> None:  # after every part: a long run that dies keeps what it measured
+        meta["load_after"] = os.getloadavg()
+        out.write_text(json.dumps({"meta": meta, "results": r, "rows": rows(r, args)}, indent=1))
+
+    if "e2e" in parts:
+        one = {"OMP_NUM_THREADS": "1", "NANORL_TOKEN": TOKEN}  # trainer and worker get a core each
+        modes = {"sync": ([], {}, None), "hf_split": (["--role", "trainer", "--workers", "1"], one, None)}
+        if args.vllm_e2e:
+            modes["vllm_split"] = (["--role", "trainer"], one, ["--vllm"])
+        runs = [{m: trained_per_second(args, *spec) for m, spec in modes.items()}
+                for _ in range(args.e2e_repeats)]  # interleaved: a drift in the machine's speed hits every mode
+        r["e2e"] = {m: statistics.median(run[m] for run in runs) for m in modes}
+        print(f"trained sequences/s: {r['e2e']}", flush=True)  # the table comes last
+        save()
+    if "bound" in parts:
+        r["bound"] = one_core_phases(args)
+        print(f"one-thread phases (s/step): {r['bound']}", flush=True)
+        save()
+    if "sync" in parts:
+        r["sync"] = adapter_sync(args)
+        print(f"adapter sync: {r['sync']}", flush=True)
+        save()
+    if "gen" in parts:
+        r["gen"] = generation(args)
+        save()
+    print(f"\n{os.cpu_count()} cores, {args.model} model, medians of {args.repeats} ({args.e2e_repeats} for end to end)"
+          "\n\n| measure | value | vs |\n|---|---|---|")
+    for row in rows(r, args):
+        print("| " + " | ".join(row) + " |")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

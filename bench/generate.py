@@ -1,9 +1,14 @@
 """Sampling throughput: LLMPolicy.generate (hand-written KV-cache loop, logps captured) against
 Hugging Face `generate` followed by the forward pass that recovers the same logps.
 
-    python bench/generate.py [--prompts 64] [--samples 8] [--tokens 16] [--gen-batch 64]
+    python bench/generate.py [--model tiny|smollm2-135m] [--prompts 64] [--samples 8] [--tokens 16]
+        [--gen-batch 64]
+
+Writes results/generate.json (tiny) or results/generate_<model>.json.
 """
 import argparse
+import json
+import os
 import statistics
 import sys
 import time
@@ -11,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 from model import LLMPolicy  # noqa: E402
 from train import Config  # noqa: E402
 
@@ -43,6 +49,7 @@ def main() -> None:
     ap.add_argument("--gen-batch", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-lora", action="store_true")
+    ap.add_argument("--out", default="", help="default results/generate.json (tiny), else generate_<model>.json")
     args = ap.parse_args()
     policy = LLMPolicy(Config(model=args.model, lora=not args.no_lora))
     prefixes = [policy.encode_prompt(f"{a}+{a * 7 % 97}=") for a in range(args.prompts) for _ in range(args.samples)]
@@ -58,6 +65,13 @@ def main() -> None:
                     rates[name].append(n / (time.perf_counter() - t))
     for name, r in rates.items():
         print(f"{name:7s} {statistics.median(r):9.0f} completion tokens/s (median of {args.repeats}: {', '.join(f'{x:.0f}' for x in r)})")
+    name = "" if args.model == "tiny" else "_" + Path(args.model).name.removesuffix(".gguf")
+    out = Path(args.out or ROOT / "results" / f"generate{name}.json")
+    medians = {name: statistics.median(r) for name, r in rates.items()}
+    out.write_text(json.dumps({"meta": {"command": " ".join(sys.argv), "threads": torch.get_num_threads(),
+                                        "load": os.getloadavg(), **vars(args)},
+                               "tokens_per_s": medians, "samples": rates}, indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

