@@ -238,6 +238,21 @@ class Trl:
 
 
 # ---------------------------------------------------------------- driver
+def linear_gflops(threads: int) -> dict:
+    """The bound on any contender's step: this CPU's F.linear rate in fp32 and in bf16 at a
+    model-like shape (2,048 tokens x 576 -> 1,536). CPUs without AVX512-BF16/AMX emulate bf16."""
+    torch.set_num_threads(threads)
+    x, w, out = torch.randn(2048, 576), torch.randn(1536, 576), {}
+    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a, b = x.to(dt), w.to(dt)
+        torch.nn.functional.linear(a, b)  # warm-up
+        start, n = time.perf_counter(), 3
+        for _ in range(n):
+            torch.nn.functional.linear(a, b)
+        out[name] = round(2 * 2048 * 576 * 1536 * n / (time.perf_counter() - start) / 1e9, 1)
+    return out
+
+
 def summary(rows: list[dict]) -> dict:
     out = {}
     for key in ("step", "gen", "update", "cpu"):
@@ -339,7 +354,7 @@ def main() -> None:
     meta = {"model": args.model, "threads": args.threads, "prompts": PROMPTS, "group": GROUP, "tokens": args.tokens,
             "lr": LR, "warmup": args.warmup, "steps": args.steps, "dtype": args.dtype, "nice": os.nice(0),
             "load_before": os.getloadavg(), "torch": torch.__version__, "cpus": os.cpu_count(),
-            "command": " ".join(sys.argv)}
+            "command": " ".join(sys.argv), "linear_gflops": linear_gflops(args.threads)}
     results = {}
     for mode in modes:  # written after every mode: a long run that dies keeps what it measured
         results[mode] = measure(mode, path, args)
@@ -347,6 +362,7 @@ def main() -> None:
         meta["load_after"] = os.getloadavg()
         out.write_text(json.dumps({"meta": meta, "results": results, "table": report}, indent=1))
     print(report)
+    print(f"F.linear GFLOP/s on {args.threads} threads: {meta['linear_gflops']}")
     for mode, res in results.items():
         if "nanorl_profile" in res:
             print(f"\n--- cProfile of {args.profile} nanorl steps ({mode}) ---\n{res['nanorl_profile']}")
