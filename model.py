@@ -1,12 +1,8 @@
-"""Policies. Every policy is an nn.Module with the same scoring protocol:
-
-    score(batch, rows) -> (logp [n, T], entropy [n, T], values [n, T] or None)
-
-recomputes, with grad, the log-probability of the actions stored in a rollouts.Batch's `rows`,
-so the training loop never needs to know whether it is pushing a cart or writing an answer.
-MLPPolicy acts in control tasks; LLMPolicy, a Hugging Face causal LM (LoRA or full fine-tuning), also
-samples completions with their log-probs; a rollout worker (serve.py) samples with it, or with vLLM
-through VLLMGenerator, which has the same generate and load.
+"""Policies: nn.Modules whose score(batch, rows) -> (logp [n, T], entropy [n, T], values [n, T] or None)
+recomputes, with grad, the log-probability of the actions in a rollouts.Batch's `rows`, so the loop
+never knows whether it pushes a cart or writes an answer. MLPPolicy acts in control tasks; LLMPolicy (a
+Hugging Face causal LM, LoRA or full) also samples completions with their log-probs, as VLLMGenerator
+does for rollout workers (serve.py) with the same generate and load.
 """
 from __future__ import annotations
 
@@ -70,8 +66,7 @@ class MLPPolicy(nn.Module):
 
 
 # ================================================================ language models
-# A Hugging Face causal LM, optionally under a PEFT LoRA adapter. The Hugging Face stack is imported
-# inside the functions that use it: it adds ~6 s to every start-up, and CartPole runs never touch it.
+# The Hugging Face stack is imported where it is used: ~6 s of start-up CartPole runs never need.
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -94,7 +89,7 @@ def lora_layers(lm: nn.Module) -> dict[str, bool]:
             if isinstance(m, kinds) and m is not head}
 
 
-def add_lora(lm: nn.Module, targets: str, rank: int, alpha: int, dropout: float) -> nn.Module:
+def add_lora(lm: nn.Module, targets: str, rank: int, alpha: int) -> nn.Module:
     """Wraps `lm` in a PEFT LoRA adapter on `targets` ("all-linear" or a comma list); PEFT
     freezes the base and keeps the adapter in fp32 even over a bf16 base."""
     from peft import LoraConfig, get_peft_model
@@ -110,8 +105,8 @@ def add_lora(lm: nn.Module, targets: str, rank: int, alpha: int, dropout: float)
             has = f"; it has no layer LoRA adapts, only {','.join(types)}"
         raise utils.ConfigError(f"--lora-targets {targets}: this model's linear layers are {','.join(found)} "
                                 f"(or all-linear){has}")
-    return get_peft_model(lm, LoraConfig(r=rank, lora_alpha=alpha, target_modules=names,
-                                         lora_dropout=dropout, task_type="CAUSAL_LM"))
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=names, task_type="CAUSAL_LM")
+    return get_peft_model(lm, config)
 
 
 def load_lm(path: str, cfg, device: torch.device) -> nn.Module:
@@ -158,12 +153,11 @@ class LLMPolicy(nn.Module):
         if cfg.top_p < 1:
             warnings.warn(f"top_p={cfg.top_p}: samples come from a truncated distribution the loss does not "
                           "model, so the importance ratio is only approximate; top_p=1 keeps it exact")
-        self.path, lora = resolve_model(cfg.model), cfg.lora
+        self.path, self.lora, self.bf16 = resolve_model(cfg.model), cfg.lora, cfg.dtype == "bf16"
         # --vllm: the network is built on the meta device, without memory: a --vllm worker samples
         # with vLLM's copy and needs only the tokenizer side (and two copies may not fit a GPU).
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device("meta" if cfg.vllm else device)
-        self.lora, self.bf16 = lora, cfg.dtype == "bf16"
         self.temperature, self.top_p, self.thinking = cfg.temperature, cfg.top_p, cfg.thinking
         self.share_prompts = True  # score each group's prompt once; exact either way (tests compare the two)
         try:
@@ -172,8 +166,8 @@ class LLMPolicy(nn.Module):
             raise utils.ConfigError(f"--model {cfg.model}: cannot load its tokenizer "
                                     f"({str(e).splitlines()[0]}); {LOAD_HINT}") from None
         lm = load_lm(self.path, cfg, self.device)
-        self.model = add_lora(lm, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, 0.0) if lora else lm
-        if lora and self.bf16:  # autocast feeds the adapter bf16 already: PEFT's cast of every input to
+        self.model = add_lora(lm, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha) if self.lora else lm
+        if self.lora and self.bf16:  # autocast feeds the adapter bf16 already: PEFT's cast of every input to
             # the fp32 adapter dtype is a copy autocast undoes (~8% of a step)
             for m in self.model.modules():
                 if hasattr(m, "cast_input_dtype_enabled"):
@@ -185,7 +179,7 @@ class LLMPolicy(nn.Module):
         for p in self.v.parameters() if critic else []:
             nn.init.zeros_(p)
         self.ref_model = None
-        if not lora and cfg.kl_coef > 0:
+        if not self.lora and cfg.kl_coef > 0:
             warnings.warn("full fine-tuning with kl_coef > 0 keeps a frozen copy of the whole model as the "
                           "KL reference (2x weight memory); LoRA's is free: the adapter switched off")
             self.ref_model = copy.deepcopy(lm).requires_grad_(False)  # the policy's dtype: KL 0 at step 0
@@ -231,10 +225,9 @@ class LLMPolicy(nn.Module):
         return [out[i] for i in range(len(prefixes))]
 
     def _prefill(self, lm: nn.Module, prefixes: list[list[int]]):
-        """Runs each distinct prefix once, left-padded, then indexes its K/V cache out to every row
-        that shares it (beam search's index_select, which every cache type has; the backward of the
-        indexing sums a prompt's gradient over its rows, as separate forwards would).
-        -> (cache, logits [B, V] of each row's next token, attn [B, P], positions [B, P])."""
+        """-> (cache, logits [B, V] of each row's next token, attn [B, P], positions [B, P]), each distinct
+        prefix run once, left-padded, its K/V cache indexed out to every row that shares it (beam search's
+        index_select; its backward sums a prompt's gradient over its rows, as separate forwards would)."""
         index = {p: u for u, p in enumerate(dict.fromkeys(map(tuple, prefixes)))}
         P, dev = max(map(len, index)), self.device
         ids = torch.full((len(index), P), self.pad_id, dtype=torch.long)  # [U, P]
@@ -261,8 +254,12 @@ class LLMPolicy(nn.Module):
             pos = pos[:, -1:]  # [B, 1]
             for t in range(max_new):
                 logp_all = F.log_softmax(logits.float() / self.temperature, -1)  # [B, V], fp32 like score()
-                nxt = (logp_all.argmax(-1) if greedy  # [B]
-                       else torch.multinomial(self._sampling_probs(logp_all), 1)[:, 0])
+                probs = logp_all.exp()  # [B, V]: what is sampled; the logp recorded is the full softmax's
+                if self.top_p < 1:  # the nucleus
+                    sorted_p, idx = probs.sort(-1, descending=True)
+                    drop = sorted_p.cumsum(-1) - sorted_p > self.top_p  # keeps the first token past top_p
+                    probs = probs.scatter(-1, idx, sorted_p.masked_fill(drop, 0.0))
+                nxt = logp_all.argmax(-1) if greedy else torch.multinomial(probs, 1)[:, 0]  # [B]
                 tokens[:, t], logps[:, t] = nxt, logp_all.gather(1, nxt[:, None]).squeeze(1)
                 ended = ~done & torch.isin(nxt, eos)  # [B]
                 length[ended], done = t + 1, done | ended
@@ -276,40 +273,15 @@ class LLMPolicy(nn.Module):
         tokens, logps, length = tokens.tolist(), logps.tolist(), length.int().tolist()
         return [Sample(tokens[r][: length[r]], logps[r][: length[r]], not bool(done[r])) for r in range(B)]
 
-    def _sampling_probs(self, logp_all: torch.Tensor) -> torch.Tensor:
-        """softmax(logits / T), or its top-p nucleus; the recorded logp is always the full one."""
-        probs = logp_all.exp()  # [B, V]
-        if self.top_p < 1:
-            sorted_p, idx = probs.sort(-1, descending=True)
-            drop = sorted_p.cumsum(-1) - sorted_p > self.top_p  # keeps the first token past top_p
-            probs = probs.scatter(-1, idx, sorted_p.masked_fill(drop, 0.0))
-        return probs
-
     # ------------------------------------------------------------ scoring
-    def score(self, batch, rows):
+    def score(self, batch, rows, lm: nn.Module | None = None):
         """(logp [n, L], entropy [n, L], values [n, L] or None) at temperature, with grad, filled where
         mask == 1 (0 elsewhere: the loss weights are 0 there, so the LM head is not run on prompts).
-        values[:, t] is the critic's estimate before token t, read where the logits for token t are."""
-        return self._token_logp(self.model, batch, rows, self.v)
-
-    def last_value(self, batch) -> torch.Tensor:
-        """[N] zeros: a completion ends with its end token or its budget, and no state follows either."""
-        return torch.zeros(len(batch))
-
-    @torch.no_grad()
-    def ref_logp(self, batch, rows) -> torch.Tensor:
-        """[n, L] log-probs under the reference: the base model with the adapter switched off
-        (LoRA), or the frozen copy made at start-up (full fine-tuning with kl_coef > 0)."""
-        if self.lora:
-            with self.model.disable_adapter():
-                return self._token_logp(self.model, batch, rows)[0]
-        if self.ref_model is None:
-            raise utils.ConfigError("ref_logp under full fine-tuning needs the frozen copy made only when "
-                                    "kl_coef > 0")
-        return self._token_logp(self.ref_model, batch, rows)[0]
-
-    def _token_logp(self, lm: nn.Module, batch, rows, head: nn.Module | None = None):
+        values[:, t] is the critic's estimate before token t, read where the logits for token t are.
+        `lm`: scores under that network instead (the KL reference), without the critic."""
+        lm, head = (self.model, self.v) if lm is None else (lm, None)
         dev = self.device
+
         mask = batch.mask[rows].to(dev)  # [n, L]
         n, L = mask.shape
         end = int(batch.attn[rows].sum(1).max())  # the micro-batch trimmed to its longest row
@@ -338,6 +310,17 @@ class LLMPolicy(nn.Module):
         values[:, first:end][sel] = head(hidden.float()).squeeze(-1)
         return logp.to(out), entropy.to(out), values.to(out)
 
+    @torch.no_grad()
+    def ref_logp(self, batch, rows) -> torch.Tensor:
+        """[n, L] under the KL reference: LoRA's adapter switched off, or full fine-tuning's frozen copy."""
+        if self.lora:
+            with self.model.disable_adapter():
+                return self.score(batch, rows, self.model)[0]
+        if self.ref_model is None:
+            raise utils.ConfigError("ref_logp under full fine-tuning needs the frozen copy made only when "
+                                    "kl_coef > 0")
+        return self.score(batch, rows, self.ref_model)[0]
+
     def _shared_prompt_logits(self, lm: nn.Module, tokens, attn, mask):
         """Logits [k, V] for the k masked tokens, row-major, with each distinct prompt run once (see
         _prefill); None when no two rows share a prompt. A row's prompt is everything before its
@@ -359,6 +342,10 @@ class LLMPolicy(nn.Module):
         logits = torch.cat([first[:, None], body.logits[:, :-1]], 1)  # [n, S, V]: position j predicts token j
         return logits[suf_mask]
 
+    def last_value(self, batch) -> torch.Tensor:
+        """[N] zeros: a completion ends with its end token or its budget, and no state follows either."""
+        return torch.zeros(len(batch))
+
     # ------------------------------------------------------------ weights
     @functools.cached_property
     def trained(self) -> dict[str, nn.Parameter]:
@@ -371,6 +358,9 @@ class LLMPolicy(nn.Module):
 
     @torch.no_grad()
     def load_trainable(self, state: dict[str, torch.Tensor]) -> None:
+        """`state` named as trained or as on the wire (an adapter payload, or a snapshot of one)."""
+        names = {w: n for n, w in self.wire_names().items()}
+        state = {names.get(w, w): t for w, t in state.items()}
         shapes = {n: p.shape for n, p in self.trained.items()}
         if {n: t.shape for n, t in state.items()} != shapes:
             odd = sorted(set(shapes.items()) ^ {(n, t.shape) for n, t in state.items()})[:4]
@@ -388,8 +378,7 @@ class LLMPolicy(nn.Module):
         return path
 
     def export(self, path: str, merged: bool = False) -> str:
-        """The trained model as its users load it: LoRA's PEFT adapter directory (save_adapter), or
-        (full fine-tuning, or merged=True) a save_pretrained model and tokenizer."""
+        """The model as users load it: LoRA's adapter (save_adapter), or a full model + tokenizer (merged)."""
         if self.lora and not merged:
             return self.save_adapter(path)
         # merge_and_unload on a copy: the policy keeps its adapter (it may go on training or evaluating)
@@ -408,14 +397,9 @@ class LLMPolicy(nn.Module):
         """The trained tensors under their wire names, uncopied (encode copies them)."""
         return {w: self.trained[n] for n, w in self.wire_names().items()}
 
-    def load_wire(self, tensors: dict[str, torch.Tensor]) -> None:
-        """load_trainable for tensors named as on the wire: an adapter payload, or a snapshot of one."""
-        names = {w: n for n, w in self.wire_names().items()}
-        self.load_trainable({names.get(w, w): t for w, t in tensors.items()})
-
     def load(self, version: int, tensors: dict, meta: dict, payload: bytearray) -> None:
         """A rollout worker sampling with its own policy loads each adapter version in place."""
-        self.load_wire(tensors)
+        self.load_trainable(tensors)
 
     def adapter_config(self) -> str:
         """adapter_config.json exactly as PEFT writes it, after checking wire_names against PEFT's keys."""
@@ -432,10 +416,9 @@ class LLMPolicy(nn.Module):
 
 # ================================================================ generation for rollout workers
 class VLLMGenerator:
-    """vLLM with LoRA: each adapter version becomes a directory holding the trainer's bytes
-    (adapter_config.json + adapter_model.safetensors) and a LoRARequest. Sampling is plain
-    softmax(logits / T), and logprobs_mode='processed_logprobs' returns log-probs after the
-    temperature: the quantity LLMPolicy.generate records and score() recomputes."""
+    """vLLM with LoRA: each adapter version is a directory of the trainer's bytes and a LoRARequest.
+    Sampling is plain softmax(logits / T); logprobs_mode='processed_logprobs' returns log-probs after
+    the temperature: what LLMPolicy.generate records and score() recomputes."""
 
     def __init__(self, model: str, cfg, eos_ids: set[int], seed: int):
         try:  # vLLM is optional and slow to import (~13 s); only --vllm workers need it

@@ -302,12 +302,12 @@ class AsyncRollouts(BatchSource):
     def weights(self, version: int):
         """The policy under the snapshot of `version`, and the live weights back afterwards."""
         if version != self.version:
-            self.policy.load_wire(self.snapshots[version])
+            self.policy.load_trainable(self.snapshots[version])
         try:
             yield
         finally:
             if version != self.version:
-                self.policy.load_wire(self.snapshots[self.version])
+                self.policy.load_trainable(self.snapshots[self.version])
 
     def publish(self, step: int) -> None:
         """Version `step`: the adapter encoded once for all workers; the payload's tensors (views,

@@ -467,4 +467,4 @@ def test_lora_target_errors_list_what_the_model_has(gpt2):
             return None
 
     with pytest.raises(utils.ConfigError, match="no layer LoRA adapts, only LayerNorm,NoProjections$"):
-        add_lora(NoProjections(), "all-linear", 4, 8, 0.0)
+        add_lora(NoProjections(), "all-linear", 4, 8)
