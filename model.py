@@ -78,9 +78,8 @@ class Sample(NamedTuple):
 
 
 def lora_layers(lm: nn.Module) -> dict[str, bool]:
-    """Leaf name -> is it a projection, for every layer of a type PEFT's LoRA adapts (the output head
-    excepted). "all-linear" takes the projections: nn.Linear, and transformers' Conv1D (GPT-2's);
-    embeddings and convolutions are adapted only when named."""
+    """Leaf name -> is it a projection (nn.Linear, GPT-2's Conv1D: what "all-linear" takes), for each layer
+    but the head of a type PEFT's LoRA adapts; embeddings and convolutions are adapted only when named."""
     from transformers.pytorch_utils import Conv1D
 
     kinds = (nn.Linear, Conv1D, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -90,8 +89,7 @@ def lora_layers(lm: nn.Module) -> dict[str, bool]:
 
 
 def add_lora(lm: nn.Module, targets: str, rank: int, alpha: int) -> nn.Module:
-    """Wraps `lm` in a PEFT LoRA adapter on `targets` ("all-linear" or a comma list); PEFT
-    freezes the base and keeps the adapter in fp32 even over a bf16 base."""
+    """`lm` under a PEFT LoRA adapter on `targets` ("all-linear" or a comma list), fp32 over any base."""
     from peft import LoraConfig, get_peft_model
 
     layers = lora_layers(lm)
@@ -322,9 +320,8 @@ class LLMPolicy(nn.Module):
         return self.score(batch, rows, self.ref_model)[0]
 
     def _shared_prompt_logits(self, lm: nn.Module, tokens, attn, mask):
-        """Logits [k, V] for the k masked tokens, row-major, with each distinct prompt run once (see
-        _prefill); None when no two rows share a prompt. A row's prompt is everything before its
-        first masked token; the rest is its suffix."""
+        """Logits [k, V] for the k masked tokens, row-major, each distinct prompt (what precedes a row's
+        first masked token; the rest is its suffix) run once (_prefill); None when no two rows share one."""
         n, L = tokens.shape
         a = (mask > 0).float().argmax(1)  # [n]: first masked column
         prompts = [tokens[r, : a[r]].tolist() for r in range(n)]
@@ -388,8 +385,7 @@ class LLMPolicy(nn.Module):
         return path
 
     def wire_names(self) -> dict[str, str]:
-        """Trained name -> name on the wire: PEFT's key in adapter_model.safetensors (LoRA), which
-        vLLM and PEFT load as is; full fine-tuning keeps the parameter names."""
+        """Trained name -> LoRA: PEFT's key in adapter_model.safetensors (vLLM and PEFT load it as is)."""
         return {n: n.removeprefix("model.").replace(".default.", ".") if self.lora else n
                 for n in self.trained}
 

@@ -69,8 +69,8 @@ def char_tokenizer(max_len: int) -> PreTrainedTokenizerFast:
 
 def build_tiny_model(path: str | None = None, *, layers: int = 4, hidden: int = 256, heads: int = 4,
                      intermediate: int = 512, max_len: int = 1024, seed: int = 0) -> str:
-    """A random-init Llama with the character tokenizer, in the cache unless `path` is given (and
-    reused when there). head_dim is 64, the size transformers, PEFT and vLLM all accept."""
+    """A random-init Llama with the character tokenizer, in the cache unless `path` is given (reused when
+    there). head_dim is 64, the size transformers, PEFT and vLLM all accept."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     if hidden != 64 * heads:
@@ -120,9 +120,8 @@ def gguf_to_hf(file: Path) -> str:
 
 
 def publish(final: Path, lm: torch.nn.Module, tok) -> str:
-    """Saves the model and tokenizer as `final`, atomically; a builder that loses a race keeps the
-    winner's. By hand, file by file: save_pretrained refuses a GGUF-loaded model, and under
-    torch.distributed writes weights on rank 0 only (a rank > 0 that got here first would publish none)."""
+    """Model and tokenizer as `final`, atomically (a builder that loses a race keeps the winner's), file by
+    file: save_pretrained refuses a GGUF-loaded model, and under torchrun writes weights on rank 0 only."""
     # Tied weights (SmolLM2's head is its embedding) share storage, which save_file refuses: one name each.
     state = dict({v.data_ptr(): (k, v) for k, v in reversed(lm.state_dict().items())}.values())
     with utils.atomic_dir(final, replace=False) as tmp:

@@ -65,9 +65,8 @@ def field_docs(cls) -> dict[str, tuple[str, str]]:
 
 def load_config(cls, argv: list[str], choices: dict | None = None, base: Path | None = None,
                 defaults=lambda given: {}):
-    """Defaults <- defaults(what the rest gave) <- `base` (a resumed run's config.yaml) <- --config
-    YAML <- command-line flags. Unknown keys stop the run. --help shows each field's comment, default
-    and choices, grouped by `# ----` sections."""
+    """Defaults <- defaults(what the rest gave) <- `base` (a resumed run's config.yaml) <- --config YAML
+    <- flags; an unknown key stops the run. --help: each field's comment, default and choices, by section."""
     fields, docs, groups = {f.name: f for f in dataclasses.fields(cls)}, field_docs(cls), {}
     parser = argparse.ArgumentParser(description=cls.__doc__, allow_abbrev=False,
                                      usage="%(prog)s [--config YAML] [--FLAG VALUE ...]")
@@ -77,8 +76,8 @@ def load_config(cls, argv: list[str], choices: dict | None = None, base: Path | 
         group = groups.get(section) or groups.setdefault(section, parser.add_argument_group(section))
         listed = f"choices: {', '.join(choices[f.name])}; " if f.name in (choices or {}) else ""
         text = f"{comment} ({listed}default: {f.default!r})".replace("%", "%%")
-        switch = f.type in ("bool", bool)  # --lora / --no-lora
-        how = {"action": argparse.BooleanOptionalAction} if switch else {"metavar": str(f.type).upper()}
+        switch = {"action": argparse.BooleanOptionalAction}  # --lora / --no-lora
+        how = switch if f.type in ("bool", bool) else {"metavar": str(f.type).upper()}
         group.add_argument("--" + f.name.replace("_", "-"), default=None, help=text, **how)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
@@ -111,8 +110,8 @@ def save_config(cfg, path: Path) -> None:
 # ---------------------------------------------------------------- metrics
 class Metrics:
     """A run directory: config.yaml, metrics.csv in long format (step, wall_s, key, value: any tool reads
-    any metric), samples.jsonl, and the same numbers to the loggers named in cfg.log. A resumed run first
-    drops the lines after its checkpoint's step, which it is about to write again."""
+    any metric), samples.jsonl, and the same to cfg.log's loggers. A resumed run first drops the lines
+    after its checkpoint's step, which it is about to write again."""
 
     def __init__(self, out: Path, cfg, wall_offset: float = 0.0, resumed_at: float | None = None):
         out.mkdir(parents=True, exist_ok=True)
@@ -351,10 +350,9 @@ def stderr(msg: str) -> None:
 
 
 # ---------------------------------------------------------------- distributed
-# Data parallelism the plain way: torchrun starts one process per GPU (or CPU slot), each rank
-# rolls out its own share of the batch, and the only traffic is all-reduced sums (gradients, loss
-# denominators, statistics). In a plain `python train.py` every helper below is a no-op; under
-# torchrun every one is a collective, so all ranks must call it, in the same order.
+# Data parallelism the plain way: torchrun starts one process per GPU (or CPU slot), each rank rolls out
+# its share of the batch, and the only traffic is all-reduced sums (gradients, loss denominators, stats).
+# In a plain `python train.py` each helper below is a no-op; under torchrun a collective all ranks call.
 def init_distributed(timeout_s: float) -> None:
     """Joins torchrun's group; a rank stuck in a collective for timeout_s raises rather than hangs."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or dist.is_initialized():
@@ -371,9 +369,8 @@ def close_distributed() -> None:
 
 
 def exit_process(code: int) -> None:
-    """Ends the process with `code`. Under torchrun it skips interpreter finalization, where gloo's
-    threads now and then abort a rank that finished cleanly ("terminate called without an active
-    exception", about 1 run in 20 on a loaded machine): everything is written and closed by then."""
+    """Ends the process with `code`; under torchrun without interpreter finalization, where gloo's threads
+    abort about 1 clean rank in 20 ("terminate called without an active exception"): all is closed by then."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -405,9 +402,8 @@ def reduce_dict(values: dict[str, float], mean: bool = False) -> dict[str, float
 
 
 def batch_totals(mask: torch.Tensor) -> dict[str, float]:
-    """The whole batch's token and row counts for loss_weights: with one global denominator on every
-    rank, the sum of the ranks' gradients is the gradient of one backward on the whole batch."""
-    # a row masked out entirely (truncated, masked IS) is not counted
+    """The whole batch's token and row counts (a row masked out entirely is none) for loss_weights: with
+    one denominator on every rank, the ranks' summed gradients are one backward's on the whole batch."""
     return reduce_dict({"total_tokens": mask.sum().item(), "total_rows": (mask.sum(1) > 0).sum().item()})
 
 
@@ -424,8 +420,8 @@ def sum_grads(module: torch.nn.Module) -> None:
 
 
 def broadcast_bytes(data: bytearray | None) -> bytearray:
-    """Rank 0's bytes on every rank, sent as a uint8 tensor: never pickled (receivers decode them
-    as they would network bytes). A bytearray, which decode views without a copy."""
+    """Rank 0's bytes on every rank as a bytearray (decode views it, no copy), sent as a uint8 tensor:
+    never pickled (receivers decode them as they would network bytes)."""
     if world() == 1:
         return data
     n = torch.tensor([len(data) if rank() == 0 else 0])
@@ -444,8 +440,8 @@ def broadcast_weights(module: torch.nn.Module) -> None:
 
 
 def split_rng() -> None:
-    """Rank r > 0 forks its own torch RNG stream off the shared one, so ranks sample different
-    actions and tokens; rank 0 keeps the stream a single process would have."""
+    """Rank r > 0 forks its own torch RNG stream off the shared one, so ranks sample different tokens;
+    rank 0 keeps the stream a single process would have."""
     if rank():
         torch.manual_seed(int(torch.randint(2**62, ())) + rank())
 
