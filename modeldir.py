@@ -69,8 +69,8 @@ def char_tokenizer(max_len: int) -> PreTrainedTokenizerFast:
 
 def build_tiny_model(path: str | None = None, *, layers: int = 4, hidden: int = 256, heads: int = 4,
                      intermediate: int = 512, max_len: int = 1024, seed: int = 0) -> str:
-    """A random-init Llama with the character tokenizer, in the cache unless `path` is given (reused when
-    there). head_dim is 64, the size transformers, PEFT and vLLM all accept."""
+    """A random-init Llama with the character tokenizer, in the cache unless `path` is given (and
+    reused when there). head_dim is 64, the size transformers, PEFT and vLLM all accept."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     if hidden != 64 * heads:

@@ -76,8 +76,8 @@ def load_config(cls, argv: list[str], choices: dict | None = None, base: Path | 
         group = groups.get(section) or groups.setdefault(section, parser.add_argument_group(section))
         listed = f"choices: {', '.join(choices[f.name])}; " if f.name in (choices or {}) else ""
         text = f"{comment} ({listed}default: {f.default!r})".replace("%", "%%")
-        switch = {"action": argparse.BooleanOptionalAction}  # --lora / --no-lora
-        how = switch if f.type in ("bool", bool) else {"metavar": str(f.type).upper()}
+        switch = f.type in ("bool", bool)  # --lora / --no-lora
+        how = {"action": argparse.BooleanOptionalAction} if switch else {"metavar": str(f.type).upper()}
         group.add_argument("--" + f.name.replace("_", "-"), default=None, help=text, **how)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
@@ -110,8 +110,8 @@ def save_config(cfg, path: Path) -> None:
 # ---------------------------------------------------------------- metrics
 class Metrics:
     """A run directory: config.yaml, metrics.csv in long format (step, wall_s, key, value: any tool reads
-    any metric), samples.jsonl, and the same to cfg.log's loggers. A resumed run first drops the lines
-    after its checkpoint's step, which it is about to write again."""
+    any metric), samples.jsonl, and the same numbers to the loggers named in cfg.log. A resumed run first
+    drops the lines after its checkpoint's step, which it is about to write again."""
 
     def __init__(self, out: Path, cfg, wall_offset: float = 0.0, resumed_at: float | None = None):
         out.mkdir(parents=True, exist_ok=True)
@@ -352,7 +352,7 @@ def stderr(msg: str) -> None:
 # ---------------------------------------------------------------- distributed
 # Data parallelism the plain way: torchrun starts one process per GPU (or CPU slot), each rank rolls out
 # its share of the batch, and the only traffic is all-reduced sums (gradients, loss denominators, stats).
-# In a plain `python train.py` each helper below is a no-op; under torchrun a collective all ranks call.
+# A no-op in a plain `python train.py`; under torchrun a collective that all ranks call in the same order.
 def init_distributed(timeout_s: float) -> None:
     """Joins torchrun's group; a rank stuck in a collective for timeout_s raises rather than hangs."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or dist.is_initialized():
@@ -420,8 +420,8 @@ def sum_grads(module: torch.nn.Module) -> None:
 
 
 def broadcast_bytes(data: bytearray | None) -> bytearray:
-    """Rank 0's bytes on every rank as a bytearray (decode views it, no copy), sent as a uint8 tensor:
-    never pickled (receivers decode them as they would network bytes)."""
+    """Rank 0's bytes on every rank, sent as a uint8 tensor: never pickled (receivers decode them
+    as they would network bytes). A bytearray, which decode views without a copy."""
     if world() == 1:
         return data
     n = torch.tensor([len(data) if rank() == 0 else 0])
@@ -440,8 +440,8 @@ def broadcast_weights(module: torch.nn.Module) -> None:
 
 
 def split_rng() -> None:
-    """Rank r > 0 forks its own torch RNG stream off the shared one, so ranks sample different tokens;
-    rank 0 keeps the stream a single process would have."""
+    """Rank r > 0 forks its own torch RNG stream off the shared one, so ranks sample different
+    actions and tokens; rank 0 keeps the stream a single process would have."""
     if rank():
         torch.manual_seed(int(torch.randint(2**62, ())) + rank())
 
