@@ -296,17 +296,15 @@ class LLMPolicy(nn.Module):
                 lg = fwd.logits[:, :-1][sel]
         lg = lg.float() / self.temperature  # [k, V], fp32 like the sampler
         lse = lg.logsumexp(-1)  # [k]
-        logp, entropy = torch.zeros(n, L, device=dev), torch.zeros(n, L, device=dev)  # [n, L]
+        logp, entropy, values = (torch.zeros(n, L, device=dev) for _ in range(3))  # [n, L] each
         logp[:, first:end][sel] = lg.gather(-1, tokens[:, first:end][sel][:, None]).squeeze(-1) - lse
         with torch.no_grad():
             entropy[:, first:end][sel] = lse - (lg.softmax(-1) * lg).sum(-1)
+        if head is not None:
+            hidden = fwd.hidden_states[-1][:, first - 1 : end - 1][sel]  # [k, H]: the states predicting them
+            values[:, first:end][sel] = head(hidden.float()).squeeze(-1)
         out = batch.mask.device  # the loop's weights live there
-        if head is None:
-            return logp.to(out), entropy.to(out), None
-        hidden = fwd.hidden_states[-1][:, first - 1 : end - 1][sel]  # [k, H]: the states predicting them
-        values = torch.zeros(n, L, device=dev)  # [n, L]
-        values[:, first:end][sel] = head(hidden.float()).squeeze(-1)
-        return logp.to(out), entropy.to(out), values.to(out)
+        return logp.to(out), entropy.to(out), None if head is None else values.to(out)
 
     @torch.no_grad()
     def ref_logp(self, batch, rows) -> torch.Tensor:
