@@ -104,8 +104,7 @@ class ExprError(ValueError):
     """An expression refused (not + - * /, too big, malformed) or without value (x/0)."""
 
 
-_OPS: dict[type, Callable[[Any, Any], Any]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 _EXPR_CHARS = frozenset("0123456789+-*/() \t")
 
 
@@ -165,8 +164,7 @@ def numeric_correct(prompt: str, completion: str, answer: str) -> float:
     ref = parse_number(answer)
     if ref is None:  # references are validated at load time: this is a bug, not a bad sample
         raise ValueError(f"reference answer {answer!r} is not a number")
-    text = extract_answer(completion)
-    return float(text is not None and parse_number(text) == ref)
+    return float(parse_number(extract_answer(completion) or "") == ref)  # no answer: "" parses to None
 
 
 def int_correct(prompt: str, completion: str, answer: str) -> float:
@@ -185,10 +183,8 @@ def bare_int_correct(prompt: str, completion: str, answer: str) -> float:
 def countdown_correct(prompt: str, completion: str, answer: str) -> float:
     """1.0 iff the answer-tag expression equals the target and uses the given numbers once each
     (as a multiset); "expr = target" is accepted, "expr = anything else" is not. Refusals and x/0 score 0."""
-    ref, expr = json.loads(answer), extract_answer(completion)
-    if expr is None:
-        return 0.0
-    lhs, eq, rhs = expr.partition("=")
+    ref = json.loads(answer)
+    lhs, eq, rhs = (extract_answer(completion) or "").partition("=")  # no answer: safe_eval refuses ""
     if eq and rhs.strip() != str(ref["target"]):
         return 0.0
     try:
@@ -403,12 +399,7 @@ class DatasetTask(Task):
             raise ValueError(f"bad_rows must be 'skip' or 'error' (got {bad_rows!r})")
         found: dict[str, Problem] = {}
         self.skipped: list[str] = []  # "file:line (reason)" of every malformed row
-        if data is None:
-            rows = self._read_hub()
-        else:  # _problem parses each line: invalid JSON is one more malformed row
-            lines = Path(data).read_text(encoding="utf-8").splitlines()
-            rows = ((f"{data}:{n}", line) for n, line in enumerate(lines, 1) if line.strip())
-        for where, row in rows:
+        for where, row in self._rows(data):
             try:
                 problem = self._problem(row)
                 found.setdefault(problem.key, problem)
@@ -426,6 +417,27 @@ class DatasetTask(Task):
             raise ValueError(f"{self.name}: eval_size={eval_size} leaves no training problems "
                              f"({len(problems)} usable rows); lower --eval-size")
         self._eval, self._train = problems[:eval_size], problems[eval_size:]
+
+    def _rows(self, data: str | None) -> Iterator[tuple[str, Any]]:  # (where, row): file lines or hub records
+        if data is not None:  # _problem parses each line: invalid JSON is one more malformed row
+            lines = Path(data).read_text(encoding="utf-8").splitlines()
+            return ((f"{data}:{n}", line) for n, line in enumerate(lines, 1) if line.strip())
+        path, config, split = self.hub
+        hint = (f"pass a local file with --data path/to/{self.name}.jsonl "
+                '(one {"question": ..., "answer": ...} object per line)')
+        try:
+            import datasets  # optional heavy dependency: only needed without a local --data file
+        except ImportError:
+            raise ValueError(f"task {self.name!r} needs the `datasets` package to download "
+                             f"{path}: pip install datasets, or {hint}") from None
+        try:
+            ds = datasets.load_dataset(path, config, split=split)
+        # Broad on purpose, and re-raised with the cause attached: offline, the hub client fails
+        # with OSError, requests/httpx or datasets errors depending on its version.
+        except Exception as e:
+            raise ValueError(f"task {self.name!r}: could not load {path!r} from the Hugging Face "
+                             f"hub ({type(e).__name__}: {e}); {hint}") from e
+        return ((f"{path}[{split}]:row {i}", row) for i, row in enumerate(ds))
 
     def _problem(self, row: Any) -> Problem:
         """The row (a hub record or a JSONL line) as a Problem; BadRow says why it is malformed."""
@@ -447,24 +459,6 @@ class DatasetTask(Task):
             raise BadRow(f"answer {text.strip()[-40:]!r} is not a number")
         key = " ".join(question.split())  # whitespace variants of a question are one problem
         return Problem(f"{question.strip()}\n{self.instruction}", str(value), key)  # "72", "1/2"
-
-    def _read_hub(self) -> Iterator[tuple[str, Any]]:
-        path, config, split = self.hub
-        hint = (f"pass a local file with --data path/to/{self.name}.jsonl "
-                '(one {"question": ..., "answer": ...} object per line)')
-        try:
-            import datasets  # optional heavy dependency: only needed without a local --data file
-        except ImportError:
-            raise ValueError(f"task {self.name!r} needs the `datasets` package to download "
-                             f"{path}: pip install datasets, or {hint}") from None
-        try:
-            ds = datasets.load_dataset(path, config, split=split)
-        # Broad on purpose, and re-raised with the cause attached: offline, the hub client fails
-        # with OSError, requests/httpx or datasets errors depending on its version.
-        except Exception as e:
-            raise ValueError(f"task {self.name!r}: could not load {path!r} from the Hugging Face "
-                             f"hub ({type(e).__name__}: {e}); {hint}") from e
-        return ((f"{path}[{split}]:row {i}", row) for i, row in enumerate(ds))
 
     def train_problem(self, index: int) -> Problem:
         return self._train[index % len(self._train)]
