@@ -111,8 +111,8 @@ _EXPR_CHARS = frozenset("0123456789+-*/() \t")
 def safe_eval(src: str, *, max_chars: int = 200, max_nodes: int = 100, max_depth: int = 32,
               max_bits: int = 64) -> tuple[Fraction, list[int]]:
     """Exact value of an integer expression over + - * / ( ) and unary minus, and the literals it uses;
-    anything else raises ExprError. Limits come before any work: length and characters before parsing
-    (10,000 nested parentheses never reach the parser), then node count, depth and literal size."""
+    anything else raises ExprError. Each limit comes before the work it bounds: 10,000 nested
+    parentheses never reach the parser, `9**9**9` is refused, never computed."""
     src = src.replace("×", "*").replace("÷", "/").strip()
     if len(src) > max_chars:
         raise ExprError(f"expression longer than {max_chars} characters")
@@ -215,8 +215,8 @@ class Task:
     max_new_tokens = 512  # room for a short chain of thought on GSM8K-level problems
     _eval: list[Problem]
 
-    def __init__(self, *, seed: int = 0, eval_size: int = 100):
-        self.seed, self.eval_size = seed, eval_size
+    def __init__(self, *, seed: int = 0):
+        self.seed = seed
         self.rewards = list(self.rewards)  # per instance: appending must not change the class
 
     def solve(self, problem: Problem) -> str:  # the supervised warm-start's target
@@ -257,7 +257,7 @@ class ProceduralTask(Task):
     repeated keys; train problem i from (seed, train, i, attempt), redrawn while its key is in it."""
 
     def __init__(self, *, seed: int = 0, eval_size: int = 100):
-        super().__init__(seed=seed, eval_size=eval_size)
+        super().__init__(seed=seed)
         size = self.n_distinct()
         if size is not None and eval_size > size // 2:
             raise ValueError(f"eval_size={eval_size} leaves too few training problems: {self.name} "
@@ -383,18 +383,17 @@ class BadRow(ValueError):
 
 
 class DatasetTask(Task):
-    """Numeric-answer problems from a JSONL file (`data=path`, rows {"question": ..., "answer": ...};
-    "problem"/"solution" work too) or else the Hugging Face hub. The reference is the text after the
-    last "####" (GSM8K) or the last \\boxed{} (MATH) and must be one number. Rows are deduplicated by
-    question and shuffled by seed: the first eval_size are the eval split, the rest, cycled, the train
-    stream. Malformed rows (named by file:line) are skipped with a warning, or refused (bad_rows="error")."""
+    """Numeric-answer problems from a JSONL file (`data=path`, rows {"question", "answer"} or {"problem",
+    "solution"}) or else the hub; the reference (after the last "####", or in the last \\boxed{}) must be one
+    number. Rows are deduplicated by question and shuffled by seed: the first eval_size are held out, the
+    rest, cycled, train. Malformed rows (named by file:line) are skipped with a warning, or refused."""
 
     hub = ("", "", "")  # (path, config, split) for datasets.load_dataset
     instruction = "Solve step by step, then give the final number in <answer></answer> tags."
 
     def __init__(self, *, seed: int = 0, eval_size: int = 100, data: str | None = None,
                  bad_rows: str = "skip"):
-        super().__init__(seed=seed, eval_size=eval_size)
+        super().__init__(seed=seed)
         if bad_rows not in ("skip", "error"):
             raise ValueError(f"bad_rows must be 'skip' or 'error' (got {bad_rows!r})")
         found: dict[str, Problem] = {}
