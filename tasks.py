@@ -479,9 +479,8 @@ class Add(Arith):
     mostly answers "13 + 8 = 21" or explains, so its strict score (the bare number) starts low while the
     lenient one (the sum anywhere) shows how often it adds right: RL must learn the format, keep the sums."""
 
-    # Only a bare right sum pays: a bonus for the bare form (right or wrong) was learnt in 4 steps and
-    # the sums lost (every answer "2"). The examples in the prompt make the untrained model sample the
-    # bare form often enough (9 of 128 samples) for GRPO's groups to show a spread.
+    # Only a bare right sum pays: a bonus for the bare form (right or wrong) was learnt in 4 steps, every
+    # answer "2". The prompt's examples make the untrained model sample it (9 of 128) for GRPO to see spread.
     name, rewards = "add", [(bare_int_correct, 1.0)]
     max_new_tokens = 12  # the bare sum is 2-3 tokens; "13 + 18 = 31" (for the lenient score) fits
     FORMAT = "Answer with the number only.\nQ: What is 2 + 3?\nA: 5\nQ: What is 11 + 7?\nA: 18\n"
