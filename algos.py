@@ -135,12 +135,11 @@ IS_LEVELS = ("off", "token", "sequence")  # sampler/trainer mismatch corrections
 def policy_loss(logp, old_logp, adv, weights, mask, loss: str = "ppo", eps_low: float = 0.2,
                 eps_high: float = 0.2, dual_clip: float = 0.0):
     """The one policy loss, summed with `weights`; all inputs [n, T], only logp carries grad.
-      ppo:   max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), r = exp(logp - old_logp); eps_high >
-             eps_low is DAPO's clip-higher. dual_clip = c > 1 caps a negative-advantage token's loss
-             at -c A, so one huge ratio cannot dominate the batch.
-      gspo:  the same clip on the row's length-normalised ratio s = exp(mean_t(logp - old_logp)); its
-             value is s on every token and its gradient flows token by token (GSPO-token), which
-             equals GSPO's gradient under seq_mean aggregation. GSPO wants eps ~ 3e-4 / 4e-4.
+      ppo:   max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), r = exp(logp - old_logp); eps_high > eps_low
+             is DAPO's clip-higher; dual_clip c > 1 caps a negative-advantage token's loss at -c A, so one
+             huge ratio cannot dominate the batch.
+      gspo:  the same clip on the row's s = exp(mean_t(logp - old_logp)): value s on every token, gradient
+             token by token (GSPO-token: GSPO's own under seq_mean). GSPO wants eps ~ 3e-4 / 4e-4.
       cispo: -sg(clip(r)) A logp: clipping bounds the weight, yet every token keeps its gradient.
     With old_logp == logp.detach() the ratio is 1 and every variant is the plain policy gradient.
     Returns (loss, per-token stats [n, T] to be averaged by the caller)."""
