@@ -72,8 +72,7 @@ def reinforce_baseline(batch, cfg):
 
 def reinforce_pp(batch, cfg):
     """REINFORCE++: returns whitened with one mean and std over every token of the batch."""
-    g = discounted_returns(batch.rewards, batch.mask, cfg.gamma)
-    return masked_whiten(g, batch.mask)
+    return masked_whiten(discounted_returns(batch.rewards, batch.mask, cfg.gamma), batch.mask)
 
 
 def ppo(batch, cfg):

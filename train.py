@@ -499,7 +499,7 @@ def start_run(cfg: Config, out: Path, policy, opt, source: BatchSource, meta: di
     """The run's log, then what precedes RL step 0 (evaluations, warm-start): (log, RL's first step)."""
     start = meta["step"] if meta else -cfg.sft_steps  # < 0: (in) the warm-start
     # A resumed run rewrites what came after its checkpoint (everything, when none loads).
-    resumed_at = (start if meta else -cfg.sft_steps - 1) if cfg.resume else None
+    resumed_at = (start if meta else start - 1) if cfg.resume else None
     wall = meta["wall_s"] if meta else 0.0
     log = utils.Metrics(out, cfg, wall, resumed_at) if utils.rank() == 0 else utils.NoMetrics()
     if cfg.sft_steps and not meta:
