@@ -25,14 +25,14 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x - mean) / (std + EPS) * mask
 
 
-def next_mask(mask: torch.Tensor) -> torch.Tensor:
-    """mask shifted left by one step: 1 where the following step also belongs to the policy."""
-    return torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], 1)  # [N, T]
+def next_step(x: torch.Tensor) -> torch.Tensor:
+    """x[:, t + 1] at t, 0 after the last step; of the mask: 1 where the next step is the policy's too."""
+    return torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], 1)  # [N, T]
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """G_t = r_t + gamma * G_{t+1} inside each row's run of policy steps; [N, T] -> [N, T]."""
-    nxt, out = next_mask(mask), torch.zeros_like(rewards)
+    nxt, out = next_step(mask), torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
         running = rewards[:, t] + gamma * running * nxt[:, t]
@@ -43,10 +43,10 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
 def gae(rewards, values, mask, last_value, terminated, gamma: float, lam: float) -> torch.Tensor:
     """GAE; after a row's last step the next value is `last_value` if a time limit cut the episode
     (truncation is not death), 0 if it terminated; [N, T] -> [N, T]."""
-    nxt = next_mask(mask)
+    nxt = next_step(mask)
     is_last = mask * (1 - nxt)  # [N, T]: 1 on each row's final policy step
     bootstrap = (last_value * (~terminated).float()).unsqueeze(1)  # [N, 1]
-    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1) * nxt + is_last * bootstrap
+    next_values = next_step(values) * nxt + is_last * bootstrap  # [N, T]
     deltas = (rewards + gamma * next_values - values) * mask  # [N, T]
     return discounted_returns(deltas, mask, gamma * lam)  # GAE: the TD errors' (gamma * lam)-discounted sum
 
