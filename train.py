@@ -300,16 +300,15 @@ def on_policy(policy, cfg: Config) -> bool:
 def old_scores(policy, batch: Batch, cfg: Config, weights) -> tuple[torch.Tensor, torch.Tensor | None]:
     """old_logp and values [N, T], each row under the weights of the version that sampled it (`weights`:
     live or a snapshot), in update()'s micro-batches: live rows get exactly the update's first forward."""
-    logp, values = torch.zeros_like(batch.mask), torch.zeros_like(batch.mask) if policy.has_critic else None
+    logp, values = torch.zeros_like(batch.mask), torch.zeros_like(batch.mask)  # [N, T]
     for rows in micro_slices(torch.arange(len(batch)), cfg.micro_batch):
         for v in batch.version[rows].unique().tolist():
             with weights(v):
                 lp, _, val = policy.score(batch, rows)
             keep = batch.version[rows] == v  # [rows]
             logp[rows[keep]] = lp[keep]
-            if values is not None:
-                values[rows[keep]] = val[keep]
-    return logp * batch.mask, values * batch.mask if values is not None else None
+            values[rows[keep]] = val[keep] if policy.has_critic else 0.0
+    return logp * batch.mask, values * batch.mask if policy.has_critic else None
 
 
 def rollout_metrics(batch: Batch, rewards: torch.Tensor, cfg: Config) -> dict:
