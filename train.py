@@ -256,15 +256,14 @@ def load_teacher(cfg: Config, student):
     a, b = student.tokenizer, teacher.tokenizer
     if a.get_vocab() != b.get_vocab() or student.eos_ids != teacher.eos_ids:
         raise utils.ConfigError(f"--teacher {cfg.teacher}: its tokenizer differs from the student's "
-                                f"({len(b)} vs {len(a)} tokens, or other ids); it scores the student's own "
+                                f"({len(b)} vs {len(a)} tokens, or other ids); it scores the student's "
                                 "token ids, so pick a teacher of the student's family")
     return teacher.requires_grad_(False).to(DTYPES[cfg.dtype])  # frozen: --dtype bf16 halves its memory
 
 
 def warm_start(policy, opt, source: BatchSource, cfg: Config, log, first: int, stop) -> bool:
-    """Supervised steps first..-1 (logged at first+1..0) on the task's solver's demos, so RL's gain is
-    reported apart; the RL optimizer at sft_lr (so a checkpoint holds all a resume needs), then a fresh
-    Adam. True: a Ctrl-C stop."""
+    """Supervised steps first..-1 (logged at first+1..0) on the task's solver's demos, so RL's gain shows
+    apart; the RL Adam at sft_lr (a checkpoint holds all a resume needs), then reset. True: a Ctrl-C stop."""
     opt.param_groups[0]["lr"] = cfg.sft_lr  # build() gives Adam one group
     for step in range(first, 0):
         batch = source.demonstrations(cfg.batch)
