@@ -1,10 +1,9 @@
 """Transport between a trainer and its rollout workers: an authenticated stdlib HTTP server, a
 retrying client, and the payload codec (tensors <-> safetensors bytes with a SHA-256, never pickled).
 
-Security: every request carries the shared secret NANORL_TOKEN as `Authorization: Bearer <token>`,
-checked in constant time. A loopback bind without one generates it (`Server.token`) for the workers
-the trainer spawns, since a token-less server would let any local user push batches; any other bind
-without NANORL_TOKEN refuses to start.
+Every request carries the shared secret NANORL_TOKEN as `Authorization: Bearer <token>`, checked in
+constant time. A loopback bind without one generates it (`Server.token`) for the workers the trainer
+spawns (a token-less server would let any local user push batches); any other bind refuses to start.
 """
 from __future__ import annotations
 
@@ -68,8 +67,7 @@ class _Handler(BaseHTTPRequestHandler):
         if status >= 400:
             self.server.count(f"http_{status}")
         self.send_response(status)
-        if body:
-            self.send_header("Content-Type", "application/json" if is_json else "application/octet-stream")
+        self.send_header("Content-Type", "application/json" if is_json else "application/octet-stream")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -338,10 +336,8 @@ def _check_header(data: bytearray) -> tuple[object, dict, int]:
         raise PayloadError(f"safetensors header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
         raise PayloadError("safetensors header is not a JSON object")
-    entries = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
+    entries = {name: info for name, info in header.items() if name != "__metadata__"}
+    for name, info in entries.items():
         dtype = info.get("dtype") if isinstance(info, dict) else None
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise PayloadError(f"tensor {name!r}: dtype {dtype!r} not allowed; allowed: {sorted(DTYPES)}")
@@ -352,7 +348,6 @@ def _check_header(data: bytearray) -> tuple[object, dict, int]:
         if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
                 and offs[1] - offs[0] == math.prod(shape) * DTYPES[dtype].itemsize):
             raise PayloadError(f"tensor {name!r}: shape {shape} {dtype} does not match data_offsets {offs!r}")
-        entries[name] = {"dtype": dtype, "shape": shape, "data_offsets": offs}
     end = 0
     for name, e in sorted(entries.items(), key=lambda item: item[1]["data_offsets"]):
         if (a := e["data_offsets"][0]) != end:
