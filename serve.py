@@ -30,7 +30,6 @@ from model import LLMPolicy, Sample, VLLMGenerator
 from rollouts import WIRE, Batch, BatchSource, from_wire, sources
 from transport import Client, PayloadError, Request, ServeError, Server, decode, encode, views
 
-# ================================================================ disaggregated training
 FINGERPRINT = ("task", "seed", "eval_size", "data", "model", "lora", "lora_rank", "lora_alpha",
                "lora_targets", "max_new_tokens", "group_size", "temperature", "top_p", "chat_template",
                "thinking", "overlong_buffer")
@@ -334,9 +333,8 @@ class AsyncRollouts(BatchSource):
 
 # ---------------------------------------------------------------- the worker side
 class AdapterFetcher(threading.Thread):
-    """Long-polls GET /adapter in the background so the worker never waits for weights: the
-    newest payload waits in `pending` for the generator's next request. Sets `done` when the
-    trainer says it finished or has been unreachable for `patience` seconds."""
+    """Long-polls GET /adapter in the background so the worker never waits for weights (the newest
+    waits for `take`). Sets `done` once the trainer finished or was unreachable for `patience` s."""
 
     def __init__(self, client: Client, worker: int, patience: float):
         super().__init__(daemon=True)

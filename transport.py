@@ -287,7 +287,6 @@ class PayloadError(ValueError):
 
 
 def _digest(entries: dict, data) -> str:
-    """SHA-256 of the tensor directory (names, dtypes, shapes, offsets) and the data bytes."""
     h = hashlib.sha256(json.dumps(entries, sort_keys=True).encode())
     h.update(data)
     return h.hexdigest()
@@ -323,9 +322,8 @@ def encode(tensors: dict[str, torch.Tensor], meta: dict) -> bytearray:
 
 
 def _check_header(data: bytearray) -> tuple[object, dict, int]:
-    """Validate the safetensors JSON header ourselves: every tensor's bytes lie inside the body,
-    back to back in order and covering it exactly (the layout safetensors itself writes).
-    Returns (__metadata__, name -> {dtype, shape, data_offsets}, where the data starts)."""
+    """Checks the safetensors header ourselves: the tensors' bytes lie back to back, in order, and cover
+    the body exactly (as safetensors writes them). Returns (__metadata__, {name: entry}, data start)."""
     if len(data) < 8:
         raise PayloadError(f"payload is {len(data)} bytes; a safetensors blob has at least 8")
     if (n := struct.unpack("<Q", data[:8])[0]) > min(MAX_HEADER, len(data) - 8):
