@@ -164,9 +164,8 @@ class Inbox:
                 return 400, {"error": why}
             self.keys = self.keys or set(tensors)
             texts = meta.get("texts") or [["", "", ""]] * len(tensors["tokens"])
-            groups = [({n: x[tensors["group"] == g] for n, x in tensors.items()},
-                       [texts[i] for i in (tensors["group"] == g).nonzero().flatten().tolist()])
-                      for g in tensors["group"].unique()]
+            rows = [(tensors["group"] == g).nonzero()[:, 0] for g in tensors["group"].unique()]  # [k] each
+            groups = [({n: x[r] for n, x in tensors.items()}, [texts[i] for i in r.tolist()]) for r in rows]
             # A full queue holds the request until the trainer takes groups (up to LONG_POLL): a worker
             # told to come back later would sit idle while the trainer drains the queue.
             room = lambda: self.finished or not self.queue or len(self.queue) + len(groups) <= self.capacity

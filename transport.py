@@ -136,10 +136,9 @@ class Server(ThreadingHTTPServer):
         if bad := [m for m, _ in routes if m not in ("GET", "POST")]:
             raise ValueError(f"routes support GET and POST only; got {bad}")
         token = token or os.environ.get("NANORL_TOKEN")
-        try:
-            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-        except ValueError:  # a host name other than localhost: treat as exposed
-            loopback = False
+        loopback = host == "localhost"
+        with contextlib.suppress(ValueError):  # a host name other than localhost: treat as exposed
+            loopback = loopback or ipaddress.ip_address(host).is_loopback
         if not token and not loopback:  # checked before a socket is opened
             raise ValueError(f"refusing to serve on {host!r} without a token: set NANORL_TOKEN to a shared "
                              "secret on the trainer and every worker, or bind 127.0.0.1")
@@ -178,11 +177,9 @@ class Server(ThreadingHTTPServer):
         super().process_request(request, client_address)
 
     def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            with self.lock:
-                self.conns.pop(request, None)
+        super().process_request_thread(request, client_address)  # catches what the handler raises
+        with self.lock:
+            self.conns.pop(request, None)
 
     def admit(self, request, seconds: float):
         """An authenticated request gets `seconds` more to send its body and read the reply."""
@@ -250,10 +247,9 @@ class Client:
             try:
                 conn.connect()
                 sent = True
-                try:
+                # the server may refuse the body early (413, 401): its answer is still readable
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                     conn.request(method, path, body=body, headers={"Authorization": f"Bearer {self.token}"})
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the server refused the body early (413, 401): its answer is still readable
                 resp = conn.getresponse()
                 if resp.length is None:  # no Content-Length: read to the end
                     return resp.status, resp.read()
