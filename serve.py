@@ -93,8 +93,7 @@ class Inbox:
             theirs = dict(json.loads(req.body)["fingerprint"])
         except (ValueError, KeyError, TypeError):
             return 400, {"error": 'POST /hello needs JSON {"fingerprint": {...}}'}
-        ours = fingerprint(self.cfg)
-        if diff := [f"{k} (trainer {v!r}, worker {theirs.get(k)!r})" for k, v in ours.items()
+        if diff := [f"{k} (trainer {v!r}, worker {theirs.get(k)!r})" for k, v in fingerprint(self.cfg).items()
                     if theirs.get(k) != v]:
             return 409, {"error": f"worker and trainer disagree on {'; '.join(diff)}: start the worker with "
                                   "the trainer's config"}
