@@ -1,13 +1,8 @@
 """Advantage estimators and the one loss.
 
-Contract: every estimator is `fn(batch, cfg) -> adv [N, T]`, reading a rollouts.Batch's per-step
-`rewards`, `mask` (1 on the policy's own steps) and, where it needs them, `group` [N], `values`
-[N, T], `last_value` [N], `truncated` [N] (bootstrap only a truncation), `old_logp` and
-`teacher_logp` [N, T]. Positions with mask == 0 get advantage 0. An estimator that trains a
-critic also stores its regression targets in `batch.returns`. Adding an algorithm is one
-function and one entry in ALGOS; the loss below never changes.
-
-Below them: `loss_weights`, the one `policy_loss`, `value_loss`, KL and `importance_correction`.
+Contract: every estimator is `fn(batch, cfg) -> adv [N, T]`, 0 where mask == 0, reading the fields of a
+rollouts.Batch it needs; one that trains a critic also stores its targets in `batch.returns`. Adding
+an algorithm is one function and one entry in ALGOS; the loss below never changes.
 """
 from __future__ import annotations
 
@@ -30,14 +25,14 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x - mean) / (std + EPS) * mask
 
 
-def next_mask(mask: torch.Tensor) -> torch.Tensor:
-    """mask shifted left by one step: 1 where the following step also belongs to the policy."""
-    return torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], 1)  # [N, T]
+def next_step(x: torch.Tensor) -> torch.Tensor:
+    """x[:, t + 1] at t, 0 after the last step; of the mask: 1 where the next step is the policy's too."""
+    return torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], 1)  # [N, T]
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """G_t = r_t + gamma * G_{t+1} inside each row's run of policy steps; [N, T] -> [N, T]."""
-    nxt, out = next_mask(mask), torch.zeros_like(rewards)
+    nxt, out = next_step(mask), torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
         running = rewards[:, t] + gamma * running * nxt[:, t]
@@ -46,13 +41,12 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
 
 
 def gae(rewards, values, mask, last_value, terminated, gamma: float, lam: float) -> torch.Tensor:
-    """Generalised advantage estimation. After a row's last policy step the next value is
-    `last_value` when the episode was cut by a time limit (truncation is not death) and 0 when
-    it terminated; [N, T] -> [N, T]."""
-    nxt = next_mask(mask)
+    """GAE; after a row's last step the next value is `last_value` if a time limit cut the episode
+    (truncation is not death), 0 if it terminated; [N, T] -> [N, T]."""
+    nxt = next_step(mask)
     is_last = mask * (1 - nxt)  # [N, T]: 1 on each row's final policy step
     bootstrap = (last_value * (~terminated).float()).unsqueeze(1)  # [N, 1]
-    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1) * nxt + is_last * bootstrap
+    next_values = next_step(values) * nxt + is_last * bootstrap  # [N, T]
     deltas = (rewards + gamma * next_values - values) * mask  # [N, T]
     return discounted_returns(deltas, mask, gamma * lam)  # GAE: the TD errors' (gamma * lam)-discounted sum
 
@@ -78,8 +72,7 @@ def reinforce_baseline(batch, cfg):
 
 def reinforce_pp(batch, cfg):
     """REINFORCE++: returns whitened with one mean and std over every token of the batch."""
-    g = discounted_returns(batch.rewards, batch.mask, cfg.gamma)
-    return masked_whiten(g, batch.mask)
+    return masked_whiten(discounted_returns(batch.rewards, batch.mask, cfg.gamma), batch.mask)
 
 
 def ppo(batch, cfg):
@@ -122,24 +115,16 @@ AGGREGATIONS = ("token_mean", "seq_mean", "constant")
 
 def loss_weights(mask: torch.Tensor, mode: str = "token_mean", total_tokens=None, total_rows=None,
                  constant=None) -> torch.Tensor:
-    """Per-token loss weights [N, T] whose denominators span the whole batch, computed once before
-    any micro-batching, so the sum of micro-batch gradients equals one big backward. A rank of a
-    data-parallel run passes the all-reduced totals; by default they are this batch's.
+    """Per-token loss weights [N, T] whose denominators span the whole batch (a torchrun rank passes the
+    all-reduced totals), so the sum of micro-batch gradients equals one big backward.
       token_mean: every token counts the same (DAPO): mask / tokens.
       seq_mean:   token-mean inside each row, then mean over rows (the GRPO paper): mask / (len_i * rows).
       constant:   mask / (rows * constant) (Dr. GRPO): no length bias; constant = the token budget."""
-    tokens = mask.sum() if total_tokens is None else torch.as_tensor(float(total_tokens))
-    rows = (mask.sum(1) > 0).sum() if total_rows is None else total_rows  # a fully masked row is no row
-    rows = max(float(rows), 1.0)
-    if mode == "token_mean":
-        return mask / tokens.clamp(min=1)
+    tokens = max(float(mask.sum() if total_tokens is None else total_tokens), 1.0)
+    rows = max(float((mask.sum(1) > 0).sum() if total_rows is None else total_rows), 1.0)  # not fully masked
     if mode == "seq_mean":  # a row's length is its own: no collective needed
         return mask / (mask.sum(1, keepdim=True).clamp(min=1) * rows)
-    if mode == "constant":
-        if not constant:
-            raise ValueError("aggregation 'constant' needs constant= (tokens per row, e.g. max_new_tokens)")
-        return mask / (rows * constant)
-    raise ValueError(f"unknown loss aggregation '{mode}' (choices: {', '.join(AGGREGATIONS)})")
+    return mask / (rows * constant if mode == "constant" else tokens)
 
 
 LOSSES = ("ppo", "gspo", "cispo")
@@ -149,19 +134,18 @@ IS_LEVELS = ("off", "token", "sequence")  # sampler/trainer mismatch corrections
 def policy_loss(logp, old_logp, adv, weights, mask, loss: str = "ppo", eps_low: float = 0.2,
                 eps_high: float = 0.2, dual_clip: float = 0.0):
     """The one policy loss, summed with `weights`; all inputs [n, T], only logp carries grad.
-      ppo:   max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), r = exp(logp - old_logp); eps_high >
-             eps_low is DAPO's clip-higher. dual_clip = c > 1 caps a negative-advantage token's loss
-             at -c A, so one huge ratio cannot dominate the batch.
-      gspo:  the same clip on the row's length-normalised ratio s = exp(mean_t(logp - old_logp)); its
-             value is s on every token and its gradient flows token by token (GSPO-token), which
-             equals GSPO's gradient under seq_mean aggregation. GSPO wants eps ~ 3e-4 / 4e-4.
+      ppo:   max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), r = exp(logp - old_logp); eps_high > eps_low
+             is DAPO's clip-higher; dual_clip c > 1 caps a negative-advantage token's loss at -c A, so one
+             huge ratio cannot dominate the batch.
+      gspo:  the same clip on the row's s = exp(mean_t(logp - old_logp)): value s on every token, gradient
+             token by token (GSPO-token: GSPO's own under seq_mean). GSPO wants eps ~ 3e-4 / 4e-4.
       cispo: -sg(clip(r)) A logp: clipping bounds the weight, yet every token keeps its gradient.
     With old_logp == logp.detach() the ratio is 1 and every variant is the plain policy gradient.
     Returns (loss, per-token stats [n, T] to be averaged by the caller)."""
-    ratio = torch.exp(logp - old_logp)  # [n, T]
+    gap = logp - old_logp  # [n, T]
+    ratio = torch.exp(gap)
     if loss == "gspo":
-        # [n, 1]
-        seq = ((logp - old_logp) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+        seq = (gap * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # [n, 1]
         ratio = torch.exp(seq).detach() * torch.exp(logp - logp.detach())  # [n, T]: value s_i, grad d logp_t
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     if loss == "cispo":
@@ -200,16 +184,13 @@ def importance_correction(old_logp, sampler_logp, mask, tis: str, tis_cap: float
     loss by min(r, tis_cap); masked IS drops tokens (rows) whose r leaves [mis_low, mis_high]
     (both ends kept). Returns (weight [N, T], keep [N, T], stats of the raw ratios)."""
     log_r = (old_logp - sampler_logp) * mask  # [N, T]
-    level = {"token": log_r, "sequence": log_r.sum(1, keepdim=True).expand_as(log_r)}
-    weight, keep, capped = torch.ones_like(mask), mask, torch.zeros_like(mask)
-    if tis != "off":
-        weight = level[tis].exp().clamp(max=tis_cap)
-        capped = (level[tis].exp() > tis_cap).float()
-    if mis != "off":
-        r = level[mis].exp()
-        keep = mask * ((r >= mis_low) & (r <= mis_high)).float()
+    # "off" is a log-ratio of 0, which validate() keeps under tis_cap and inside the mis bounds
+    level = {"off": torch.zeros_like(log_r), "token": log_r,
+             "sequence": log_r.sum(1, keepdim=True).expand_as(log_r)}
+    r_tis, r_mis, raw = level[tis].exp(), level[mis].exp(), log_r.exp() * mask  # [N, T]
+    keep = mask * ((r_mis >= mis_low) & (r_mis <= mis_high)).float()
     tokens = mask.sum().clamp(min=1)
-    stats = {"is_ratio_mean": (log_r.exp() * mask).sum() / tokens, "is_ratio_max": (log_r.exp() * mask).max(),
-             "is_capped_frac": (capped * mask).sum() / tokens,
+    stats = {"is_ratio_mean": raw.sum() / tokens, "is_ratio_max": raw.max(),
+             "is_capped_frac": ((r_tis > tis_cap) * mask).sum() / tokens,
              "is_masked_frac": (mask - keep).sum() / tokens}
-    return weight, keep, {k: float(v) for k, v in stats.items()}
+    return r_tis.clamp(max=tis_cap), keep, {k: float(v) for k, v in stats.items()}

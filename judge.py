@@ -40,8 +40,7 @@ class Judge:
     def __init__(self, rubric: str, endpoint: str, model: str, *, high: int = 10, concurrency: int = 8,
                  timeout: float = 60.0, retries: int = 3, backoff: float = 1.0,
                  key_env: str = "NANORL_JUDGE_KEY", extra: dict | None = None):
-        path = "" if endpoint.endswith("/chat/completions") else "/chat/completions"  # a base url, as clients
-        self.url = endpoint.rstrip("/") + path
+        self.url = endpoint.rstrip("/").removesuffix("/chat/completions") + "/chat/completions"
         self.rubric, self.model, self.high, self.concurrency = rubric, model, high, concurrency
         self.timeout, self.retries, self.backoff, self.key_env = timeout, retries, backoff, key_env
         self.extra, self.cache, self.slots = extra or {}, {}, threading.Semaphore(concurrency)

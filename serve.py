@@ -14,23 +14,22 @@ import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import torch
 import torch.nn.functional as F
+import yaml
 
 import utils
 from model import LLMPolicy, Sample, VLLMGenerator
 from rollouts import WIRE, Batch, BatchSource, from_wire, sources
 from transport import Client, PayloadError, Request, ServeError, Server, decode, encode, views
 
-# ================================================================ disaggregated training
 FINGERPRINT = ("task", "seed", "eval_size", "data", "model", "lora", "lora_rank", "lora_alpha",
                "lora_targets", "max_new_tokens", "group_size", "temperature", "top_p", "chat_template",
                "thinking", "overlong_buffer")
@@ -94,8 +93,7 @@ class Inbox:
             theirs = dict(json.loads(req.body)["fingerprint"])
         except (ValueError, KeyError, TypeError):
             return 400, {"error": 'POST /hello needs JSON {"fingerprint": {...}}'}
-        ours = fingerprint(self.cfg)
-        if diff := [f"{k} (trainer {v!r}, worker {theirs.get(k)!r})" for k, v in ours.items()
+        if diff := [f"{k} (trainer {v!r}, worker {theirs.get(k)!r})" for k, v in fingerprint(self.cfg).items()
                     if theirs.get(k) != v]:
             return 409, {"error": f"worker and trainer disagree on {'; '.join(diff)}: start the worker with "
                                   "the trainer's config"}
@@ -165,9 +163,8 @@ class Inbox:
                 return 400, {"error": why}
             self.keys = self.keys or set(tensors)
             texts = meta.get("texts") or [["", "", ""]] * len(tensors["tokens"])
-            groups = [({n: x[tensors["group"] == g] for n, x in tensors.items()},
-                       [texts[i] for i in (tensors["group"] == g).nonzero().flatten().tolist()])
-                      for g in tensors["group"].unique()]
+            rows = [(tensors["group"] == g).nonzero()[:, 0] for g in tensors["group"].unique()]  # [k] each
+            groups = [({n: x[r] for n, x in tensors.items()}, [texts[i] for i in r.tolist()]) for r in rows]
             # A full queue holds the request until the trainer takes groups (up to LONG_POLL): a worker
             # told to come back later would sit idle while the trainer drains the queue.
             room = lambda: self.finished or not self.queue or len(self.queue) + len(groups) <= self.capacity
@@ -242,29 +239,15 @@ class Inbox:
 def spawn_workers(cfg, url: str, token: str) -> list[subprocess.Popen]:
     """--workers N: local rollout workers with exactly this run's config (so the fingerprints
     match), sent by pipe (no file stays), and the token, without torchrun's rank variables."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
-                                                            "LOCAL_WORLD_SIZE")}
-    with tempfile.TemporaryDirectory(prefix="nanorl-worker-") as tmp:
-        utils.save_config(replace(cfg, role="rollout", trainer_url=url, workers=0, out="", resume=""),
-                          path := Path(tmp) / "config.yaml")
-        config = path.read_bytes()
+    ranks = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in ranks} | {"NANORL_TOKEN": token}
+    mine = replace(cfg, role="rollout", trainer_url=url, workers=0, out="", resume="")
     argv = [sys.executable, str(Path(__file__).with_name("train.py")), "--config", "/dev/stdin"]
-    procs = [subprocess.Popen(argv, env=env | {"NANORL_TOKEN": token}, stdin=subprocess.PIPE)
-             for _ in range(cfg.workers)]
+    procs = [subprocess.Popen(argv, env=env, stdin=subprocess.PIPE) for _ in range(cfg.workers)]
     for p in procs:
-        p.stdin.write(config)
+        p.stdin.write(yaml.safe_dump(asdict(mine), sort_keys=False).encode())  # as utils.save_config writes
         p.stdin.close()
     return procs
-
-
-def shard(rows: dict, meta: dict, groups: int, k: int) -> tuple[dict, dict]:
-    """torchrun: rank 0's rows and meta as a payload on every rank (never pickled), each rank
-    keeping its share of whole groups; a single process keeps everything."""
-    if utils.world() == 1:
-        return rows, meta
-    rows, meta = decode(utils.broadcast_bytes(encode(rows, meta) if utils.rank() == 0 else None))
-    a, b = utils.rank() * groups * k, (utils.rank() + 1) * groups * k  # this rank's rows
-    return {n: x[a:b] for n, x in rows.items()}, {**meta, "texts": meta["texts"][a:b]}
 
 
 class AsyncRollouts(BatchSource):
@@ -275,7 +258,7 @@ class AsyncRollouts(BatchSource):
     def __init__(self, cfg, policy, local: BatchSource):
         self.cfg, self.policy, self.local = cfg, policy, local
         self.version, self.snapshots, self.last = -1, {}, {}  # version -> adapter tensors (wire names)
-        self.config_json = policy.adapter_config()
+        self.config_json = policy.adapter_config()  # saves an adapter to check PEFT's names: once per run
         self.inbox, self.procs = None, []  # under torchrun rank 0 alone serves the workers
         if utils.rank() == 0:
             limit = min(cfg.max_len, getattr(policy.model.config, "max_position_embeddings", cfg.max_len))
@@ -288,8 +271,10 @@ class AsyncRollouts(BatchSource):
         k = self.cfg.group_size
         share = self.cfg.batch // k // utils.world()  # this rank's groups
         rows, meta = self.inbox.take(step, set(self.snapshots)) if self.inbox else ({}, {})
-        rows, meta = shard(rows, meta, share, k)
-        batch = from_wire(rows, [tuple(t) for t in meta.pop("texts")])
+        if utils.world() > 1:  # torchrun: rank 0's rows and meta on every rank, as a payload (never pickled)
+            rows, meta = decode(utils.broadcast_bytes(encode(rows, meta) if self.inbox else None))
+        a = utils.rank() * share * k  # this rank's first row: each keeps its share of whole groups
+        batch = from_wire(rows, [tuple(t) for t in meta.pop("texts")]).select(slice(a, a + share * k))
         batch.group = torch.arange(share).repeat_interleave(k)  # [N]
         lag = step - batch.version.float()  # [N]
         self.last = {**meta, "staleness_mean": lag.mean().item(), "staleness_max": lag.max().item()}
@@ -320,11 +305,9 @@ class AsyncRollouts(BatchSource):
             self.inbox.serve(step, payload, time.perf_counter() - t)
 
     def evaluate(self) -> dict:
-        return self.local.evaluate()  # with the trainer's live weights, never a worker's
-
-    @property
-    def eval_batch(self):
-        return self.local.eval_batch
+        metrics = self.local.evaluate()  # with the trainer's live weights, never a worker's
+        self.eval_batch = self.local.eval_batch
+        return metrics
 
     def demonstrations(self, n: int) -> Batch:
         return self.local.demonstrations(n)  # the warm-start runs on the trainer
@@ -348,9 +331,8 @@ class AsyncRollouts(BatchSource):
 
 # ---------------------------------------------------------------- the worker side
 class AdapterFetcher(threading.Thread):
-    """Long-polls GET /adapter in the background so the worker never waits for weights: the
-    newest payload waits in `pending` for the generator's next request. Sets `done` when the
-    trainer says it finished or has been unreachable for `patience` seconds."""
+    """Long-polls GET /adapter in the background so the worker never waits for weights (the newest
+    waits for `take`). Sets `done` once the trainer finished or was unreachable for `patience` s."""
 
     def __init__(self, client: Client, worker: int, patience: float):
         super().__init__(daemon=True)
@@ -394,8 +376,8 @@ class AdapterFetcher(threading.Thread):
         return new
 
 
-def hello(client: Client, cfg) -> dict | None:
-    """Registers with the trainer: {"worker": id}, or None when the run is already over."""
+def hello(client: Client, cfg) -> int | None:
+    """Registers with the trainer: this worker's id, or None when the run is already over."""
     body, since = json.dumps({"fingerprint": fingerprint(cfg)}).encode(), time.time()
     while True:
         try:
@@ -409,7 +391,7 @@ def hello(client: Client, cfg) -> dict | None:
     if status not in (200, 410):
         why = json.loads(reply).get("error", reply[:200])
         raise utils.ConfigError(f"the trainer refused this worker ({status}): {why}")
-    return json.loads(reply) if status == 200 else None
+    return json.loads(reply)["worker"] if status == 200 else None
 
 
 class _Sampler:
@@ -447,15 +429,12 @@ def run_worker(cfg) -> int:
     """A rollout worker: the trainer's own batch source (rollouts.sources()) over a sampler that
     holds the newest adapter, one version per batch; POSTs each batch. Returns the exit code."""
     client = Client(cfg.trainer_url, timeout=30 + LONG_POLL, retries=1)
-    if (reply := hello(client, cfg)) is None:  # before loading a model: a mismatched worker fails in seconds
+    if (me := hello(client, cfg)) is None:  # before loading a model: a mismatched worker fails in seconds
         return 0
-    me = reply["worker"]
     policy = LLMPolicy(cfg)  # --vllm: the tokenizer side only, vLLM holds the weights
     torch.manual_seed(seed := cfg.seed * STRIDE + me)  # workers share cfg.seed, not their sampling noise
-    if cfg.vllm:
-        gen = VLLMGenerator(policy.path, cfg, policy.eos_ids, seed)
-    else:
-        gen = policy  # samples with its own weights; each adapter version loads into it (LLMPolicy.load)
+    # HF samples with the policy's own weights, each adapter version loaded into it (LLMPolicy.load)
+    gen = VLLMGenerator(policy.path, cfg, policy.eos_ids, seed) if cfg.vllm else policy
     fetcher = AdapterFetcher(client, me, cfg.worker_patience)
     fetcher.start()
     sampler = _Sampler(policy, gen, fetcher, cfg.gen_batch)

@@ -15,8 +15,6 @@ the number. Adding a task is one class and one registry entry:
             return problem.answer
     TASKS["parity"] = Parity
 """
-from __future__ import annotations
-
 import ast
 import difflib
 import json
@@ -48,6 +46,7 @@ _ONE = re.compile(rf"(-)?\s*\$?\s*({_NUM})\s*(?:/\s*({_NUM}))?\s*%?\.?")
 _ANY = re.compile(rf"(?<![\d.])(-)?\$?({_NUM})(?:/({_NUM}))?")
 _FRAC = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 _MAX_DIGITS = 40  # longer numbers are refused: int() of over 4300 digits raises anyway
+_INT = re.compile(rf"\s*(-?\d{{1,{_MAX_DIGITS}}})(\.?)\s*")  # an integer and an optional final period
 
 
 def extract_answer(completion: str) -> str | None:
@@ -86,9 +85,8 @@ def _fraction(sign: str | None, num: str, den: str | None) -> Fraction | None:
 
 
 def parse_number(text: str) -> Fraction | None:
-    r"""Exact value of a text that is ONE number (in its last \boxed{} if any), else None:
-    "-12", "1,234", "3.25", "3/4", "\frac{3}{4}", "\dfrac", "$1,000", "12.5%". "%" is dropped:
-    "12.5%" is 12.5, never 0.125, as GSM8K-style references count percentages in percent."""
+    r"""Exact value of a text that is ONE number (in its last \boxed{} if any), else None: "-12", "1,234",
+    "3/4", "\frac{3}{4}", "$1,000", "12.5%" (12.5, never 0.125: GSM8K-style references count in percent)."""
     m = _ONE.fullmatch(_plain(text).strip())
     return _fraction(*m.groups()) if m else None
 
@@ -106,17 +104,15 @@ class ExprError(ValueError):
     """An expression refused (not + - * /, too big, malformed) or without value (x/0)."""
 
 
-_OPS: dict[type, Callable[[Any, Any], Any]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 _EXPR_CHARS = frozenset("0123456789+-*/() \t")
 
 
 def safe_eval(src: str, *, max_chars: int = 200, max_nodes: int = 100, max_depth: int = 32,
               max_bits: int = 64) -> tuple[Fraction, list[int]]:
     """Exact value of an integer expression over + - * / ( ) and unary minus, and the literals it uses;
-    anything else raises ExprError. Limits come before any work: length and characters before parsing
-    (10,000 nested parentheses never reach the parser), then node count, depth and literal size. `**`
-    is no operator here: `9**9**9` is refused, not computed."""
+    anything else raises ExprError. Each limit comes before the work it bounds: 10,000 nested
+    parentheses never reach the parser, `9**9**9` is refused, never computed."""
     src = src.replace("×", "*").replace("÷", "/").strip()
     if len(src) > max_chars:
         raise ExprError(f"expression longer than {max_chars} characters")
@@ -163,30 +159,23 @@ def format_reward(prompt: str, completion: str, answer: str) -> float:
 
 
 def numeric_correct(prompt: str, completion: str, answer: str) -> float:
-    """1.0 iff the answer-tag content is ONE number (`parse_number`: "$1,000", "3/4", "\\boxed{72}")
-    equal to the reference. No tags, or words beside the number, score 0: the last number of
-    free text would pay for listing candidates."""
+    """1.0 iff the answer-tag content is ONE number (`parse_number`) equal to the reference. No tags, or
+    words beside the number, score 0: the last number of free text would pay for listing candidates."""
     ref = parse_number(answer)
     if ref is None:  # references are validated at load time: this is a bug, not a bad sample
         raise ValueError(f"reference answer {answer!r} is not a number")
-    text = extract_answer(completion)
-    return float(text is not None and parse_number(text) == ref)
-
-
-_INT = re.compile(r"\s*(-?\d{1,40})(\.?)\s*")  # int() of over 4300 digits raises; 40 is plenty
+    return float(parse_number(extract_answer(completion) or "") == ref)  # no answer: "" parses to None
 
 
 def int_correct(prompt: str, completion: str, answer: str) -> float:
-    """1.0 iff the whole completion is the reference integer, written as `solve` writes it ("-2",
-    never "02" or "+2"), give or take surrounding whitespace: anything else ("12+7=19", "19 20",
-    "///7") would let garbage around a lucky digit score."""
+    """1.0 iff the whole completion, give or take whitespace, is the reference integer as `solve` writes
+    it ("-2", never "02" or "+2"): "12+7=19", "19 20" or "///7" would pay garbage around a lucky digit."""
     m = _INT.fullmatch(completion)
     return float(m is not None and m.groups() == (answer, ""))
 
 
 def bare_int_correct(prompt: str, completion: str, answer: str) -> float:
-    """int_correct that also allows one final period: "81", " 81.". "23 + 58 = 81", "The answer is
-    81", "081" score 0."""
+    """int_correct that also allows one final period: "81", " 81."; "The answer is 81", "081" score 0."""
     m = _INT.fullmatch(completion)
     return float(m is not None and m.group(1) == answer)
 
@@ -194,10 +183,8 @@ def bare_int_correct(prompt: str, completion: str, answer: str) -> float:
 def countdown_correct(prompt: str, completion: str, answer: str) -> float:
     """1.0 iff the answer-tag expression equals the target and uses the given numbers once each
     (as a multiset); "expr = target" is accepted, "expr = anything else" is not. Refusals and x/0 score 0."""
-    ref, expr = json.loads(answer), extract_answer(completion)
-    if expr is None:
-        return 0.0
-    lhs, eq, rhs = expr.partition("=")
+    ref = json.loads(answer)
+    lhs, eq, rhs = (extract_answer(completion) or "").partition("=")  # no answer: safe_eval refuses ""
     if eq and rhs.strip() != str(ref["target"]):
         return 0.0
     try:
@@ -228,8 +215,8 @@ class Task:
     max_new_tokens = 512  # room for a short chain of thought on GSM8K-level problems
     _eval: list[Problem]
 
-    def __init__(self, *, seed: int = 0, eval_size: int = 100):
-        self.seed, self.eval_size = seed, eval_size
+    def __init__(self, *, seed: int = 0):
+        self.seed = seed
         self.rewards = list(self.rewards)  # per instance: appending must not change the class
 
     def solve(self, problem: Problem) -> str:  # the supervised warm-start's target
@@ -270,7 +257,7 @@ class ProceduralTask(Task):
     repeated keys; train problem i from (seed, train, i, attempt), redrawn while its key is in it."""
 
     def __init__(self, *, seed: int = 0, eval_size: int = 100):
-        super().__init__(seed=seed, eval_size=eval_size)
+        super().__init__(seed=seed)
         size = self.n_distinct()
         if size is not None and eval_size > size // 2:
             raise ValueError(f"eval_size={eval_size} leaves too few training problems: {self.name} "
@@ -299,8 +286,7 @@ class ProceduralTask(Task):
 
 
 class Arith(ProceduralTask):
-    """"12+7=" -> "19", sized for a tiny random-init character-level model trained on a CPU.
-    The completion is just the number (the policy appends its end token)."""
+    """"12+7=" -> "19", sized for a tiny random-init character-level model trained on a CPU."""
 
     name, rewards = "arith", [(int_correct, 1.0)]
     max_new_tokens = 8  # a sign, a few digits and the end token
@@ -333,15 +319,14 @@ class Arith(ProceduralTask):
 
 
 class ArithChain(Arith):
-    """"3+5-2=" -> "6": chains of single-digit additions and subtractions. In 1-digit a+b
-    (200 facts) a held-out problem is a fact never seen; here a held-out chain is new only as a
-    combination (4,000 chains), because each signed digit adds the same amount wherever it
+    """"3+5-2=" -> "6". In 1-digit a+b (200 facts) a held-out problem is a fact never seen; a held-out
+    chain is new only as a combination (4,000 chains), as each signed digit adds the same wherever it
     stands: the tiny model learns that rule from training chains and carries it to held-out ones."""
 
     name = "arith_chain"
 
     def __init__(self, *, seed: int = 0, eval_size: int = 200, n_operands: int = 3, ops: str = "+-"):
-        super().__init__(seed=seed, eval_size=eval_size, max_operand=9, n_operands=n_operands, ops=ops)
+        super().__init__(seed=seed, eval_size=eval_size, n_operands=n_operands, ops=ops)
 
 
 class Countdown(ProceduralTask):
@@ -349,15 +334,7 @@ class Countdown(ProceduralTask):
     The target is made by combining the numbers at random, so every problem is solvable."""
 
     name, rewards = "countdown", [(countdown_correct, 1.0), (format_reward, 0.1)]
-
-    def __init__(self, *, seed: int = 0, eval_size: int = 100, min_numbers: int = 3,
-                 max_numbers: int = 4, max_number: int = 25, max_target: int = 1000):
-        if not 2 <= min_numbers <= max_numbers <= 5 or max_number < 2:  # solve() is exhaustive
-            raise ValueError("countdown needs 2 <= min_numbers <= max_numbers <= 5 and "
-                             f"max_number >= 2 (got {min_numbers}, {max_numbers}, {max_number})")
-        self.min_numbers, self.max_numbers = min_numbers, max_numbers
-        self.max_number, self.max_target = max_number, max_target
-        super().__init__(seed=seed, eval_size=eval_size)
+    min_numbers, max_numbers, max_number, max_target = 3, 4, 25, 1000  # solve() is exhaustive: <= 5 numbers
 
     def generate(self, rng: random.Random) -> Problem:
         numbers = [rng.randint(1, self.max_number)
@@ -406,37 +383,30 @@ class BadRow(ValueError):
 
 
 class DatasetTask(Task):
-    """Numeric-answer problems from a JSONL file (`data=path`, rows {"question": ..., "answer": ...};
-    "problem"/"solution" work too) or else the Hugging Face hub. The reference is the text after the
-    last "####" (GSM8K) or the last \\boxed{} (MATH) and must be one number. Rows are deduplicated by
-    question and shuffled by seed: the first eval_size are the eval split, the rest, cycled, the train
-    stream. Malformed rows (named by file:line) are skipped with a warning, or refused (bad_rows="error")."""
+    """Numeric-answer problems from a JSONL file (`data=path`, rows {"question", "answer"} or {"problem",
+    "solution"}) or else the hub; the reference (after the last "####", or in the last \\boxed{}) must be one
+    number. Rows are deduplicated by question and shuffled by seed: the first eval_size are held out, the
+    rest, cycled, train. Malformed rows (named by file:line) are skipped with a warning, or refused."""
 
     hub = ("", "", "")  # (path, config, split) for datasets.load_dataset
     instruction = "Solve step by step, then give the final number in <answer></answer> tags."
 
     def __init__(self, *, seed: int = 0, eval_size: int = 100, data: str | None = None,
                  bad_rows: str = "skip"):
-        super().__init__(seed=seed, eval_size=eval_size)
+        super().__init__(seed=seed)
         if bad_rows not in ("skip", "error"):
             raise ValueError(f"bad_rows must be 'skip' or 'error' (got {bad_rows!r})")
         found: dict[str, Problem] = {}
         self.skipped: list[str] = []  # "file:line (reason)" of every malformed row
-        if data is None:
-            rows = self._read_hub()
-        else:  # _problem parses each line: invalid JSON is one more malformed row
-            lines = Path(data).read_text(encoding="utf-8").splitlines()
-            rows = ((f"{data}:{n}", line) for n, line in enumerate(lines, 1) if line.strip())
-        for where, row in rows:
+        for where, row in self._rows(data):
             try:
                 problem = self._problem(row)
+                found.setdefault(problem.key, problem)
             except BadRow as e:
                 if bad_rows == "error":
                     raise ValueError(f"{where}: malformed row ({e}); fix or delete that line, or "
                                      "pass --bad-rows skip to drop such rows") from None
                 self.skipped.append(f"{where} ({e})")
-                continue
-            found.setdefault(problem.key, problem)
         if self.skipped:
             shown = "; ".join(self.skipped[:20]) + " ..." * (len(self.skipped) > 20)
             warnings.warn(f"{self.name}: skipped {len(self.skipped)} malformed rows: {shown}")
@@ -446,6 +416,27 @@ class DatasetTask(Task):
             raise ValueError(f"{self.name}: eval_size={eval_size} leaves no training problems "
                              f"({len(problems)} usable rows); lower --eval-size")
         self._eval, self._train = problems[:eval_size], problems[eval_size:]
+
+    def _rows(self, data: str | None) -> Iterator[tuple[str, Any]]:  # (where, row): file lines or hub records
+        if data is not None:  # _problem parses each line: invalid JSON is one more malformed row
+            lines = Path(data).read_text(encoding="utf-8").splitlines()
+            return ((f"{data}:{n}", line) for n, line in enumerate(lines, 1) if line.strip())
+        path, config, split = self.hub
+        hint = (f"pass a local file with --data path/to/{self.name}.jsonl "
+                '(one {"question": ..., "answer": ...} object per line)')
+        try:
+            import datasets  # optional heavy dependency: only needed without a local --data file
+        except ImportError:
+            raise ValueError(f"task {self.name!r} needs the `datasets` package to download "
+                             f"{path}: pip install datasets, or {hint}") from None
+        try:
+            ds = datasets.load_dataset(path, config, split=split)
+        # Broad on purpose, and re-raised with the cause attached: offline, the hub client fails
+        # with OSError, requests/httpx or datasets errors depending on its version.
+        except Exception as e:
+            raise ValueError(f"task {self.name!r}: could not load {path!r} from the Hugging Face "
+                             f"hub ({type(e).__name__}: {e}); {hint}") from e
+        return ((f"{path}[{split}]:row {i}", row) for i, row in enumerate(ds))
 
     def _problem(self, row: Any) -> Problem:
         """The row (a hub record or a JSONL line) as a Problem; BadRow says why it is malformed."""
@@ -465,27 +456,8 @@ class DatasetTask(Task):
         text = str(answer).split("####")[-1]
         if (value := parse_number(text)) is None:
             raise BadRow(f"answer {text.strip()[-40:]!r} is not a number")
-        answer = str(value.numerator) if value.denominator == 1 else str(value)
         key = " ".join(question.split())  # whitespace variants of a question are one problem
-        return Problem(f"{question.strip()}\n{self.instruction}", answer, key)
-
-    def _read_hub(self) -> Iterator[tuple[str, Any]]:
-        path, config, split = self.hub
-        hint = (f"pass a local file with --data path/to/{self.name}.jsonl "
-                '(one {"question": ..., "answer": ...} object per line)')
-        try:
-            import datasets  # optional heavy dependency: only needed without a local --data file
-        except ImportError:
-            raise ValueError(f"task {self.name!r} needs the `datasets` package to download "
-                             f"{path}: pip install datasets, or {hint}") from None
-        try:
-            ds = datasets.load_dataset(path, config, split=split)
-        # Broad on purpose, and re-raised with the cause attached: offline, the hub client fails
-        # with OSError, requests/httpx or datasets errors depending on its version.
-        except Exception as e:
-            raise ValueError(f"task {self.name!r}: could not load {path!r} from the Hugging Face "
-                             f"hub ({type(e).__name__}: {e}); {hint}") from e
-        return ((f"{path}[{split}]:row {i}", row) for i, row in enumerate(ds))
+        return Problem(f"{question.strip()}\n{self.instruction}", str(value), key)  # "72", "1/2"
 
     def train_problem(self, index: int) -> Problem:
         return self._train[index % len(self._train)]
@@ -503,16 +475,13 @@ class MATH(DatasetTask):
 
 
 class Add(Arith):
-    """Arith's a + b for a pretrained chat model, the format stated by two examples (FORMAT).
-    SmolLM2-135M-Instruct mostly answers "13 + 8 = 21" or starts explaining, so its strict score (the
-    bare number, `bare_int_correct`) starts low while the lenient one (the sum anywhere) shows how often
-    it adds right: RL has the format to learn and must keep the sums right while it does."""
+    """a + b for a pretrained chat model, the format stated by two examples (FORMAT). SmolLM2-135M-Instruct
+    mostly answers "13 + 8 = 21" or explains, so its strict score (the bare number) starts low while the
+    lenient one (the sum anywhere) shows how often it adds right: RL must learn the format, keep the sums."""
 
-    name = "add"
-    # Only a bare right sum pays: a bonus for the bare form (right or wrong) was learnt in 4 steps and
-    # the sums lost (every answer "2"). The examples in the prompt make the untrained model sample the
-    # bare form often enough (9 of 128 samples) for GRPO's groups to show a spread.
-    rewards = [(bare_int_correct, 1.0)]
+    # Only a bare right sum pays: a bonus for the bare form (right or wrong) was learnt in 4 steps, every
+    # answer "2". The prompt's examples make the untrained model sample it (9 of 128) for GRPO to see spread.
+    name, rewards = "add", [(bare_int_correct, 1.0)]
     max_new_tokens = 12  # the bare sum is 2-3 tokens; "13 + 18 = 31" (for the lenient score) fits
     FORMAT = "Answer with the number only.\nQ: What is 2 + 3?\nA: 5\nQ: What is 11 + 7?\nA: 18\n"
 

@@ -129,10 +129,9 @@ class Config:
 
 
 def task_defaults(given: dict) -> dict:
-    """The defaults above are CartPole's; an LLM task gets these instead, under what a preset or flag
-    gives (`given`); config.yaml records them. lr: GRPO on SmolLM2-135M (countdown, 16 x 24 tokens, LoRA
-    r=16), entropy at steps 1-4: 5e-3 2.1 3.5 0.9 1.4; 5e-4 2.1 2.7 2.9 2.5; 1e-4 2.1 2.6 2.8 2.4 (the
-    last two within batch noise: the faster). Full fine-tuning: the tiny preset's 5e-5 (1e-4 plateaued)."""
+    """An LLM task's defaults, under what a preset or flag gives (`given`). lr: GRPO on SmolLM2-135M
+    (countdown, 16 x 24 tokens, LoRA r=16), entropy at steps 1-4: 5e-3 2.1 3.5 0.9 1.4; 5e-4 2.1 2.7 2.9 2.5;
+    1e-4 2.1 2.6 2.8 2.4 (in noise: the faster). Full fine-tuning: the tiny preset's 5e-5 (1e-4 stalled)."""
     task = given.get("task", Config.task)
     kind = tasks.TASKS.get(task) or getattr(TEXT_ENVS.get(task), "task", None)
     if kind is None:  # CartPole, or a name validate() rejects
@@ -174,8 +173,8 @@ def validate(cfg: Config) -> None:
         raise err(f"--batch {cfg.batch} is the global batch: {utils.world()} ranks need a multiple of "
                   f"{unit} (ranks x whole groups of --group-size x --minibatches); "
                   f"try --batch {unit * -(-cfg.batch // unit)}")
-    if not (0 < cfg.gamma <= 1 and 0 <= cfg.lam <= 1 and cfg.lr > 0 and cfg.sft_lr > 0):
-        raise err("need 0 < gamma <= 1, 0 <= lam <= 1, lr > 0 and sft_lr > 0")
+    if not (0 < cfg.gamma <= 1 and 0 <= cfg.lam <= 1 and min(cfg.lr, cfg.sft_lr, cfg.worker_patience) > 0):
+        raise err("need 0 < gamma <= 1, 0 <= lam <= 1, and lr, sft_lr and worker_patience > 0")
     if not (0 < cfg.eps_low <= 1 and cfg.eps_high > 0) or 0 < cfg.dual_clip <= 1:
         raise err(f"need 0 < eps_low <= 1, eps_high > 0 and dual_clip 0 (off) or > 1 "
                   f"(got {cfg.eps_low}, {cfg.eps_high}, {cfg.dual_clip})")
@@ -234,8 +233,6 @@ def validate_modes(cfg: Config) -> None:
     if cfg.vllm and (cfg.role != "rollout" or not cfg.lora):
         raise err("--vllm is for --role rollout with --lora: with full fine-tuning every sync would ship "
                   "the whole model; drop --vllm to let the worker generate with its own copy of the policy")
-    if cfg.worker_patience <= 0:
-        raise err("need --worker-patience > 0")
 
 
 def build(cfg: Config) -> tuple[torch.nn.Module, torch.optim.Optimizer, BatchSource]:
@@ -259,15 +256,14 @@ def load_teacher(cfg: Config, student):
     a, b = student.tokenizer, teacher.tokenizer
     if a.get_vocab() != b.get_vocab() or student.eos_ids != teacher.eos_ids:
         raise utils.ConfigError(f"--teacher {cfg.teacher}: its tokenizer differs from the student's "
-                                f"({len(b)} vs {len(a)} tokens, or other ids); it scores the student's own "
+                                f"({len(b)} vs {len(a)} tokens, or other ids); it scores the student's "
                                 "token ids, so pick a teacher of the student's family")
     return teacher.requires_grad_(False).to(DTYPES[cfg.dtype])  # frozen: --dtype bf16 halves its memory
 
 
 def warm_start(policy, opt, source: BatchSource, cfg: Config, log, first: int, stop) -> bool:
-    """Supervised steps first..-1 (logged at first+1..0) on the task's own solver's demonstrations (never a
-    model's), so the RL gain on top is reported apart. The RL optimizer at sft_lr (so a checkpoint on the way
-    holds all a resume needs), its state then cleared: RL starts from a fresh Adam. True: a Ctrl-C stop."""
+    """Supervised steps first..-1 (logged at first+1..0) on the task's solver's demos, so RL's gain shows
+    apart; the RL Adam at sft_lr (a checkpoint holds all a resume needs), then reset. True: a Ctrl-C stop."""
     opt.param_groups[0]["lr"] = cfg.sft_lr  # build() gives Adam one group
     for step in range(first, 0):
         batch = source.demonstrations(cfg.batch)
@@ -293,9 +289,8 @@ def micro_slices(rows: torch.Tensor, size: int):
 
 
 def on_policy(policy, cfg: Config) -> bool:
-    """The update's own forward is the old policy (ratio exactly 1: REINFORCE, GRPO, ... are the plain
-    policy gradient), so stage 2 skips one: a single pass over rows the live weights just sampled, no
-    critic, no IS correction, no teacher (OPD needs old_logp first). Async rows: older versions sampled."""
+    """The update's own forward is the old policy (ratio exactly 1: the plain policy gradient), so stage 2
+    skips one: one pass over rows the live weights just sampled, no critic, IS correction or teacher."""
     return (cfg.role == "sync" and cfg.inner_epochs == 1 and cfg.minibatches == 1 and not policy.has_critic
             and cfg.tis == "off" and cfg.mis == "off" and cfg.algo != "opd")
 
@@ -304,16 +299,15 @@ def on_policy(policy, cfg: Config) -> bool:
 def old_scores(policy, batch: Batch, cfg: Config, weights) -> tuple[torch.Tensor, torch.Tensor | None]:
     """old_logp and values [N, T], each row under the weights of the version that sampled it (`weights`:
     live or a snapshot), in update()'s micro-batches: live rows get exactly the update's first forward."""
-    logp, values = torch.zeros_like(batch.mask), torch.zeros_like(batch.mask) if policy.has_critic else None
+    logp, values = torch.zeros_like(batch.mask), torch.zeros_like(batch.mask)  # [N, T]
     for rows in micro_slices(torch.arange(len(batch)), cfg.micro_batch):
         for v in batch.version[rows].unique().tolist():
             with weights(v):
                 lp, _, val = policy.score(batch, rows)
             keep = batch.version[rows] == v  # [rows]
             logp[rows[keep]] = lp[keep]
-            if values is not None:
-                values[rows[keep]] = val[keep]
-    return logp * batch.mask, values * batch.mask if values is not None else None
+            values[rows[keep]] = val[keep] if policy.has_critic else 0.0
+    return logp * batch.mask, values * batch.mask if policy.has_critic else None
 
 
 def rollout_metrics(batch: Batch, rewards: torch.Tensor, cfg: Config) -> dict:
@@ -334,9 +328,8 @@ def rollout_metrics(batch: Batch, rewards: torch.Tensor, cfg: Config) -> dict:
 
 @torch.no_grad()
 def prepare(policy, batch: Batch, cfg: Config, weights=live_weights, teacher=None) -> Batch:
-    """Stage 2: old log-probs and values (old_scores), then advantages, loss weights and batch.metrics
-    (floats for the log). The sampler's own log-probs (batch.logp) are never the old ones: they enter
-    only the mismatch corrections (tis / mis) and the logged logp_gap."""
+    """Stage 2: old log-probs and values, advantages, loss weights, batch.metrics. The sampler's own
+    log-probs (batch.logp) are never the old ones: only tis / mis and the logged logp_gap read them."""
     mask, metrics, rows = batch.mask, {}, micro_slices(torch.arange(len(batch)), cfg.micro_batch)
     if not on_policy(policy, cfg):
         batch.old_logp, batch.values = old_scores(policy, batch, cfg, weights)
@@ -504,7 +497,7 @@ def start_run(cfg: Config, out: Path, policy, opt, source: BatchSource, meta: di
     """The run's log, then what precedes RL step 0 (evaluations, warm-start): (log, RL's first step)."""
     start = meta["step"] if meta else -cfg.sft_steps  # < 0: (in) the warm-start
     # A resumed run rewrites what came after its checkpoint (everything, when none loads).
-    resumed_at = (start if meta else -cfg.sft_steps - 1) if cfg.resume else None
+    resumed_at = (start if meta else start - 1) if cfg.resume else None
     wall = meta["wall_s"] if meta else 0.0
     log = utils.Metrics(out, cfg, wall, resumed_at) if utils.rank() == 0 else utils.NoMetrics()
     if cfg.sft_steps and not meta:

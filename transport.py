@@ -1,10 +1,9 @@
 """Transport between a trainer and its rollout workers: an authenticated stdlib HTTP server, a
 retrying client, and the payload codec (tensors <-> safetensors bytes with a SHA-256, never pickled).
 
-Security: every request carries the shared secret NANORL_TOKEN as `Authorization: Bearer <token>`,
-checked in constant time. A loopback bind without one generates it (`Server.token`) for the workers
-the trainer spawns, since a token-less server would let any local user push batches; any other bind
-without NANORL_TOKEN refuses to start.
+Every request carries the shared secret NANORL_TOKEN as `Authorization: Bearer <token>`, checked in
+constant time. A loopback bind without one generates it (`Server.token`) for the workers the trainer
+spawns (a token-less server would let any local user push batches); any other bind refuses to start.
 """
 from __future__ import annotations
 
@@ -68,8 +67,7 @@ class _Handler(BaseHTTPRequestHandler):
         if status >= 400:
             self.server.count(f"http_{status}")
         self.send_response(status)
-        if body:
-            self.send_header("Content-Type", "application/json" if is_json else "application/octet-stream")
+        self.send_header("Content-Type", "application/json" if is_json else "application/octet-stream")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -138,10 +136,9 @@ class Server(ThreadingHTTPServer):
         if bad := [m for m, _ in routes if m not in ("GET", "POST")]:
             raise ValueError(f"routes support GET and POST only; got {bad}")
         token = token or os.environ.get("NANORL_TOKEN")
-        try:
-            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-        except ValueError:  # a host name other than localhost: treat as exposed
-            loopback = False
+        loopback = host == "localhost"
+        with contextlib.suppress(ValueError):  # a host name other than localhost: treat as exposed
+            loopback = loopback or ipaddress.ip_address(host).is_loopback
         if not token and not loopback:  # checked before a socket is opened
             raise ValueError(f"refusing to serve on {host!r} without a token: set NANORL_TOKEN to a shared "
                              "secret on the trainer and every worker, or bind 127.0.0.1")
@@ -180,11 +177,9 @@ class Server(ThreadingHTTPServer):
         super().process_request(request, client_address)
 
     def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            with self.lock:
-                self.conns.pop(request, None)
+        super().process_request_thread(request, client_address)  # catches what the handler raises
+        with self.lock:
+            self.conns.pop(request, None)
 
     def admit(self, request, seconds: float):
         """An authenticated request gets `seconds` more to send its body and read the reply."""
@@ -252,10 +247,9 @@ class Client:
             try:
                 conn.connect()
                 sent = True
-                try:
+                # the server may refuse the body early (413, 401): its answer is still readable
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                     conn.request(method, path, body=body, headers={"Authorization": f"Bearer {self.token}"})
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the server refused the body early (413, 401): its answer is still readable
                 resp = conn.getresponse()
                 if resp.length is None:  # no Content-Length: read to the end
                     return resp.status, resp.read()
@@ -289,7 +283,6 @@ class PayloadError(ValueError):
 
 
 def _digest(entries: dict, data) -> str:
-    """SHA-256 of the tensor directory (names, dtypes, shapes, offsets) and the data bytes."""
     h = hashlib.sha256(json.dumps(entries, sort_keys=True).encode())
     h.update(data)
     return h.hexdigest()
@@ -325,9 +318,8 @@ def encode(tensors: dict[str, torch.Tensor], meta: dict) -> bytearray:
 
 
 def _check_header(data: bytearray) -> tuple[object, dict, int]:
-    """Validate the safetensors JSON header ourselves: every tensor's bytes lie inside the body,
-    back to back in order and covering it exactly (the layout safetensors itself writes).
-    Returns (__metadata__, name -> {dtype, shape, data_offsets}, where the data starts)."""
+    """Checks the safetensors header ourselves: the tensors' bytes lie back to back, in order, and cover
+    the body exactly (as safetensors writes them). Returns (__metadata__, {name: entry}, data start)."""
     if len(data) < 8:
         raise PayloadError(f"payload is {len(data)} bytes; a safetensors blob has at least 8")
     if (n := struct.unpack("<Q", data[:8])[0]) > min(MAX_HEADER, len(data) - 8):
@@ -338,10 +330,8 @@ def _check_header(data: bytearray) -> tuple[object, dict, int]:
         raise PayloadError(f"safetensors header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
         raise PayloadError("safetensors header is not a JSON object")
-    entries = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
+    entries = {name: info for name, info in header.items() if name != "__metadata__"}
+    for name, info in entries.items():
         dtype = info.get("dtype") if isinstance(info, dict) else None
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise PayloadError(f"tensor {name!r}: dtype {dtype!r} not allowed; allowed: {sorted(DTYPES)}")
@@ -352,7 +342,6 @@ def _check_header(data: bytearray) -> tuple[object, dict, int]:
         if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
                 and offs[1] - offs[0] == math.prod(shape) * DTYPES[dtype].itemsize):
             raise PayloadError(f"tensor {name!r}: shape {shape} {dtype} does not match data_offsets {offs!r}")
-        entries[name] = {"dtype": dtype, "shape": shape, "data_offsets": offs}
     end = 0
     for name, e in sorted(entries.items(), key=lambda item: item[1]["data_offsets"]):
         if (a := e["data_offsets"][0]) != end:
