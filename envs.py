@@ -47,10 +47,9 @@ class CartPole:
 # ================================================================ text environments (multi-turn)
 class TextEnv:
     """In the spirit of gymnasium: reset(problem) -> (chat messages, info), step(completion) ->
-    (reply messages or None, reward, done, info). The problem's prompt opens the chat; subclasses
-    define `respond(completion) -> (reply text or None, reward, solved)`, and a solve, a reply of
-    None or `max_turns` turns end the episode. An episode's reward is the sum of its turns', given
-    to every token the model sampled. `task` is the tasks.Task class that supplies problems."""
+    (reply messages or None, reward, done, info). Subclasses define `respond(completion) -> (reply
+    text or None, reward, solved)`; a solve, a reply of None or `max_turns` turns end the episode,
+    whose reward is the sum of its turns'. `task`: the tasks.Task class that supplies problems."""
 
     max_turns = 4
     task: type | None = None

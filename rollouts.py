@@ -230,9 +230,7 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
         raise utils.ConfigError(f"a prompt has {longest} tokens, not fewer than max_len={max_len}; "
                                 "raise max_len (--max-len)")
     with ThreadPoolExecutor(8) as pool:
-        for _ in range(max_turns):
-            if not (live := [e for e in eps if not e.done]):
-                break
+        while live := [e for e in eps if not e.done]:  # each ends by max_turns at the latest
             room = [min(max_new_tokens, max_len - len(e.prompt) - len(e.ids)) for e in live]
             samples = policy.generate([e.prompt + e.ids for e in live], max(room), greedy=greedy)
             for e, s, r in zip(live, samples, room):  # a smaller budget cuts the sample: still token-exact
