@@ -263,9 +263,7 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
 
 
 # ================================================================ batch sources
-def live_weights(version: int) -> contextlib.AbstractContextManager:
-    """The policy as it is: in sync mode the live weights sampled every row."""
-    return contextlib.nullcontext()
+live_weights = contextlib.nullcontext  # weights(version) in sync mode: the live weights sampled every row
 
 
 class BatchSource:
@@ -282,9 +280,10 @@ class BatchSource:
         """Held-out greedy metrics with the live weights, summed or averaged over ranks."""
         raise NotImplementedError
 
+    last: dict[str, float] = {}  # about the last next(), to log (same keys on every rank); next() replaces it
+
     def metrics(self) -> dict[str, float]:
-        """Numbers about the last next() to log with the step (same keys on every rank)."""
-        return {}
+        return self.last
 
     def weights(self, version: int) -> contextlib.AbstractContextManager:
         """A context in which the policy holds the weights that sampled `version` (stage 2 scores
@@ -341,7 +340,6 @@ class TaskRollouts(BatchSource):
         except (ValueError, OSError) as e:  # bad --data rows, a missing file, too small a split
             raise utils.ConfigError(f"--task {cfg.task}: {e}") from None
         self.spread: list = []  # recent problems whose groups had reward spread: prompt_reweight replays them
-        self.last: dict[str, float] = {}
 
     def make_task(self, cfg) -> tasks.Task:
         task = tasks.make_task(cfg.task, seed=cfg.seed, eval_size=cfg.eval_size, data=cfg.data or None,
@@ -387,9 +385,6 @@ class TaskRollouts(BatchSource):
         groups = kept[:need] or flat[:need]
         return collate_groups(groups + dropped[: need - len(groups)], self.policy.pad_id, step,
                               cfg.judge_down == "drop")
-
-    def metrics(self) -> dict[str, float]:
-        return self.last
 
     def evaluate(self) -> dict:
         """Rank r of W scores eval problems r, r + W, ...; summed over ranks, as one process would."""
