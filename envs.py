@@ -36,8 +36,7 @@ class CartPole:
         self.max_steps = max_steps
 
     def reset(self, n: int, seed: int, group_size: int = 1) -> CartPoleVectorEnv:
-        """n episodes from `seed`, stepped as one vectorised env; the members of each group of
-        `group_size` start from the same state, so GRPO/RLOO compare like with like."""
+        """n episodes from `seed`; each group of `group_size` starts from one state, as GRPO/RLOO need."""
         env = CartPoleVectorEnv(num_envs=n, max_episode_steps=self.max_steps)
         env.reset(seed=seed)
         env.state = env.state[:, np.arange(n) // group_size * group_size]  # [4, n]: members copy leaders

@@ -340,6 +340,7 @@ class TaskRollouts(BatchSource):
         except (ValueError, OSError) as e:  # bad --data rows, a missing file, too small a split
             raise utils.ConfigError(f"--task {cfg.task}: {e}") from None
         self.spread: list = []  # recent problems whose groups had reward spread: prompt_reweight replays them
+        self.drop = cfg.judge_down == "drop"  # a judge that gives no score: NaN, its group masked out
 
     def make_task(self, cfg) -> tasks.Task:
         task = tasks.make_task(cfg.task, seed=cfg.seed, eval_size=cfg.eval_size, data=cfg.data or None,
@@ -370,8 +371,8 @@ class TaskRollouts(BatchSource):
         while len(kept) < need and rounds < (cfg.max_gen_batches if cfg.dynamic_sampling else 1):
             rounds += 1
             for group in rollout_single(self.policy, self.task, self.draw(want), cfg.group_size,
-                                        cfg.max_new_tokens, cfg.gen_batch, drop=cfg.judge_down == "drop"):
-                if any(math.isnan(r.reward) for r in group):  # a judge gave no score (--judge-down drop)
+                                        cfg.max_new_tokens, cfg.gen_batch, drop=self.drop):
+                if any(math.isnan(r.reward) for r in group):  # a judge gave no score
                     dropped.append(group)
                     continue
                 spread = len({r.reward for r in group}) > 1
@@ -383,15 +384,13 @@ class TaskRollouts(BatchSource):
         # Nothing informative within the bound: train on what there is (no GRPO/RLOO gradient). Dropped
         # groups fill the rest, masked out, so that every rank keeps batch / W rows.
         groups = kept[:need] or flat[:need]
-        return collate_groups(groups + dropped[: need - len(groups)], self.policy.pad_id, step,
-                              cfg.judge_down == "drop")
+        return collate_groups(groups + dropped[: need - len(groups)], self.policy.pad_id, step, self.drop)
 
     def evaluate(self) -> dict:
         """Rank r of W scores eval problems r, r + W, ...; summed over ranks, as one process would."""
         problems, cfg = self.task.eval_problems()[utils.rank() :: utils.world()], self.cfg
-        drop = cfg.judge_down == "drop"  # a judge scores eval samples too (only rewards[0] counts there)
         greedy = rollout_single(self.policy, self.task, problems, 1, cfg.max_new_tokens, cfg.gen_batch,
-                                greedy=True, drop=drop)
+                                greedy=True, drop=self.drop)  # a judge scores them too (rewards[0] counts)
         hits = sum(self.task.correct(p, g[0].text) for p, g in zip(problems, greedy))
         sums = {"n": len(problems), "eval_accuracy": hits}
         lenient = [self.task.lenient(p, g[0].text) for p, g in zip(problems, greedy)]
@@ -399,7 +398,7 @@ class TaskRollouts(BatchSource):
             sums["eval_accuracy_lenient"] = sum(lenient)
         if k := cfg.pass_k:
             groups = rollout_single(self.policy, self.task, problems, k, cfg.max_new_tokens, cfg.gen_batch,
-                                    drop=drop)
+                                    drop=self.drop)
             c = [sum(self.task.correct(r.problem, r.text) for r in g) for g in groups]
             sums |= {"eval_pass@1": sum(c) / k, f"eval_pass@{k}": sum(tasks.pass_at_k(k, ci, k) for ci in c)}
         sums = utils.reduce_dict(sums)
