@@ -36,8 +36,7 @@ class CartPole:
         self.max_steps = max_steps
 
     def reset(self, n: int, seed: int, group_size: int = 1) -> CartPoleVectorEnv:
-        """n episodes from `seed`, stepped as one vectorised env; the members of each group of
-        `group_size` start from the same state, so GRPO/RLOO compare like with like."""
+        """n episodes from `seed`; each group of `group_size` starts from one state, as GRPO/RLOO need."""
         env = CartPoleVectorEnv(num_envs=n, max_episode_steps=self.max_steps)
         env.reset(seed=seed)
         env.state = env.state[:, np.arange(n) // group_size * group_size]  # [4, n]: members copy leaders
@@ -47,10 +46,9 @@ class CartPole:
 # ================================================================ text environments (multi-turn)
 class TextEnv:
     """In the spirit of gymnasium: reset(problem) -> (chat messages, info), step(completion) ->
-    (reply messages or None, reward, done, info). The problem's prompt opens the chat; subclasses
-    define `respond(completion) -> (reply text or None, reward, solved)`, and a solve, a reply of
-    None or `max_turns` turns end the episode. An episode's reward is the sum of its turns', given
-    to every token the model sampled. `task` is the tasks.Task class that supplies problems."""
+    (reply messages or None, reward, done, info). Subclasses define `respond(completion) -> (reply
+    text or None, reward, solved)`; a solve, a reply of None or `max_turns` turns end the episode,
+    whose reward is the sum of its turns'. `task`: the tasks.Task class that supplies problems."""
 
     max_turns = 4
     task: type | None = None

@@ -1,11 +1,7 @@
-"""Where batches come from: the typed Batch, what a batch source promises the loop, and the
-three rollouts (control episodes, single-turn completions, multi-turn episodes).
-
-A source runs stage 1 of the loop (`next(step) -> Batch`) and stage 4 (`publish`). The sync
-sources below generate with the live policy; serve.AsyncRollouts takes batches that rollout
-workers made by calling these very sources (`--role rollout`), so every rollout option behaves
-the same in both modes.
-"""
+"""Where batches come from: the typed Batch, what a batch source promises the loop (stage 1
+`next(step) -> Batch`, stage 4 `publish`), and the three rollouts: control episodes, single-turn
+completions, multi-turn episodes. Async rollout workers (`--role rollout`) run these very sources,
+so every rollout option behaves the same in sync and async runs."""
 from __future__ import annotations
 
 import contextlib
@@ -110,19 +106,16 @@ def make_batch(prefixes: list[list[int]], samples: list, rewards: list[float], p
 # ================================================================ the three rollouts
 def rollout_control(env: CartPole, policy, n: int, seed: int, group_size: int = 1,
                     greedy: bool = False, version: int = 0) -> Batch:
-    """n episodes in lockstep from `seed`, one policy forward per time step for all of them.
-    Episodes in the same group of `group_size` start from the same state, so GRPO/RLOO compare
-    like with like. The time limit truncates (bootstrapped by PPO); a fallen pole terminates."""
+    """n episodes in lockstep from `seed` (a group of `group_size` from one start state), one policy
+    forward per time step for all of them. The time limit truncates (bootstrapped by PPO); a fallen
+    pole terminates."""
     vec = env.reset(n, seed, group_size)
     obs = vec.state.T.astype("float32")
     alive, truncated = torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)
-    obs_t, act_t, logp_t, alive_t, last_obs = [], [], [], [], torch.zeros(n, env.obs_dim)
+    steps, last_obs = [], torch.zeros(n, env.obs_dim)  # steps: (obs, action, logp, alive) per time step
     for _ in range(env.max_steps):
         actions, logp, _ = policy.act(torch.from_numpy(obs), greedy=greedy)
-        obs_t.append(torch.tensor(obs))
-        act_t.append(actions)
-        logp_t.append(logp)
-        alive_t.append(alive.float())
+        steps.append((torch.tensor(obs), actions, logp, alive.float()))
         obs, _, term, trunc, _ = vec.step(actions.numpy())
         ended = alive & torch.from_numpy(term | trunc)
         truncated |= ended & ~torch.from_numpy(term)
@@ -130,10 +123,9 @@ def rollout_control(env: CartPole, policy, n: int, seed: int, group_size: int = 
         alive &= ~ended
         if not alive.any():
             break
-    mask = torch.stack(alive_t, 1)  # [N, T]
+    states, actions, logp, mask = (torch.stack(x, 1) for x in zip(*steps))  # [N, T, D], then [N, T] each
     leader = torch.arange(n) // group_size * group_size  # [N]
-    logp, reward = torch.stack(logp_t, 1) * mask, mask.clone()  # [N, T] each; reward: +1 a step
-    return Batch(torch.stack(act_t, 1), mask, torch.stack(obs_t, 1), last_obs, mask, logp, reward, truncated,
+    return Batch(actions, mask, states, last_obs, mask, logp * mask, mask.clone(), truncated,  # reward: +1
                  leader, torch.full((n,), version), {}, [("", "", "")] * n)
 
 
@@ -158,8 +150,7 @@ def rollout_single(policy, task: tasks.Task, problems: list[Problem], group_size
     texts = [policy.decode(s.ids) for s in samples]
     width = max(getattr(fn, "concurrency", 1) for fn, _ in task.rewards)  # only a judge scores in parallel
     with ThreadPoolExecutor(width) as pool:
-        scores = list(pool.map(lambda p, t: task.score(p.prompt, t, p.answer, drop), [p for p, _ in rows],
-                                texts))
+        scores = list(pool.map(lambda r, t: task.score(r[0].prompt, t, r[0].answer, drop), rows, texts))
     out = [Row(p, x, s, t, *score) for (p, x), s, t, score in zip(rows, samples, texts, scores)]
     return [out[i : i + group_size] for i in range(0, len(out), group_size)]
 
@@ -229,21 +220,17 @@ def _start(policy, env_factory, problem: Problem) -> Episode:
 
 
 def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: int, max_turns: int,
-                      max_new_tokens: int, max_len: int, greedy: bool = False, workers: int = 8,
-                      version: int = 0) -> Batch:
+                      max_new_tokens: int, max_len: int, greedy: bool = False, version: int = 0) -> Batch:
     """group_size episodes per problem, up to max_turns model turns each, with one policy.generate
-    call per turn for all live episodes; env steps run in `workers` threads (the sandbox and
-    SQLite release the GIL). Only the model's tokens have mask 1, and all carry the episode's
-    reward; stats: turns, solved (by the last turn), solved_first_turn. An episode whose next
-    turn would pass max_len ends there, marked truncated."""
+    call per turn for all live episodes; env steps run in 8 threads (the sandbox and SQLite release
+    the GIL). Only the model's tokens have mask 1; stats: turns, solved (by the last turn),
+    solved_first_turn. An episode whose next turn would pass max_len ends there, marked truncated."""
     eps = [_start(policy, env_factory, p) for p in problems for _ in range(group_size)]
     if (longest := max(len(e.prompt) for e in eps)) >= max_len:
         raise utils.ConfigError(f"a prompt has {longest} tokens, not fewer than max_len={max_len}; "
                                 "raise max_len (--max-len)")
-    with ThreadPoolExecutor(workers) as pool:
-        for _ in range(max_turns):
-            if not (live := [e for e in eps if not e.done]):
-                break
+    with ThreadPoolExecutor(8) as pool:
+        while live := [e for e in eps if not e.done]:  # each ends by max_turns at the latest
             room = [min(max_new_tokens, max_len - len(e.prompt) - len(e.ids)) for e in live]
             samples = policy.generate([e.prompt + e.ids for e in live], max(room), greedy=greedy)
             for e, s, r in zip(live, samples, room):  # a smaller budget cuts the sample: still token-exact
@@ -269,17 +256,14 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
     at = torch.tensor([float(e.solved_at_turn) for e in eps])  # [N], 0 = never
     stats = {"solved": (at > 0).float(), "solved_first_turn": (at == 1).float(),
              "turns": torch.tensor([float(e.turns) for e in eps])}
+    group = torch.arange(len(problems)).repeat_interleave(group_size)  # [N]
     return make_batch([e.prompt for e in eps], eps, [e.reward for e in eps], policy.pad_id,
-                      [e.mask for e in eps],
-                      group=torch.arange(len(problems)).repeat_interleave(group_size), version=version,
-                      stats=stats,
+                      [e.mask for e in eps], group=group, version=version, stats=stats,
                       texts=[(e.problem.prompt, e.text, e.problem.answer) for e in eps])
 
 
 # ================================================================ batch sources
-def live_weights(version: int) -> contextlib.AbstractContextManager:
-    """The policy as it is: in sync mode the live weights sampled every row."""
-    return contextlib.nullcontext()
+live_weights = contextlib.nullcontext  # weights(version) in sync mode: the live weights sampled every row
 
 
 class BatchSource:
@@ -296,9 +280,10 @@ class BatchSource:
         """Held-out greedy metrics with the live weights, summed or averaged over ranks."""
         raise NotImplementedError
 
+    last: dict[str, float] = {}  # about the last next(), to log (same keys on every rank); next() replaces it
+
     def metrics(self) -> dict[str, float]:
-        """Numbers about the last next() to log with the step (same keys on every rank)."""
-        return {}
+        return self.last
 
     def weights(self, version: int) -> contextlib.AbstractContextManager:
         """A context in which the policy holds the weights that sampled `version` (stage 2 scores
@@ -332,8 +317,7 @@ class ControlRollouts(BatchSource):
         self.env, self.policy, self.cfg = CartPole(), policy, cfg  # position: one seed per rank per step
 
     def next(self, step: int) -> Batch:
-        """This rank's batch / W episodes, from its own seed (rank r of W uses position + r)."""
-        # always below the eval seeds
+        """This rank's batch / W episodes, from its own seed below EVAL_SEED (rank r of W: position + r)."""
         seed = (self.cfg.seed * 100_003 + self.position + utils.rank()) % EVAL_SEED
         self.position += utils.world()
         n = self.cfg.batch // utils.world()
@@ -356,7 +340,7 @@ class TaskRollouts(BatchSource):
         except (ValueError, OSError) as e:  # bad --data rows, a missing file, too small a split
             raise utils.ConfigError(f"--task {cfg.task}: {e}") from None
         self.spread: list = []  # recent problems whose groups had reward spread: prompt_reweight replays them
-        self.last: dict[str, float] = {}
+        self.drop = cfg.judge_down == "drop"  # a judge that gives no score: NaN, its group masked out
 
     def make_task(self, cfg) -> tasks.Task:
         task = tasks.make_task(cfg.task, seed=cfg.seed, eval_size=cfg.eval_size, data=cfg.data or None,
@@ -368,17 +352,12 @@ class TaskRollouts(BatchSource):
         return task
 
     def draw(self, n: int) -> list[Problem]:
-        """This rank's share of the next n problems: indices position + r, + r + W, ... (disjoint)."""
+        """This rank's share of the next n problems (indices position + r, + r + W, ...: disjoint), its
+        first prompt_reweight share swapped for recent prompts whose groups had reward spread (oldest
+        first). The fresh ones it replaces are skipped, so every rank advances the stream alike."""
         indices = range(self.position + utils.rank(), self.position + n, utils.world())
-        problems = [self.task.train_problem(i) for i in indices]
+        fresh = [self.task.train_problem(i) for i in indices]
         self.position += n
-        return problems
-
-    def pick(self, n: int) -> list[Problem]:
-        """This rank's share of the next n problems, its first prompt_reweight share swapped for
-        recent prompts whose groups had reward spread (oldest first). The fresh ones it replaces
-        are skipped, so every rank advances the stream alike."""
-        fresh = self.draw(n)
         r = min(int(self.cfg.prompt_reweight * len(fresh)), len(self.spread))
         replay, self.spread = self.spread[:r], self.spread[r:]
         return replay + fresh[r:]
@@ -391,9 +370,9 @@ class TaskRollouts(BatchSource):
         # RLOO, so it is set aside and fresh prompts are generated, at most max_gen_batches rounds.
         while len(kept) < need and rounds < (cfg.max_gen_batches if cfg.dynamic_sampling else 1):
             rounds += 1
-            for group in rollout_single(self.policy, self.task, self.pick(want), cfg.group_size,
-                                        cfg.max_new_tokens, cfg.gen_batch, drop=cfg.judge_down == "drop"):
-                if any(math.isnan(r.reward) for r in group):  # a judge gave no score (--judge-down drop)
+            for group in rollout_single(self.policy, self.task, self.draw(want), cfg.group_size,
+                                        cfg.max_new_tokens, cfg.gen_batch, drop=self.drop):
+                if any(math.isnan(r.reward) for r in group):  # a judge gave no score
                     dropped.append(group)
                     continue
                 spread = len({r.reward for r in group}) > 1
@@ -405,18 +384,13 @@ class TaskRollouts(BatchSource):
         # Nothing informative within the bound: train on what there is (no GRPO/RLOO gradient). Dropped
         # groups fill the rest, masked out, so that every rank keeps batch / W rows.
         groups = kept[:need] or flat[:need]
-        return collate_groups(groups + dropped[: need - len(groups)], self.policy.pad_id, step,
-                              cfg.judge_down == "drop")
-
-    def metrics(self) -> dict[str, float]:
-        return self.last
+        return collate_groups(groups + dropped[: need - len(groups)], self.policy.pad_id, step, self.drop)
 
     def evaluate(self) -> dict:
         """Rank r of W scores eval problems r, r + W, ...; summed over ranks, as one process would."""
         problems, cfg = self.task.eval_problems()[utils.rank() :: utils.world()], self.cfg
-        drop = cfg.judge_down == "drop"  # a judge scores eval samples too (only rewards[0] counts there)
         greedy = rollout_single(self.policy, self.task, problems, 1, cfg.max_new_tokens, cfg.gen_batch,
-                                greedy=True, drop=drop)
+                                greedy=True, drop=self.drop)  # a judge scores them too (rewards[0] counts)
         hits = sum(self.task.correct(p, g[0].text) for p, g in zip(problems, greedy))
         sums = {"n": len(problems), "eval_accuracy": hits}
         lenient = [self.task.lenient(p, g[0].text) for p, g in zip(problems, greedy)]
@@ -424,7 +398,7 @@ class TaskRollouts(BatchSource):
             sums["eval_accuracy_lenient"] = sum(lenient)
         if k := cfg.pass_k:
             groups = rollout_single(self.policy, self.task, problems, k, cfg.max_new_tokens, cfg.gen_batch,
-                                    drop=drop)
+                                    drop=self.drop)
             c = [sum(self.task.correct(r.problem, r.text) for r in g) for g in groups]
             sums |= {"eval_pass@1": sum(c) / k, f"eval_pass@{k}": sum(tasks.pass_at_k(k, ci, k) for ci in c)}
         sums = utils.reduce_dict(sums)
@@ -435,10 +409,9 @@ class TaskRollouts(BatchSource):
         return {k: v / n for k, v in sums.items()}
 
     def demonstrations(self, n: int) -> Batch:
-        problems = self.draw(n)
-        eos = self.policy.tokenizer.eos_token_id
-        encode = lambda text: self.policy.tokenizer.encode(text, add_special_tokens=False)
-        ids = [encode(self.task.solve(p)) + [eos] for p in problems]
+        problems, tok = self.draw(n), self.policy.tokenizer
+        ids = [tok.encode(self.task.solve(p), add_special_tokens=False) + [tok.eos_token_id]
+               for p in problems]
         demos = [Sample(d, [0.0] * len(d), False) for d in ids]
         prefixes = [self.policy.encode_prompt(p.prompt) for p in problems]
         return make_batch(prefixes, demos, [0.0] * n, self.policy.pad_id)
@@ -473,10 +446,9 @@ class EnvRollouts(TaskRollouts):
         """Rank r plays eval problems r, r + W, ...; per-rank sums are added over ranks."""
         problems = self.task.eval_problems()[utils.rank() :: utils.world()]
         self.eval_batch = self.episodes(problems, 1, greedy=True) if problems else None
-        stats = self.eval_batch.stats if problems else {}
         names = {"solved": "eval_accuracy", "solved_first_turn": "eval_accuracy_first_turn",
                  "turns": "eval_turns"}
-        sums = {k: float(stats[k].sum()) if problems else 0.0 for k in names}
+        sums = {k: float(self.eval_batch.stats[k].sum()) if problems else 0.0 for k in names}
         sums = utils.reduce_dict({"n": len(problems), **sums})
         return {name: sums[k] / sums["n"] for k, name in names.items()}
 

@@ -169,7 +169,7 @@ def test_prompt_reweight_replays_recent_prompts_with_spread_and_survives_a_check
     state = source.state()
     again = rollouts.TaskRollouts(cfg, llm_policy)
     again.load_state(state)
-    picked = again.pick(2)  # fresh problems 2, 3: the first swapped for the replay
+    picked = again.draw(2)  # fresh problems 2, 3: the first swapped for the replay
     assert picked == [source.task.train_problem(1), source.task.train_problem(3)]
     assert again.position == 4
 
