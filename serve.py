@@ -280,9 +280,6 @@ class AsyncRollouts(BatchSource):
         self.last = {**meta, "staleness_mean": lag.mean().item(), "staleness_max": lag.max().item()}
         return batch
 
-    def metrics(self) -> dict[str, float]:
-        return self.last
-
     @contextlib.contextmanager
     def weights(self, version: int):
         """The policy under the snapshot of `version`, and the live weights back afterwards."""
