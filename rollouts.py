@@ -66,7 +66,7 @@ class Batch:
         return {n: getattr(self, n) for n in WIRE} | self.stats
 
 
-# What a rollout worker sends of a Batch (the fields above), as serve.check_batch checks it: name ->
+# What a rollout worker sends of a Batch (the fields above), as serve.Inbox.check checks it: name ->
 # (dims, dtype), with dims 2 for [N, T] and 1 for [N]; the stats go along as [N] float32.
 WIRE = {"tokens": (2, torch.int64), "attn": (2, torch.float32), "mask": (2, torch.float32),
         "logp": (2, torch.float32), "rewards": (2, torch.float32), "truncated": (1, torch.bool),
@@ -163,10 +163,11 @@ def collate_groups(groups: list[list[Row]], pad_id: int, version: int, drop: boo
     stats = {f"reward_{n}": torch.tensor([r.parts[n] for r in rows]) for n in rows[0].parts}
     if drop:
         stats["judge_dropped_frac"] = torch.tensor(lost, dtype=torch.float)
+    group = torch.arange(len(groups)).repeat_interleave(len(groups[0]))  # [N]
     return make_batch([r.prefix for r in rows], [r.sample for r in rows],
                       [0.0 if x else r.reward for x, r in zip(lost, rows)], pad_id,
-                      [[int(not x)] * len(r.sample.ids) for x, r in zip(lost, rows)], version=version,
-                      group=torch.arange(len(groups)).repeat_interleave(len(groups[0])), stats=stats,  # [N]
+                      [[int(not x)] * len(r.sample.ids) for x, r in zip(lost, rows)], group=group,
+                      version=version, stats=stats,
                       texts=[(r.problem.prompt, r.text, r.problem.answer) for r in rows])
 
 

@@ -17,13 +17,12 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import torch
 import torch.nn.functional as F
-import yaml
 
 import utils
 from model import LLMPolicy, Sample, VLLMGenerator
@@ -241,11 +240,11 @@ def spawn_workers(cfg, url: str, token: str) -> list[subprocess.Popen]:
     match), sent by pipe (no file stays), and the token, without torchrun's rank variables."""
     ranks = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
     env = {k: v for k, v in os.environ.items() if k not in ranks} | {"NANORL_TOKEN": token}
-    mine = replace(cfg, role="rollout", trainer_url=url, workers=0, out="", resume="")
+    config = utils.dump_config(replace(cfg, role="rollout", trainer_url=url, workers=0, out="", resume=""))
     argv = [sys.executable, str(Path(__file__).with_name("train.py")), "--config", "/dev/stdin"]
     procs = [subprocess.Popen(argv, env=env, stdin=subprocess.PIPE) for _ in range(cfg.workers)]
     for p in procs:
-        p.stdin.write(yaml.safe_dump(asdict(mine), sort_keys=False).encode())  # as utils.save_config writes
+        p.stdin.write(config.encode())
         p.stdin.close()
     return procs
 

@@ -306,7 +306,8 @@ def old_scores(policy, batch: Batch, cfg: Config, weights) -> tuple[torch.Tensor
                 lp, _, val = policy.score(batch, rows)
             keep = batch.version[rows] == v  # [rows]
             logp[rows[keep]] = lp[keep]
-            values[rows[keep]] = val[keep] if policy.has_critic else 0.0
+            if val is not None:  # a critic's
+                values[rows[keep]] = val[keep]
     return logp * batch.mask, values * batch.mask if policy.has_critic else None
 
 

@@ -103,8 +103,12 @@ def load_config(cls, argv: list[str], choices: dict | None = None, base: Path | 
     return cls(**{**defaults(values), **values})
 
 
+def dump_config(cfg) -> str:
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+
+
 def save_config(cfg, path: Path) -> None:
-    path.write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    path.write_text(dump_config(cfg))
 
 
 # ---------------------------------------------------------------- metrics
