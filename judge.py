@@ -3,8 +3,6 @@ OpenAI-compatible chat-completions endpoint (`vllm serve`, a hosted API) to grad
 API key comes from $NANORL_JUDGE_KEY (or `key_env`), never from a config file or the logs. A judge
 that is down or answers garbage never becomes a reward (a silent 0 would train the policy toward
 whatever makes it fail): the call raises JudgeUnavailable, and `--judge-down` fails or drops."""
-from __future__ import annotations
-
 import json
 import os
 import re
