@@ -258,11 +258,6 @@ class ProceduralTask(Task):
 
     def __init__(self, *, seed: int = 0, eval_size: int = 100):
         super().__init__(seed=seed)
-        size = self.n_distinct()
-        if size is not None and eval_size > size // 2:
-            raise ValueError(f"eval_size={eval_size} leaves too few training problems: {self.name} "
-                             f"with these settings has at most {size} distinct problems; lower "
-                             f"--eval-size to {size // 2} or less, or make the task harder")
         found: dict[str, Problem] = {}
         for i in range(100 * eval_size + 1000):
             if len(found) == eval_size:
@@ -273,9 +268,6 @@ class ProceduralTask(Task):
             raise ValueError(f"{self.name}: found only {len(found)} distinct eval problems; "
                              f"lower --eval-size (got {eval_size})")
         self._eval, self._eval_keys = list(found.values()), frozenset(found)
-
-    def n_distinct(self) -> int | None:  # how many distinct problems, when few enough to matter
-        return None  # plenty
 
     def train_problem(self, index: int) -> Problem:
         for attempt in range(10_000):
@@ -297,6 +289,10 @@ class Arith(ProceduralTask):
             raise ValueError(f"{self.name} needs max_operand >= 1, n_operands >= 2 and ops from '+-*/' "
                              f"(got {max_operand}, {n_operands}, {ops!r})")
         self.max_operand, self.n_operands, self.ops = max_operand, n_operands, ops
+        if eval_size > (size := self.n_distinct()) // 2:
+            raise ValueError(f"eval_size={eval_size} leaves too few training problems: {self.name} "
+                             f"with these settings has at most {size} distinct problems; lower "
+                             f"--eval-size to {size // 2} or less, or make the task harder")
         super().__init__(seed=seed, eval_size=eval_size)
 
     def n_distinct(self) -> int:  # an upper bound: "/" drops inexact quotients
@@ -384,9 +380,8 @@ class BadRow(ValueError):
 
 class DatasetTask(Task):
     """Numeric-answer problems from a JSONL file (`data=path`, rows {"question", "answer"} or {"problem",
-    "solution"}) or else the hub; the reference (after the last "####", or in the last \\boxed{}) must be one
-    number. Rows are deduplicated by question and shuffled by seed: the first eval_size are held out, the
-    rest, cycled, train. Malformed rows (named by file:line) are skipped with a warning, or refused."""
+    "solution"}) or else the hub; the reference (after the last "####", or in the last \\boxed{}) must be
+    one number. Distinct questions, shuffled by seed: the first eval_size are held out, the rest train."""
 
     hub = ("", "", "")  # (path, config, split) for datasets.load_dataset
     instruction = "Solve step by step, then give the final number in <answer></answer> tags."
@@ -422,20 +417,16 @@ class DatasetTask(Task):
             lines = Path(data).read_text(encoding="utf-8").splitlines()
             return ((f"{data}:{n}", line) for n, line in enumerate(lines, 1) if line.strip())
         path, config, split = self.hub
-        hint = (f"pass a local file with --data path/to/{self.name}.jsonl "
-                '(one {"question": ..., "answer": ...} object per line)')
         try:
             import datasets  # optional heavy dependency: only needed without a local --data file
-        except ImportError:
-            raise ValueError(f"task {self.name!r} needs the `datasets` package to download "
-                             f"{path}: pip install datasets, or {hint}") from None
-        try:
             ds = datasets.load_dataset(path, config, split=split)
         # Broad on purpose, and re-raised with the cause attached: offline, the hub client fails
         # with OSError, requests/httpx or datasets errors depending on its version.
         except Exception as e:
-            raise ValueError(f"task {self.name!r}: could not load {path!r} from the Hugging Face "
-                             f"hub ({type(e).__name__}: {e}); {hint}") from e
+            install = "pip install datasets, or " if isinstance(e, ImportError) else ""
+            raise ValueError(f"task {self.name!r}: could not load {path!r} from the Hugging Face hub "
+                             f"({type(e).__name__}: {e}); {install}pass a local file with --data path/to/"
+                             f'{self.name}.jsonl (one {{"question": ..., "answer": ...}} per line)') from e
         return ((f"{path}[{split}]:row {i}", row) for i, row in enumerate(ds))
 
     def _problem(self, row: Any) -> Problem:
@@ -451,7 +442,7 @@ class DatasetTask(Task):
         answer = row.get("answer", row.get("solution"))
         if not isinstance(question, str) or not question.strip():
             raise BadRow("missing field 'question'")
-        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        if answer is None:  # any other value must read as a number below
             raise BadRow("missing field 'answer'")
         text = str(answer).split("####")[-1]
         if (value := parse_number(text)) is None:
@@ -499,9 +490,7 @@ class Add(Arith):
 
 
 # ---------------------------------------------------------------- registry and evaluation
-TASKS: dict[str, type[Task]] = {
-    "arith": Arith, "arith_chain": ArithChain, "countdown": Countdown, "gsm8k": GSM8K, "math": MATH,
-    "add": Add}
+TASKS: dict[str, type[Task]] = {task.name: task for task in (Arith, ArithChain, Countdown, GSM8K, MATH, Add)}
 
 
 def make_task(name: str, *, seed: int, eval_size: int, data: str | None = None,
