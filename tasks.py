@@ -253,8 +253,7 @@ class Task:
 
 
 class ProceduralTask(Task):
-    """Problems from a subclass's `generate(rng)`. Eval split: rng streams (seed, eval, i), skipping
-    repeated keys; train problem i from (seed, train, i, attempt), redrawn while its key is in it."""
+    """Problems from a subclass's `generate(rng)`; a train draw whose key is in the eval split is redrawn."""
 
     def __init__(self, *, seed: int = 0, eval_size: int = 100):
         super().__init__(seed=seed)
