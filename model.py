@@ -24,11 +24,9 @@ import utils
 from modeldir import LOAD_HINT, resolve_model
 
 
-def mlp(sizes: list[int]) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for a, b in zip(sizes[:-1], sizes[1:]):
-        layers += [nn.Linear(a, b), nn.Tanh()]
-    return nn.Sequential(*layers[:-1])  # no Tanh after the output layer
+def mlp(inputs: int, hidden: int, outputs: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(inputs, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+                         nn.Linear(hidden, outputs))
 
 
 class MLPPolicy(nn.Module):
@@ -37,8 +35,8 @@ class MLPPolicy(nn.Module):
 
     def __init__(self, obs_dim: int, n_actions: int, hidden: int = 64, critic: bool = False):
         super().__init__()
-        self.pi = mlp([obs_dim, hidden, hidden, n_actions])
-        self.v = mlp([obs_dim, hidden, hidden, 1]) if critic else None
+        self.pi = mlp(obs_dim, hidden, n_actions)
+        self.v = mlp(obs_dim, hidden, 1) if critic else None
         self.has_critic = critic
 
     @torch.no_grad()
@@ -96,11 +94,9 @@ def add_lora(lm: nn.Module, targets: str, rank: int, alpha: int) -> nn.Module:
     found = sorted(n for n, projection in layers.items() if projection)
     names = found if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
     if not names or set(names) - set(layers):
-        others = sorted(set(layers) - set(found))
-        has = f"; other layers LoRA can adapt when named: {','.join(others)}" if others else ""
-        if not layers:
-            types = sorted({type(m).__name__ for m in lm.modules()})
-            has = f"; it has no layer LoRA adapts, only {','.join(types)}"
+        others, types = ",".join(sorted(set(layers) - set(found))), {type(m).__name__ for m in lm.modules()}
+        has = (f"; other layers LoRA can adapt when named: {others}" if others
+               else f"; it has no layer LoRA adapts, only {','.join(sorted(types))}" if not layers else "")
         raise utils.ConfigError(f"--lora-targets {targets}: this model's linear layers are {','.join(found)} "
                                 f"(or all-linear){has}")
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=names, task_type="CAUSAL_LM")
@@ -152,8 +148,7 @@ class LLMPolicy(nn.Module):
             warnings.warn(f"top_p={cfg.top_p}: samples come from a truncated distribution the loss does not "
                           "model, so the importance ratio is only approximate; top_p=1 keeps it exact")
         self.path, self.lora, self.bf16 = resolve_model(cfg.model), cfg.lora, cfg.dtype == "bf16"
-        # --vllm: the network is built on the meta device, without memory: a --vllm worker samples
-        # with vLLM's copy and needs only the tokenizer side (and two copies may not fit a GPU).
+        # --vllm: vLLM holds the weights (two copies may not fit a GPU): the network stays on the meta device
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device("meta" if cfg.vllm else device)
         self.temperature, self.top_p, self.thinking = cfg.temperature, cfg.top_p, cfg.thinking
@@ -228,16 +223,13 @@ class LLMPolicy(nn.Module):
         index_select; its backward sums a prompt's gradient over its rows, as separate forwards would)."""
         index = {p: u for u, p in enumerate(dict.fromkeys(map(tuple, prefixes)))}
         P, dev = max(map(len, index)), self.device
-        ids = torch.full((len(index), P), self.pad_id, dtype=torch.long)  # [U, P]
-        attn = torch.zeros(len(index), P, dtype=torch.long)  # [U, P]
-        for p, u in index.items():
-            ids[u, P - len(p) :], attn[u, P - len(p) :] = torch.tensor(p, dtype=torch.long), 1
-        pos = (attn.cumsum(1) - 1).clamp(min=0).to(dev)  # [U, P]: every row's first real token is at 0
+        ids = torch.tensor([[self.pad_id] * (P - len(p)) + list(p) for p in index], device=dev)  # [U, P]
+        attn = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in index], device=dev)  # [U, P]
+        pos = (attn.cumsum(1) - 1).clamp(min=0)  # [U, P]: every row's first real token is at 0
         rows = torch.tensor([index[tuple(p)] for p in prefixes], device=dev)  # [B]: row -> prefix
-        out = lm(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=pos, use_cache=True,
-                 logits_to_keep=1)
+        out = lm(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
         out.past_key_values.reorder_cache(rows)
-        return out.past_key_values, out.logits[rows, -1], attn.to(dev)[rows], pos[rows]
+        return out.past_key_values, out.logits[rows, -1], attn[rows], pos[rows]
 
     def _generate_chunk(self, prefixes: list[list[int]], max_new: int, greedy: bool) -> list[Sample]:
         B, dev = len(prefixes), self.device
@@ -264,7 +256,7 @@ class LLMPolicy(nn.Module):
                 if done.all() or t == max_new - 1:
                     break
                 pos = pos + 1  # [B, 1]; finished rows run on but are cut below
-                attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype, device=dev)], 1)  # [B, P + t + 1]
+                attn = F.pad(attn, (0, 1), value=1)  # [B, P + t + 1]
                 out = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos,
                                  past_key_values=cache, use_cache=True, logits_to_keep=1)
                 cache, logits = out.past_key_values, out.logits[:, -1]
@@ -356,9 +348,8 @@ class LLMPolicy(nn.Module):
         """`state` named as trained or as on the wire (an adapter payload, or a snapshot of one)."""
         names = {w: n for n, w in self.wire_names().items()}
         state = {names.get(w, w): t for w, t in state.items()}
-        shapes = {n: p.shape for n, p in self.trained.items()}
-        if {n: t.shape for n, t in state.items()} != shapes:
-            odd = sorted(set(shapes.items()) ^ {(n, t.shape) for n, t in state.items()})[:4]
+        shapes = {(n, p.shape) for n, p in self.trained.items()}
+        if odd := sorted(shapes ^ {(n, t.shape) for n, t in state.items()})[:4]:
             raise ValueError("trainable state does not match this policy (different model or LoRA "
                              f"settings?); (name, shape) on one side only: {odd}")
         for n, p in self.trained.items():
@@ -443,10 +434,9 @@ class VLLMGenerator:
     def generate(self, prefixes: list[list[int]], max_new_tokens: int, gen_batch: int,
                  greedy: bool = False) -> list[Sample]:
         params = self.SamplingParams(n=1, temperature=0.0 if greedy else self.cfg.temperature, top_k=0,
-                                     top_p=self.cfg.top_p, max_tokens=max_new_tokens, logprobs=0,
-                                     stop_token_ids=self.eos)
+                                     top_p=self.cfg.top_p, max_tokens=max_new_tokens, stop_token_ids=self.eos,
+                                     logprobs=0)  # 0: the sampled token's log-prob alone
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prefixes], params,  # in prompt order
                                  lora_request=self.request, use_tqdm=False)
         return [Sample(list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)],
-                       # logprobs=0: the sampled token's
                        c.finish_reason == "length") for c in (o.outputs[0] for o in outs)]
