@@ -41,26 +41,23 @@ class MLPPolicy(nn.Module):
 
     @torch.no_grad()
     def act(self, obs: torch.Tensor, greedy: bool = False):
-        """obs [B, D] -> actions [B], logp [B], values [B] or None."""
+        """obs [B, D] -> actions [B], logp [B]."""
         logp_all = F.log_softmax(self.pi(obs), dim=-1)  # [B, A]
         # Gumbel-max draws from softmax(logits) in one op; torch.distributions costs 3x more here.
         noise = 0.0 if greedy else -torch.log(-torch.log(torch.rand_like(logp_all)))
         actions = (logp_all + noise).argmax(-1)  # [B]
-        return actions, logp_all.gather(-1, actions.unsqueeze(-1)).squeeze(-1), self.value(obs)
-
-    def value(self, obs: torch.Tensor) -> torch.Tensor | None:
-        return None if self.v is None else self.v(obs).squeeze(-1)
+        return actions, logp_all.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
 
     def last_value(self, batch) -> torch.Tensor:
         """[N] the critic's value of the state after each episode's last step (bootstraps a truncation)."""
-        return self.value(batch.last_obs)
+        return self.v(batch.last_obs).squeeze(-1)
 
     def score(self, batch, rows: slice):
         obs = batch.obs[rows]  # [n, T, D]
         logp_all = F.log_softmax(self.pi(obs), dim=-1)  # [n, T, A]
         logp = logp_all.gather(-1, batch.tokens[rows].unsqueeze(-1)).squeeze(-1)  # [n, T]
         entropy = -(logp_all.exp() * logp_all).sum(-1)  # [n, T]
-        return logp, entropy, self.value(obs)
+        return logp, entropy, None if self.v is None else self.v(obs).squeeze(-1)  # [n, T]
 
 
 # ================================================================ language models
@@ -301,13 +298,11 @@ class LLMPolicy(nn.Module):
     @torch.no_grad()
     def ref_logp(self, batch, rows) -> torch.Tensor:
         """[n, L] under the KL reference: LoRA's adapter switched off, or full fine-tuning's frozen copy."""
-        if self.lora:
-            with self.model.disable_adapter():
-                return self.score(batch, rows, self.model)[0]
-        if self.ref_model is None:
+        if not self.lora and self.ref_model is None:
             raise utils.ConfigError("ref_logp under full fine-tuning needs the frozen copy made only when "
                                     "kl_coef > 0")
-        return self.score(batch, rows, self.ref_model)[0]
+        with self.model.disable_adapter() if self.lora else contextlib.nullcontext():
+            return self.score(batch, rows, self.model if self.lora else self.ref_model)[0]
 
     def _shared_prompt_logits(self, lm: nn.Module, tokens, attn, mask):
         """Logits [k, V] for the k masked tokens, row-major, each distinct prompt (what precedes a row's
