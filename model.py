@@ -2,8 +2,7 @@
 recomputes, with grad, the log-probability of the actions in a rollouts.Batch's `rows`, so the loop
 never knows whether it pushes a cart or writes an answer. MLPPolicy acts in control tasks; LLMPolicy (a
 Hugging Face causal LM, LoRA or full) also samples completions with their log-probs, as VLLMGenerator
-does for rollout workers (serve.py) with the same generate and load.
-"""
+does for rollout workers (serve.py) with the same generate and load."""
 from __future__ import annotations
 
 import contextlib
