@@ -2,8 +2,7 @@
 recomputes, with grad, the log-probability of the actions in a rollouts.Batch's `rows`, so the loop
 never knows whether it pushes a cart or writes an answer. MLPPolicy acts in control tasks; LLMPolicy (a
 Hugging Face causal LM, LoRA or full) also samples completions with their log-probs, as VLLMGenerator
-does for rollout workers (serve.py) with the same generate and load.
-"""
+does for rollout workers (serve.py) with the same generate and load."""
 from __future__ import annotations
 
 import contextlib
@@ -24,11 +23,9 @@ import utils
 from modeldir import LOAD_HINT, resolve_model
 
 
-def mlp(sizes: list[int]) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for a, b in zip(sizes[:-1], sizes[1:]):
-        layers += [nn.Linear(a, b), nn.Tanh()]
-    return nn.Sequential(*layers[:-1])  # no Tanh after the output layer
+def mlp(inputs: int, hidden: int, outputs: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(inputs, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+                         nn.Linear(hidden, outputs))
 
 
 class MLPPolicy(nn.Module):
@@ -37,32 +34,29 @@ class MLPPolicy(nn.Module):
 
     def __init__(self, obs_dim: int, n_actions: int, hidden: int = 64, critic: bool = False):
         super().__init__()
-        self.pi = mlp([obs_dim, hidden, hidden, n_actions])
-        self.v = mlp([obs_dim, hidden, hidden, 1]) if critic else None
+        self.pi = mlp(obs_dim, hidden, n_actions)
+        self.v = mlp(obs_dim, hidden, 1) if critic else None
         self.has_critic = critic
 
     @torch.no_grad()
     def act(self, obs: torch.Tensor, greedy: bool = False):
-        """obs [B, D] -> actions [B], logp [B], values [B] or None."""
+        """obs [B, D] -> actions [B], logp [B]."""
         logp_all = F.log_softmax(self.pi(obs), dim=-1)  # [B, A]
         # Gumbel-max draws from softmax(logits) in one op; torch.distributions costs 3x more here.
         noise = 0.0 if greedy else -torch.log(-torch.log(torch.rand_like(logp_all)))
         actions = (logp_all + noise).argmax(-1)  # [B]
-        return actions, logp_all.gather(-1, actions.unsqueeze(-1)).squeeze(-1), self.value(obs)
-
-    def value(self, obs: torch.Tensor) -> torch.Tensor | None:
-        return None if self.v is None else self.v(obs).squeeze(-1)
+        return actions, logp_all.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
 
     def last_value(self, batch) -> torch.Tensor:
         """[N] the critic's value of the state after each episode's last step (bootstraps a truncation)."""
-        return self.value(batch.last_obs)
+        return self.v(batch.last_obs).squeeze(-1)
 
     def score(self, batch, rows: slice):
         obs = batch.obs[rows]  # [n, T, D]
         logp_all = F.log_softmax(self.pi(obs), dim=-1)  # [n, T, A]
         logp = logp_all.gather(-1, batch.tokens[rows].unsqueeze(-1)).squeeze(-1)  # [n, T]
         entropy = -(logp_all.exp() * logp_all).sum(-1)  # [n, T]
-        return logp, entropy, self.value(obs)
+        return logp, entropy, None if self.v is None else self.v(obs).squeeze(-1)  # [n, T]
 
 
 # ================================================================ language models
@@ -96,11 +90,9 @@ def add_lora(lm: nn.Module, targets: str, rank: int, alpha: int) -> nn.Module:
     found = sorted(n for n, projection in layers.items() if projection)
     names = found if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
     if not names or set(names) - set(layers):
-        others = sorted(set(layers) - set(found))
-        has = f"; other layers LoRA can adapt when named: {','.join(others)}" if others else ""
-        if not layers:
-            types = sorted({type(m).__name__ for m in lm.modules()})
-            has = f"; it has no layer LoRA adapts, only {','.join(types)}"
+        others, types = ",".join(sorted(set(layers) - set(found))), {type(m).__name__ for m in lm.modules()}
+        has = (f"; other layers LoRA can adapt when named: {others}" if others
+               else f"; it has no layer LoRA adapts, only {','.join(sorted(types))}" if not layers else "")
         raise utils.ConfigError(f"--lora-targets {targets}: this model's linear layers are {','.join(found)} "
                                 f"(or all-linear){has}")
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=names, task_type="CAUSAL_LM")
@@ -152,8 +144,7 @@ class LLMPolicy(nn.Module):
             warnings.warn(f"top_p={cfg.top_p}: samples come from a truncated distribution the loss does not "
                           "model, so the importance ratio is only approximate; top_p=1 keeps it exact")
         self.path, self.lora, self.bf16 = resolve_model(cfg.model), cfg.lora, cfg.dtype == "bf16"
-        # --vllm: the network is built on the meta device, without memory: a --vllm worker samples
-        # with vLLM's copy and needs only the tokenizer side (and two copies may not fit a GPU).
+        # --vllm: vLLM holds the weights (two copies may not fit a GPU): the network stays on the meta device
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device("meta" if cfg.vllm else device)
         self.temperature, self.top_p, self.thinking = cfg.temperature, cfg.top_p, cfg.thinking
@@ -228,16 +219,13 @@ class LLMPolicy(nn.Module):
         index_select; its backward sums a prompt's gradient over its rows, as separate forwards would)."""
         index = {p: u for u, p in enumerate(dict.fromkeys(map(tuple, prefixes)))}
         P, dev = max(map(len, index)), self.device
-        ids = torch.full((len(index), P), self.pad_id, dtype=torch.long)  # [U, P]
-        attn = torch.zeros(len(index), P, dtype=torch.long)  # [U, P]
-        for p, u in index.items():
-            ids[u, P - len(p) :], attn[u, P - len(p) :] = torch.tensor(p, dtype=torch.long), 1
-        pos = (attn.cumsum(1) - 1).clamp(min=0).to(dev)  # [U, P]: every row's first real token is at 0
+        ids = torch.tensor([[self.pad_id] * (P - len(p)) + list(p) for p in index], device=dev)  # [U, P]
+        attn = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in index], device=dev)  # [U, P]
+        pos = (attn.cumsum(1) - 1).clamp(min=0)  # [U, P]: every row's first real token is at 0
         rows = torch.tensor([index[tuple(p)] for p in prefixes], device=dev)  # [B]: row -> prefix
-        out = lm(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=pos, use_cache=True,
-                 logits_to_keep=1)
+        out = lm(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
         out.past_key_values.reorder_cache(rows)
-        return out.past_key_values, out.logits[rows, -1], attn.to(dev)[rows], pos[rows]
+        return out.past_key_values, out.logits[rows, -1], attn[rows], pos[rows]
 
     def _generate_chunk(self, prefixes: list[list[int]], max_new: int, greedy: bool) -> list[Sample]:
         B, dev = len(prefixes), self.device
@@ -264,7 +252,7 @@ class LLMPolicy(nn.Module):
                 if done.all() or t == max_new - 1:
                     break
                 pos = pos + 1  # [B, 1]; finished rows run on but are cut below
-                attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype, device=dev)], 1)  # [B, P + t + 1]
+                attn = F.pad(attn, (0, 1), value=1)  # [B, P + t + 1]
                 out = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos,
                                  past_key_values=cache, use_cache=True, logits_to_keep=1)
                 cache, logits = out.past_key_values, out.logits[:, -1]
@@ -309,13 +297,11 @@ class LLMPolicy(nn.Module):
     @torch.no_grad()
     def ref_logp(self, batch, rows) -> torch.Tensor:
         """[n, L] under the KL reference: LoRA's adapter switched off, or full fine-tuning's frozen copy."""
-        if self.lora:
-            with self.model.disable_adapter():
-                return self.score(batch, rows, self.model)[0]
-        if self.ref_model is None:
+        if not self.lora and self.ref_model is None:
             raise utils.ConfigError("ref_logp under full fine-tuning needs the frozen copy made only when "
                                     "kl_coef > 0")
-        return self.score(batch, rows, self.ref_model)[0]
+        with self.model.disable_adapter() if self.lora else contextlib.nullcontext():
+            return self.score(batch, rows, self.model if self.lora else self.ref_model)[0]
 
     def _shared_prompt_logits(self, lm: nn.Module, tokens, attn, mask):
         """Logits [k, V] for the k masked tokens, row-major, each distinct prompt (what precedes a row's
@@ -356,9 +342,8 @@ class LLMPolicy(nn.Module):
         """`state` named as trained or as on the wire (an adapter payload, or a snapshot of one)."""
         names = {w: n for n, w in self.wire_names().items()}
         state = {names.get(w, w): t for w, t in state.items()}
-        shapes = {n: p.shape for n, p in self.trained.items()}
-        if {n: t.shape for n, t in state.items()} != shapes:
-            odd = sorted(set(shapes.items()) ^ {(n, t.shape) for n, t in state.items()})[:4]
+        shapes = {(n, p.shape) for n, p in self.trained.items()}
+        if odd := sorted(shapes ^ {(n, t.shape) for n, t in state.items()})[:4]:
             raise ValueError("trainable state does not match this policy (different model or LoRA "
                              f"settings?); (name, shape) on one side only: {odd}")
         for n, p in self.trained.items():
@@ -443,10 +428,9 @@ class VLLMGenerator:
     def generate(self, prefixes: list[list[int]], max_new_tokens: int, gen_batch: int,
                  greedy: bool = False) -> list[Sample]:
         params = self.SamplingParams(n=1, temperature=0.0 if greedy else self.cfg.temperature, top_k=0,
-                                     top_p=self.cfg.top_p, max_tokens=max_new_tokens, logprobs=0,
-                                     stop_token_ids=self.eos)
+                                     top_p=self.cfg.top_p, max_tokens=max_new_tokens, stop_token_ids=self.eos,
+                                     logprobs=0)  # 0: the sampled token's log-prob alone
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prefixes], params,  # in prompt order
                                  lora_request=self.request, use_tqdm=False)
         return [Sample(list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)],
-                       # logprobs=0: the sampled token's
                        c.finish_reason == "length") for c in (o.outputs[0] for o in outs)]

@@ -114,7 +114,7 @@ def rollout_control(env: CartPole, policy, n: int, seed: int, group_size: int = 
     alive, truncated = torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)
     steps, last_obs = [], torch.zeros(n, env.obs_dim)  # steps: (obs, action, logp, alive) per time step
     for _ in range(env.max_steps):
-        actions, logp, _ = policy.act(torch.from_numpy(obs), greedy=greedy)
+        actions, logp = policy.act(torch.from_numpy(obs), greedy=greedy)
         steps.append((torch.tensor(obs), actions, logp, alive.float()))
         obs, _, term, trunc, _ = vec.step(actions.numpy())
         ended = alive & torch.from_numpy(term | trunc)
