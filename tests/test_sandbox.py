@@ -256,7 +256,7 @@ def test_the_sandbox_flag_reaches_run_python_in_the_trainer_and_in_workers(monke
 
     assert "unknown --sandbox 'lax'" in _one_line_error(capsys, ["--sandbox", "lax"])
     cfg = train.parse(["--task", "python_tool", "--sandbox", "weak"])
-    utils.save_config(cfg, tmp_path / "config.yaml")
+    (tmp_path / "config.yaml").write_text(utils.dump_config(cfg))
     assert "sandbox: weak" in (tmp_path / "config.yaml").read_text().splitlines()
     asked = []
     monkeypatch.setattr(sandbox, "sandbox_plan", lambda mode: asked.append(mode) or (PYTHON, FLAGS, UID_BASE))
