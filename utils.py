@@ -109,8 +109,7 @@ def dump_config(cfg) -> str:
 
 # ---------------------------------------------------------------- metrics
 class Metrics:
-    """Hands the loop's numbers and samples to each sink: the run directory's files, then the loggers
-    named in cfg.log. Only rank 0 has sinks (the numbers are all-reduced), and none without `out`."""
+    """Hands the loop's numbers and samples to each sink; only rank 0, given `out`, has any (all-reduced)."""
 
     def __init__(self, out: Path | None = None, cfg=None, wall_offset: float = 0.0, resumed_at=None):
         self.t0, self.sinks = time.perf_counter() - wall_offset, []
