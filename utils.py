@@ -109,7 +109,8 @@ def dump_config(cfg) -> str:
 
 # ---------------------------------------------------------------- metrics
 class Metrics:
-    """Hands the loop's numbers and samples to each sink; only rank 0, given `out`, has any (all-reduced)."""
+    """Hands the loop's numbers and samples to each sink: the run's files, then cfg.log's loggers. Without
+    `out`, and on ranks other than 0 (rank 0 logs the all-reduced numbers), there is none."""
 
     def __init__(self, out: Path | None = None, cfg=None, wall_offset: float = 0.0, resumed_at=None):
         self.t0, self.sinks = time.perf_counter() - wall_offset, []
@@ -454,4 +455,3 @@ def split_rng() -> None:
     actions and tokens; rank 0 keeps the stream a single process would have."""
     if rank():
         torch.manual_seed(int(torch.randint(2**62, ())) + rank())
-
