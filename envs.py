@@ -1,7 +1,6 @@
-"""Environments. CartPole comes from gymnasium, stepped as one vectorised numpy env so a whole
-batch of episodes advances with one policy forward per time step; that batching, not the
-algorithm, is what makes CartPole train in seconds. Below it: multi-turn text environments
-(calculator countdown, a sandboxed Python tool, read-only SQL); rollouts.py steps them."""
+"""Environments: CartPole from gymnasium, stepped as one vectorised env so that a whole batch of episodes
+advances with one policy forward per time step (that batching, not the algorithm, trains it in seconds);
+then multi-turn text environments for rollouts.py: calculator countdown, sandboxed Python, read-only SQL."""
 from __future__ import annotations
 
 import functools
@@ -116,7 +115,7 @@ def sql_correct(prompt: str, completion: str, answer: str) -> float:
     query, ref = extract_answer(completion), json.loads(answer)
     if query is None:
         return 0.0
-    query = re.sub(r"^```\w*|```$", "", query.strip())
+    query = re.sub(r"^```\w*|```$", "", query)  # extract_answer has stripped it
     try:
         _, rows, more = run_sql(sql_database(ref["db"]), query, max_rows=10_000)
     except sqlite3.Error:  # the model's query is broken: a wrong answer, not a crash

@@ -137,14 +137,36 @@ os.write(status, b"%d %d" % (os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), t
 
 
 def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: int = 5, mem_mb: int = 512, fsize_mb: int = 16,
-               files: int = 256, nofile: int = 64, nproc: int = 8, max_output: int = 4000) -> SandboxResult:
-    """Runs model-written Python (`python -I -S`, stdlib only) in a throwaway process tree: empty
-    environment, per-process rlimits (so up to nproc * mem_mb of memory, 4 GB by default),
-    `max_output` characters per stream, a wall-clock timeout, and as its only writable place a fresh
-    tmpfs of fsize_mb and `files` inodes. No process of the run outlives it. See `sandbox_plan`."""
-    python, flags, uid_base = sandbox_plan(_mode)
+               files: int = 256, nofile: int = 64, nproc: int = 8, max_output: int = 4000,
+               plan: tuple[str, int, int] | None = None) -> SandboxResult:
+    """Runs model-written Python (`python -I -S`, stdlib only) in a throwaway process tree: empty environment,
+    per-process rlimits (so up to nproc * mem_mb of memory, 4 GB by default), `max_output` characters per
+    stream, a wall-clock timeout, and as its only writable place a fresh tmpfs of fsize_mb and `files`
+    inodes. No process of the run outlives it. `plan`: sandbox_plan's, by default for this --sandbox."""
+    python, flags, uid_base = plan or sandbox_plan(_mode)
     limits = (cpu_s, mem_mb << 20, fsize_mb << 20, nofile, nproc, files)
-    return _sandboxed(python, flags, uid_base, code, timeout_s, limits, max_output)
+    with tempfile.TemporaryDirectory(prefix="nanorl-sandbox-", ignore_cleanup_errors=True) as work:
+        Path(work, "main.py").write_text(code, encoding="utf-8", errors="replace")
+        r, w = os.pipe()
+        args = [python, "-I", "-S", "-c", _LAUNCHER, *map(str, (w, flags, uid_base, *limits, timeout_s))]
+        with open(r, "rb") as status, subprocess.Popen(args, cwd=work, env={}, stdin=subprocess.DEVNULL,
+                                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                       pass_fds=(w,), start_new_session=True) as proc:
+            os.close(w)
+            stuck, pipes = True, (proc.stdout, proc.stderr, status)
+            try:  # the launcher enforces timeout_s; the backstop (+10 s) only catches a launcher that hangs
+                (out, err, st), cut, stuck = _read_all(pipes, max_output, time.monotonic() + timeout_s + 10)
+            finally:
+                if stuck:  # or the trainer was interrupted: kill the group, and as root all of the uid
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    if uid_base:
+                        uid = uid_base + proc.pid
+                        subprocess.run(["/bin/sh", "-c", "kill -9 -1"], user=uid, group=uid, extra_groups=[],
+                                       env={})
+    rc, timed_out = map(int, st.split()) if st else (proc.returncode, stuck)
+    text = [b.decode("utf-8", "replace")[:max_output] for b in (out, err)]
+    return SandboxResult(text[0], text[1], rc, bool(timed_out) or stuck, cut)
 
 
 def use(mode: str) -> tuple[str, int, int]:
@@ -172,8 +194,8 @@ def sandbox_plan(mode: str) -> tuple[str, int, int]:
     full, why = _NEWPID | _NEWNET | _NEWNS | _NEWIPC | (0 if root else _NEWUSER), ""
     for flags in (full, 0) if mode == "weak" else (full,):
         for python in pythons:  # importing json, not loaded at start-up, proves the uid can read the stdlib
-            r = _sandboxed(python, flags, uid_base, "import json\nprint(json.dumps(6 * 7))", 30.0,
-                           (10, 512 << 20, 1 << 20, 64, 32, 64), 999)
+            r = run_python("import json\nprint(json.dumps(6 * 7))", timeout_s=30.0, cpu_s=10, fsize_mb=1,
+                           files=64, nproc=32, max_output=999, plan=(python, flags, uid_base))
             if r.stdout == "42\n":
                 kind = ("isolated (namespaces, host read-only, private scratch" if flags
                         else "WEAK mode (--sandbox weak: rlimits only")
@@ -187,31 +209,6 @@ def sandbox_plan(mode: str) -> tuple[str, int, int]:
         "or run as root where unshare works, and keep a world-readable python3 for root (apt install "
         "python3); or pass --sandbox weak to accept rlimits only (the code can then use the network and "
         "write your files)")
-
-
-def _sandboxed(python, flags, uid_base, code, timeout_s, limits, cap) -> SandboxResult:
-    with tempfile.TemporaryDirectory(prefix="nanorl-sandbox-", ignore_cleanup_errors=True) as work:
-        Path(work, "main.py").write_text(code, encoding="utf-8", errors="replace")
-        r, w = os.pipe()
-        args = [python, "-I", "-S", "-c", _LAUNCHER, *map(str, (w, flags, uid_base, *limits, timeout_s))]
-        with open(r, "rb") as status, subprocess.Popen(args, cwd=work, env={}, stdin=subprocess.DEVNULL,
-                                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                       pass_fds=(w,), start_new_session=True) as proc:
-            os.close(w)
-            stuck, backstop = True, time.monotonic() + timeout_s + 10
-            try:  # the launcher enforces timeout_s; the backstop only catches a launcher that hangs
-                (out, err, st), cut, stuck = _read_all((proc.stdout, proc.stderr, status), cap, backstop)
-            finally:
-                if stuck:  # or the trainer was interrupted: kill the group, and as root all of the uid
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    if uid_base:
-                        uid = uid_base + proc.pid
-                        subprocess.run(["/bin/sh", "-c", "kill -9 -1"], user=uid, group=uid, extra_groups=[],
-                                       env={})
-    rc, timed_out = map(int, st.split()) if st else (proc.returncode, stuck)
-    text = [b.decode("utf-8", "replace")[:cap] for b in (out, err)]
-    return SandboxResult(text[0], text[1], rc, bool(timed_out) or stuck, cut)
 
 
 def _read_all(files, cap: int, deadline: float) -> tuple[list[bytes], bool, bool]:
@@ -267,9 +264,8 @@ def run_sql(path: str, query: str, *, max_rows: int = 1000, max_bytes: int = 8 <
     connection whose authorizer allows only reading (no ATTACH, PRAGMA, writes or DDL), in a child
     process killed after `timeout_s`, with mem_mb of address space, strings and blobs of 1 MB and
     max_bytes of results. Raises sqlite3.Error ("not authorized", "interrupted", syntax, memory)."""
-    uri = Path(path).resolve().as_uri() + "?mode=ro"
-    args = [sys.executable, "-I", "-S", "-c", _SQL_CHILD, uri, query, str(max_rows), str(max_bytes),
-            str(mem_mb << 20)]
+    args = [sys.executable, "-I", "-S", "-c", _SQL_CHILD, Path(path).resolve().as_uri() + "?mode=ro", query,
+            *map(str, (max_rows, max_bytes, mem_mb << 20))]
     try:
         r = subprocess.run(args, capture_output=True, timeout=timeout_s + 0.5, env={},
                            stdin=subprocess.DEVNULL)

@@ -431,7 +431,7 @@ def train(cfg: Config) -> Path:
     if cfg.eval_only:
         return evaluate_only(cfg, policy, source, meta["step"] if meta else 0)
     teacher = load_teacher(cfg, policy) if cfg.teacher else None
-    out, log, step, last_eval, interrupted = run_dir(cfg), utils.NoMetrics(), 0, {}, []
+    out, log, step, last_eval, interrupted = run_dir(cfg), utils.Metrics(), 0, {}, []
 
     def on_ctrl_c(*_):  # the first finishes the step, then checkpoints: a half-applied update is never saved
         if interrupted:  # the second stops at once, e.g. a trainer waiting for workers that never come
@@ -500,7 +500,7 @@ def start_run(cfg: Config, out: Path, policy, opt, source: BatchSource, meta: di
     # A resumed run rewrites what came after its checkpoint (everything, when none loads).
     resumed_at = (start if meta else start - 1) if cfg.resume else None
     wall = meta["wall_s"] if meta else 0.0
-    log = utils.Metrics(out, cfg, wall, resumed_at) if utils.rank() == 0 else utils.NoMetrics()
+    log = utils.Metrics(out, cfg, wall, resumed_at)  # under torchrun, rank 0 alone writes
     if cfg.sft_steps and not meta:
         evaluate(source, log, -cfg.sft_steps, out, "_before_sft")
     if start < 0 and warm_start(policy, opt, source, cfg, log, start, stop):

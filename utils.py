@@ -107,20 +107,41 @@ def dump_config(cfg) -> str:
     return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
 
 
-def save_config(cfg, path: Path) -> None:
-    path.write_text(dump_config(cfg))
-
-
 # ---------------------------------------------------------------- metrics
 class Metrics:
-    """A run directory: config.yaml, metrics.csv in long format (step, wall_s, key, value: any tool reads
-    any metric), samples.jsonl, and the same numbers to the loggers named in cfg.log. A resumed run first
-    drops the lines after its checkpoint's step, which it is about to write again."""
+    """Hands the loop's numbers and samples to each sink: the run's files, then cfg.log's loggers. Without
+    `out`, and on ranks other than 0 (rank 0 logs the all-reduced numbers), there is none."""
 
-    def __init__(self, out: Path, cfg, wall_offset: float = 0.0, resumed_at: float | None = None):
+    def __init__(self, out: Path | None = None, cfg=None, wall_offset: float = 0.0, resumed_at=None):
+        self.t0, self.sinks = time.perf_counter() - wall_offset, []
+        if out and rank() == 0:
+            self.sinks = [RunFiles(out, cfg, resumed_at, self.wall)]
+            self.sinks += [LOGGERS[name](out, cfg, resumed_at) for name in filter(None, cfg.log.split(","))]
+
+    def wall(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        for sink in self.sinks:
+            sink.log(step, values)
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        for sink in self.sinks:
+            sink.samples(step, rows)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+class RunFiles:
+    """config.yaml, metrics.csv in long format (step, wall_s, key, value: any tool reads any metric) and
+    samples.jsonl. A resumed run first drops the lines after its checkpoint's step, which it writes again."""
+
+    def __init__(self, out: Path, cfg, resumed_at: float | None, wall):
         out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out / "config.yaml")  # before the loggers: wandb records it
-        self.path, self.samples_path = out / "metrics.csv", out / "samples.jsonl"
+        (out / "config.yaml").write_text(dump_config(cfg))
+        self.path, self.samples_path, self.wall = out / "metrics.csv", out / "samples.jsonl", wall
         if resumed_at is not None:
             for path in (self.path, self.samples_path, out / "samples.1.jsonl"):
                 truncate_log(path, resumed_at)
@@ -129,19 +150,12 @@ class Metrics:
         if self.file.tell() == 0:  # a new file
             self.writer.writerow(["step", "wall_s", "key", "value"])
         self.samples_file = open(self.samples_path, "a")
-        self.t0 = time.perf_counter() - wall_offset
-        self.loggers = [LOGGERS[name](out, resumed_at) for name in filter(None, cfg.log.split(","))]
-
-    def wall(self) -> float:
-        return time.perf_counter() - self.t0
 
     def log(self, step: int, values: dict[str, float]) -> None:
         wall = round(self.wall(), 3)
         for key, value in values.items():
             self.writer.writerow([step, wall, key, f"{float(value):.6g}"])
         self.file.flush()
-        for logger in self.loggers:
-            logger.log(step, values)
 
     def samples(self, step: int, rows: list[dict]) -> None:
         """One JSON line per rollout. Past SAMPLES_MAX_BYTES the file becomes samples.1.jsonl (replacing
@@ -152,14 +166,10 @@ class Metrics:
             self.samples_file.close()
             os.replace(self.samples_path, self.samples_path.with_suffix(".1.jsonl"))
             self.samples_file = open(self.samples_path, "a")
-        for logger in self.loggers:
-            logger.samples(step, rows)
 
     def close(self) -> None:
         self.file.close()
         self.samples_file.close()
-        for logger in self.loggers:
-            logger.close()
 
 
 SAMPLES_MAX_BYTES = 32 << 20  # ~100k short completions: the report loads them in a browser in about a second
@@ -180,7 +190,7 @@ def truncate_log(path: Path, last_step: float) -> None:
 class TensorBoard:
     """--log tensorboard: events under RUN/tensorboard (`tensorboard --logdir runs`)."""
 
-    def __init__(self, out: Path, resumed_at: float | None):
+    def __init__(self, out: Path, cfg, resumed_at: float | None):
         try:
             from torch.utils.tensorboard import SummaryWriter  # optional: only --log tensorboard needs it
         except ImportError:
@@ -205,15 +215,14 @@ class WandB:
     """--log wandb: offline unless WANDB_MODE says otherwise (`wandb sync RUN/wandb/offline-run-*` uploads).
     Every key is plotted against the "step" key, so warm-start steps (negative) and resumed steps fit."""
 
-    def __init__(self, out: Path, resumed_at: float | None):
+    def __init__(self, out: Path, cfg, resumed_at: float | None):
         os.environ.setdefault("WANDB_MODE", "offline")  # training must not wait on, or need, the network
         try:
             import wandb  # optional: only --log wandb needs it
         except ImportError:
             raise ConfigError("--log wandb needs the wandb package: pip install wandb") from None
-        config = yaml.safe_load((out / "config.yaml").read_text())
-        self.wandb, self.run = wandb, wandb.init(dir=str(out), name=out.name, config=config, resume="allow",
-                                                  id=re.sub(r"[^\w-]", "_", out.name))
+        self.wandb, self.run = wandb, wandb.init(dir=str(out), name=out.name, config=dataclasses.asdict(cfg),
+                                                  resume="allow", id=re.sub(r"[^\w-]", "_", out.name))
         self.run.define_metric("*", step_metric="step")
         self.pending: list[dict] = []
 
@@ -247,7 +256,7 @@ def read_metrics(path: Path) -> dict[str, list[tuple[int, float, float]]]:
     return series
 
 
-def plot(out: Path, keys=("reward", "eval_return")) -> Path:
+def plot(out: Path, keys=("reward", "eval_return")) -> None:
     from matplotlib.figure import Figure  # lazily: only the end-of-run plot needs it (no pyplot: no GUI)
 
     series = read_metrics(out / "metrics.csv")
@@ -265,9 +274,7 @@ def plot(out: Path, keys=("reward", "eval_return")) -> Path:
         ax.legend()
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    path = out / "curve.png"
-    fig.savefig(path, dpi=100)
-    return path
+    fig.savefig(out / "curve.png", dpi=100)
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -448,11 +455,3 @@ def split_rng() -> None:
     actions and tokens; rank 0 keeps the stream a single process would have."""
     if rank():
         torch.manual_seed(int(torch.randint(2**62, ())) + rank())
-
-
-class NoMetrics:
-    """What ranks other than 0 log to: rank 0 alone writes the (all-reduced) numbers."""
-    def log(self, step: int, values: dict) -> None: pass  # noqa: E301,E704
-    def samples(self, step: int, rows: list) -> None: pass  # noqa: E301,E704
-    def wall(self) -> float: return 0.0  # noqa: E301,E704
-    def close(self) -> None: pass  # noqa: E301,E704
