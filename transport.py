@@ -50,7 +50,7 @@ def _check_token(token: str) -> str:
     return token
 
 
-Request = namedtuple("Request", "path query body peer")  # str, {name: value} of the query, bytes, client ip
+Request = namedtuple("Request", "path query body")  # str, {name: value} of the query, bytes
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -106,8 +106,7 @@ class _Handler(BaseHTTPRequestHandler):
                 body += chunk
             if len(body) < n:
                 return self.send_error(400, f"body truncated: got {len(body)} of {n} bytes")
-            self._route(route, Request(url.path, dict(parse_qsl(url.query, keep_blank_values=True)), body,
-                                       self.client_address[0]))
+            self._route(route, Request(url.path, dict(parse_qsl(url.query, keep_blank_values=True)), body))
         finally:
             srv.hold(-len(body))
 
