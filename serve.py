@@ -424,7 +424,10 @@ class _Sampler:
 def run_worker(cfg) -> int:
     """A rollout worker: the trainer's own batch source (rollouts.sources()) over a sampler that
     holds the newest adapter, one version per batch; POSTs each batch. Returns the exit code."""
-    client = Client(cfg.trainer_url, timeout=30 + LONG_POLL, retries=1)
+    try:
+        client = Client(cfg.trainer_url, timeout=30 + LONG_POLL, retries=1)
+    except ValueError as e:  # no NANORL_TOKEN, or a short one
+        raise utils.ConfigError(str(e)) from None
     if (me := hello(client, cfg)) is None:  # before loading a model: a mismatched worker fails in seconds
         return 0
     policy = LLMPolicy(cfg)  # --vllm: the tokenizer side only, vLLM holds the weights
