@@ -52,9 +52,8 @@ def collate(groups: list[dict], pad_id: int) -> dict:
 
 
 class Inbox:
-    """The trainer's HTTP side (rank 0 only): POST /hello registers a worker, GET /adapter serves the
-    newest adapter payload, POST /batch checks groups and queues them. The routes run in the
-    server's threads; everything they share with the training thread is guarded by `cond`."""
+    """The trainer's HTTP side (rank 0 only): the routes run in the server's threads, and everything
+    they share with the training thread is guarded by `cond`."""
 
     def __init__(self, cfg, vocab: int, pad_id: int, max_len: int):
         self.cfg, self.vocab, self.pad_id, self.groups = cfg, vocab, pad_id, cfg.batch // cfg.group_size
@@ -138,7 +137,7 @@ class Inbox:
             ok = x.isfinite() | unscored & x.isnan() if n.startswith("reward_") else x.isfinite()
             if not ok.all():
                 return f"{n} holds NaN or inf; expected finite values"
-        if N == 0 or N % k or (t["group"].unique(return_counts=True)[1] != k).any():
+        if N == 0 or (t["group"].unique(return_counts=True)[1] != k).any():  # so N is a multiple of k
             return f"every group needs exactly group_size={k} rows"
         if t["tokens"].min() < 0 or t["tokens"].max() >= self.vocab:
             return f"token ids outside the vocabulary [0, {self.vocab})"
