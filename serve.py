@@ -70,10 +70,7 @@ class Inbox:
         url = urlsplit(cfg.trainer_url)  # "" (the usual case) binds an ephemeral loopback port
         routes = {("POST", "/hello"): self.hello, ("GET", "/adapter"): self.adapter,
                   ("POST", "/batch"): self.receive}
-        try:
-            self.server = Server(routes, url.hostname or "127.0.0.1", url.port or 0)
-        except ValueError as e:  # no token off loopback, or a short one
-            raise utils.ConfigError(str(e)) from None
+        self.server = Server(routes, url.hostname or "127.0.0.1", url.port or 0)
         alone = "" if os.environ.get("NANORL_TOKEN") else " (none is set: only --workers started here join)"
         utils.stderr(f"trainer listening on {self.server.url}; start workers with --role rollout "
                      f"--trainer-url {self.server.url} and the same NANORL_TOKEN{alone}")
@@ -423,10 +420,7 @@ class _Sampler:
 def run_worker(cfg) -> int:
     """A rollout worker: the trainer's own batch source (rollouts.sources()) over a sampler that
     holds the newest adapter, one version per batch; POSTs each batch. Returns the exit code."""
-    try:
-        client = Client(cfg.trainer_url, timeout=30 + LONG_POLL, retries=1)
-    except ValueError as e:  # no NANORL_TOKEN, or a short one
-        raise utils.ConfigError(str(e)) from None
+    client = Client(cfg.trainer_url, timeout=30 + LONG_POLL, retries=1)
     if (me := hello(client, cfg)) is None:  # before loading a model: a mismatched worker fails in seconds
         return 0
     policy = LLMPolicy(cfg)  # --vllm: the tokenizer side only, vLLM holds the weights

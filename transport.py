@@ -28,6 +28,8 @@ from urllib.parse import parse_qsl, urlsplit
 
 import torch
 
+import utils
+
 log = logging.getLogger("nanorl.transport")
 
 DEFAULT_MAX_BODY = 1 << 30  # 1 GiB: a full-model weight push fits, a 2 GB lie does not
@@ -44,9 +46,9 @@ class ServeError(RuntimeError):
 # ---------------------------------------------------------------- HTTP: an authenticated server and a client
 def _check_token(token: str) -> str:
     if not re.fullmatch(r"[\x21-\x7e]{16,}", token):  # 16 random characters: far beyond guessing over HTTP
-        raise ValueError(f"NANORL_TOKEN must be at least 16 printable ASCII characters without spaces (got "
-                         f"{len(token)}); make one with "
-                         "python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+        raise utils.ConfigError(f"NANORL_TOKEN must be at least 16 printable ASCII characters without spaces "
+                                f"(got {len(token)}); make one with "
+                                "python -c 'import secrets; print(secrets.token_urlsafe(32))'")
     return token
 
 
@@ -140,8 +142,8 @@ class Server(socketserver.ThreadingTCPServer):
         with contextlib.suppress(ValueError):  # a host name other than localhost: treat as exposed
             loopback = loopback or ipaddress.ip_address(host).is_loopback
         if not token and not loopback:  # checked before a socket is opened
-            raise ValueError(f"refusing to serve on {host!r} without a token: set NANORL_TOKEN to a shared "
-                             "secret on the trainer and every worker, or bind 127.0.0.1")
+            raise utils.ConfigError(f"refusing to serve on {host!r} without a token: set NANORL_TOKEN to a "
+                                    "shared secret on the trainer and every worker, or bind 127.0.0.1")
         self.token = _check_token(token or secrets.token_urlsafe(32))
         self.routes, self.max_body = dict(routes), max_body
         self.lock, self.conns, self.held, self.counts = threading.Lock(), {}, 0, Counter()
@@ -222,9 +224,9 @@ class Client:
     def __init__(self, url: str, token: str | None = None, timeout: float = 30.0, retries: int = 3,
                  backoff: float = 1.0):
         if (u := urlsplit(url)).scheme != "http" or not u.hostname:
-            raise ValueError(f"server url must look like http://HOST:PORT, got {url!r}")
+            raise utils.ConfigError(f"server url must look like http://HOST:PORT, got {url!r}")
         if not (token := token or os.environ.get("NANORL_TOKEN")):
-            raise ValueError("no token: set NANORL_TOKEN to the trainer's token (Server.token)")
+            raise utils.ConfigError("no token: set NANORL_TOKEN to the trainer's token (Server.token)")
         self.url, self.host, self.port = url.rstrip("/"), u.hostname, u.port or 80
         self.token, self.timeout, self.retries, self.backoff = _check_token(token), timeout, retries, backoff
 
