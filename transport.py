@@ -306,7 +306,7 @@ def encode(tensors: dict[str, torch.Tensor], meta: dict) -> bytearray:
     out[:start] = struct.pack("<Q", len(header)) + header
     body = torch.frombuffer(out, dtype=torch.uint8)[start:]
     for k, b in flat.items():
-        body[entries[k]["data_offsets"][0] : entries[k]["data_offsets"][1]] = b
+        body[slice(*entries[k]["data_offsets"])] = b
     at = 8 + header.index(b"0" * 64)  # the first run of 64 zeros: the placeholder opens the header
     out[at : at + 64] = _digest(entries, memoryview(out)[start:]).encode()
     return out
