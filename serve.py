@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import utils
 from model import LLMPolicy, Sample, VLLMGenerator
 from rollouts import WIRE, Batch, BatchSource, from_wire, sources
-from transport import Client, PayloadError, Request, ServeError, Server, decode, encode, views
+from transport import Client, PayloadError, Request, ServeError, Server, decode, encode
 
 FINGERPRINT = ("task", "seed", "eval_size", "data", "model", "lora", "lora_rank", "lora_alpha",
                "lora_targets", "max_new_tokens", "group_size", "temperature", "top_p", "chat_template",
@@ -52,9 +52,8 @@ def collate(groups: list[dict], pad_id: int) -> dict:
 
 
 class Inbox:
-    """The trainer's HTTP side (rank 0 only): POST /hello registers a worker, GET /adapter serves the
-    newest adapter payload, POST /batch checks groups and queues them. The routes run in the
-    server's threads; everything they share with the training thread is guarded by `cond`."""
+    """The trainer's HTTP side (rank 0 only): the routes run in the server's threads, and everything
+    they share with the training thread is guarded by `cond`."""
 
     def __init__(self, cfg, vocab: int, pad_id: int, max_len: int):
         self.cfg, self.vocab, self.pad_id, self.groups = cfg, vocab, pad_id, cfg.batch // cfg.group_size
@@ -71,10 +70,7 @@ class Inbox:
         url = urlsplit(cfg.trainer_url)  # "" (the usual case) binds an ephemeral loopback port
         routes = {("POST", "/hello"): self.hello, ("GET", "/adapter"): self.adapter,
                   ("POST", "/batch"): self.receive}
-        try:
-            self.server = Server(routes, url.hostname or "127.0.0.1", url.port or 0)
-        except ValueError as e:  # no token off loopback, or a short one
-            raise utils.ConfigError(str(e)) from None
+        self.server = Server(routes, url.hostname or "127.0.0.1", url.port or 0)
         alone = "" if os.environ.get("NANORL_TOKEN") else " (none is set: only --workers started here join)"
         utils.stderr(f"trainer listening on {self.server.url}; start workers with --role rollout "
                      f"--trainer-url {self.server.url} and the same NANORL_TOKEN{alone}")
@@ -138,7 +134,7 @@ class Inbox:
             ok = x.isfinite() | unscored & x.isnan() if n.startswith("reward_") else x.isfinite()
             if not ok.all():
                 return f"{n} holds NaN or inf; expected finite values"
-        if N == 0 or N % k or (t["group"].unique(return_counts=True)[1] != k).any():
+        if N == 0 or (t["group"].unique(return_counts=True)[1] != k).any():  # so N is a multiple of k
             return f"every group needs exactly group_size={k} rows"
         if t["tokens"].min() < 0 or t["tokens"].max() >= self.vocab:
             return f"token ids outside the vocabulary [0, {self.vocab})"
@@ -291,12 +287,12 @@ class AsyncRollouts(BatchSource):
                 self.policy.load_trainable(self.snapshots[self.version])
 
     def publish(self, step: int) -> None:
-        """Version `step`: the adapter encoded once for all workers; the payload's tensors (views,
-        not copies) are also the snapshot that scores this version's rows."""
+        """Version `step`: the adapter encoded once for all workers; the payload's tensors (views, not
+        copies, named as on the wire as workers load them) are also the snapshot that scores its rows."""
         t = time.perf_counter()
         payload = encode(self.policy.wire_state(), {"version": step, "adapter_config": self.config_json})
         self.snapshots = {v: s for v, s in self.snapshots.items() if v >= step - self.cfg.max_staleness}
-        self.snapshots[step], self.version = views(payload), step  # named as on the wire, as workers load it
+        self.snapshots[step], self.version = decode(payload)[0], step  # its hash check: ~7 ms per 4 MB
         if self.inbox:
             self.inbox.serve(step, payload, time.perf_counter() - t)
 

@@ -5,8 +5,6 @@ Every request carries the shared secret NANORL_TOKEN as `Authorization: Bearer <
 constant time. A loopback bind without one generates it (`Server.token`) for the workers the trainer
 spawns (a token-less server would let any local user push batches); any other bind refuses to start.
 """
-from __future__ import annotations
-
 import contextlib
 import hashlib
 import hmac
@@ -25,10 +23,12 @@ import sys
 import time
 import threading
 from collections import Counter, namedtuple
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qsl, urlsplit
 
 import torch
+
+import utils
 
 log = logging.getLogger("nanorl.transport")
 
@@ -46,13 +46,13 @@ class ServeError(RuntimeError):
 # ---------------------------------------------------------------- HTTP: an authenticated server and a client
 def _check_token(token: str) -> str:
     if not re.fullmatch(r"[\x21-\x7e]{16,}", token):  # 16 random characters: far beyond guessing over HTTP
-        raise ValueError(f"NANORL_TOKEN must be at least 16 printable ASCII characters without spaces (got "
-                         f"{len(token)}); make one with "
-                         "python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+        raise utils.ConfigError(f"NANORL_TOKEN must be at least 16 printable ASCII characters without spaces "
+                                f"(got {len(token)}); make one with "
+                                "python -c 'import secrets; print(secrets.token_urlsafe(32))'")
     return token
 
 
-Request = namedtuple("Request", "path query body peer")  # str, {name: value} of the query, bytes, client ip
+Request = namedtuple("Request", "path query body")  # str, {name: value} of the query, bytes
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -108,8 +108,7 @@ class _Handler(BaseHTTPRequestHandler):
                 body += chunk
             if len(body) < n:
                 return self.send_error(400, f"body truncated: got {len(body)} of {n} bytes")
-            self._route(route, Request(url.path, dict(parse_qsl(url.query, keep_blank_values=True)), body,
-                                       self.client_address[0]))
+            self._route(route, Request(url.path, dict(parse_qsl(url.query, keep_blank_values=True)), body))
         finally:
             srv.hold(-len(body))
 
@@ -126,10 +125,13 @@ class _Handler(BaseHTTPRequestHandler):
     do_GET = do_POST = _dispatch
 
 
-class Server(ThreadingHTTPServer):
+class Server(socketserver.ThreadingTCPServer):
     """Authenticated HTTP server in a background thread; a context manager. routes: {(method, path): fn};
-    fn(Request) returns (status, body): bytes, JSON (dict or list) or None. token: None reads NANORL_TOKEN."""
+    fn(Request) returns (status, body): bytes, JSON (dict or list) or None. token: None reads NANORL_TOKEN.
+    Not http.server's HTTPServer: its server_bind calls socket.getfqdn(), which can stall on bad DNS."""
     daemon_threads = True  # a stuck worker connection must not keep the trainer process alive
+    allow_reuse_address = True  # as HTTPServer: a restarted trainer binds its port again at once
+    request_queue_size = 128  # the listen backlog: a flood is accepted (and evicted) instead of stalling SYNs
 
     def __init__(self, routes: dict, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                  max_body: int = DEFAULT_MAX_BODY):
@@ -140,8 +142,8 @@ class Server(ThreadingHTTPServer):
         with contextlib.suppress(ValueError):  # a host name other than localhost: treat as exposed
             loopback = loopback or ipaddress.ip_address(host).is_loopback
         if not token and not loopback:  # checked before a socket is opened
-            raise ValueError(f"refusing to serve on {host!r} without a token: set NANORL_TOKEN to a shared "
-                             "secret on the trainer and every worker, or bind 127.0.0.1")
+            raise utils.ConfigError(f"refusing to serve on {host!r} without a token: set NANORL_TOKEN to a "
+                                    "shared secret on the trainer and every worker, or bind 127.0.0.1")
         self.token = _check_token(token or secrets.token_urlsafe(32))
         self.routes, self.max_body = dict(routes), max_body
         self.lock, self.conns, self.held, self.counts = threading.Lock(), {}, 0, Counter()
@@ -152,13 +154,6 @@ class Server(ThreadingHTTPServer):
         # poll_interval 0.1 s: close() returns within that instead of serve_forever's 0.5 s default
         self._thread = threading.Thread(target=self.serve_forever, args=(0.1,), daemon=True)
         self._thread.start()
-
-    def server_bind(self):
-        # Skip HTTPServer.server_bind: its socket.getfqdn() can stall for seconds on a bad DNS setup.
-        socketserver.TCPServer.server_bind(self)
-        self.server_name, self.server_port = self.server_address[:2]
-
-    request_queue_size = 128  # the listen backlog: a flood is accepted (and evicted) instead of stalling SYNs
 
     def count(self, what: str):
         with self.lock:
@@ -229,9 +224,9 @@ class Client:
     def __init__(self, url: str, token: str | None = None, timeout: float = 30.0, retries: int = 3,
                  backoff: float = 1.0):
         if (u := urlsplit(url)).scheme != "http" or not u.hostname:
-            raise ValueError(f"server url must look like http://HOST:PORT, got {url!r}")
+            raise utils.ConfigError(f"server url must look like http://HOST:PORT, got {url!r}")
         if not (token := token or os.environ.get("NANORL_TOKEN")):
-            raise ValueError("no token: set NANORL_TOKEN to the trainer's token (Server.token)")
+            raise utils.ConfigError("no token: set NANORL_TOKEN to the trainer's token (Server.token)")
         self.url, self.host, self.port = url.rstrip("/"), u.hostname, u.port or 80
         self.token, self.timeout, self.retries, self.backoff = _check_token(token), timeout, retries, backoff
 
@@ -311,7 +306,7 @@ def encode(tensors: dict[str, torch.Tensor], meta: dict) -> bytearray:
     out[:start] = struct.pack("<Q", len(header)) + header
     body = torch.frombuffer(out, dtype=torch.uint8)[start:]
     for k, b in flat.items():
-        body[entries[k]["data_offsets"][0] : entries[k]["data_offsets"][1]] = b
+        body[slice(*entries[k]["data_offsets"])] = b
     at = 8 + header.index(b"0" * 64)  # the first run of 64 zeros: the placeholder opens the header
     out[at : at + 64] = _digest(entries, memoryview(out)[start:]).encode()
     return out
@@ -352,19 +347,8 @@ def _check_header(data: bytearray) -> tuple[object, dict, int]:
     return header.get("__metadata__", {}), entries, 8 + n
 
 
-def _tensors(data: bytearray, entries: dict, start: int) -> dict[str, torch.Tensor]:
-    """Tensors that view `data` (no copy), after _check_header vouched for every offset."""
-    flat, out = torch.frombuffer(data, dtype=torch.uint8), {}
-    for name, e in entries.items():
-        dtype, (a, b) = DTYPES[e["dtype"]], e["data_offsets"]
-        x = flat[start + a:start + b]
-        x = x.clone() if (start + a) % dtype.itemsize else x  # a view must be aligned to its element size
-        out[name] = x.view(dtype).reshape(e["shape"])
-    return out
-
-
 def decode(data: bytes | bytearray) -> tuple[dict[str, torch.Tensor], dict]:
-    """Inverse of `encode`. Raises only PayloadError, whatever the bytes are."""
+    """Inverse of `encode`: tensors viewing `data` (no copy). Raises only PayloadError, whatever the bytes."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise PayloadError(f"decode needs bytes, got {type(data).__name__}")
     data = data if isinstance(data, bytearray) else bytearray(data)  # writable: tensors view it in place
@@ -380,13 +364,12 @@ def decode(data: bytes | bytearray) -> tuple[dict[str, torch.Tensor], dict]:
         raise PayloadError(f"nanorl header must be an object with format={FORMAT!r}, sha256 and meta")
     if _digest(entries, memoryview(data)[start:]) != head["sha256"]:  # integrity, not a secret: == is fine
         raise PayloadError("sha256 mismatch: tensor bytes were corrupted or tampered with in transit")
-    tensors = _tensors(data, entries, start)
-    for k, t in tensors.items():  # a bool byte other than 0/1 is undefined behaviour in torch
-        if t.dtype == torch.bool and t.numel() and t.view(torch.uint8).max() > 1:
-            raise PayloadError(f"bool tensor {k!r} holds bytes other than 0 and 1")
+    flat, tensors = torch.frombuffer(data, dtype=torch.uint8), {}
+    for name, e in entries.items():  # _check_header vouched for every offset
+        dtype, (a, b) = DTYPES[e["dtype"]], e["data_offsets"]
+        x = flat[start + a:start + b]
+        if dtype == torch.bool and x.numel() and x.max() > 1:  # undefined behaviour in torch
+            raise PayloadError(f"bool tensor {name!r} holds bytes other than 0 and 1")
+        x = x.clone() if (start + a) % dtype.itemsize else x  # a view must be aligned to its element size
+        tensors[name] = x.view(dtype).reshape(e["shape"])
     return tensors, head["meta"]
-
-
-def views(data: bytearray) -> dict[str, torch.Tensor]:
-    """The tensors of a payload this process encoded itself, viewed in place (no hash check)."""
-    return _tensors(data, *_check_header(data)[1:])

@@ -148,7 +148,7 @@ def test_old_logp_is_scored_under_the_exact_version_that_sampled_each_row(policy
         v1 = policy.trainable_state()
         rows_v1 = worker_batch(policy, [1] * 4, offset=4)
         body = transport.encode(serve.collate([rows_v1, rows_v0], policy.pad_id) | {"group": torch.tensor([0] * 4 + [1] * 4)}, {"worker": "t"})
-        status, _ = src.inbox.receive(transport.Request("/batch", {}, body, "127.0.0.1"))
+        status, _ = src.inbox.receive(transport.Request("/batch", {}, body))
         assert status == 200
         batch = train.prepare(policy, src.next(1), src.cfg, src.weights)  # stage 2 rescores each row
         assert batch.version.tolist() == [0] * 4 + [1] * 4  # sorted by version
@@ -172,7 +172,7 @@ def test_groups_older_than_max_staleness_are_dropped_and_counted_never_trained(p
         src.publish(1)
         src.publish(2)  # version 0 now lags by 2 > max_staleness
         assert 0 not in src.snapshots and set(src.snapshots) == {1, 2}
-        status, reply = src.inbox.receive(transport.Request("/batch", {}, old, "127.0.0.1"))
+        status, reply = src.inbox.receive(transport.Request("/batch", {}, old))
         assert (status, reply, src.inbox.counts["dropped_stale"]) == (200, {"queued": 0, "dropped": 1}, 1)
         assert src.inbox.queue == []
     finally:
@@ -185,7 +185,7 @@ def test_a_post_to_a_full_queue_waits_for_room_instead_of_bouncing(policy, monke
     try:
         src.publish(0)
         two = transport.encode(worker_batch(policy, [0] * 8), {"worker": "t"})
-        post = lambda: src.inbox.receive(transport.Request("/batch", {}, two, "127.0.0.1"))
+        post = lambda: src.inbox.receive(transport.Request("/batch", {}, two))
         assert post() == (200, {"queued": 2, "dropped": 0})
         assert post()[0] == 429  # still full when the long poll ends
         replies = []
@@ -214,7 +214,7 @@ def test_malformed_worker_batches_are_rejected_before_the_model_sees_them(policy
         src.publish(0)
         batch = dict(rows)
         edit(batch)
-        status, reply = src.inbox.receive(transport.Request("/batch", {}, transport.encode(batch, {"worker": "t"}), "127.0.0.1"))
+        status, reply = src.inbox.receive(transport.Request("/batch", {}, transport.encode(batch, {"worker": "t"})))
         assert status == 400 and re.search(message, reply["error"]) and src.inbox.counts["batches_rejected"] == 1
     finally:
         src.close()

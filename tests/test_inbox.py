@@ -34,7 +34,7 @@ def forge(groups: int = 1, length: int = 12, **extra) -> dict:
 
 
 def post(box, batch: dict, **meta):
-    return box.receive(Request("/batch", {}, encode(batch, {"worker": 0} | meta), "127.0.0.1"))
+    return box.receive(Request("/batch", {}, encode(batch, {"worker": 0} | meta)))
 
 
 MULTI = {"turns": torch.ones(K), "solved": torch.zeros(K), "solved_first_turn": torch.zeros(K)}
@@ -76,7 +76,7 @@ def test_sync_times_that_are_not_times_are_ignored_and_the_batch_still_lands(inb
 
 
 def test_liveness_counts_only_worker_ids_the_trainer_issued(inbox):
-    assert inbox.hello(Request("/hello", {}, encode_hello(inbox), "127.0.0.1"))[0] == 200  # issues worker 0
+    assert inbox.hello(Request("/hello", {}, encode_hello(inbox)))[0] == 200  # issues worker 0
     for spoofed in (1, 7, 10**9, -1, "0", None):
         post(inbox, forge(), worker=spoofed)
     assert inbox.live() == {0}
@@ -103,6 +103,15 @@ def test_a_trainer_that_would_serve_unsafely_stops_in_one_line(capsys, monkeypat
         monkeypatch.setenv("NANORL_TOKEN", token)
     argv = ["--task", "arith", "--model", "tiny", "--no-progress", "--role", "trainer", "--steps", "1",
             "--out", str(tmp_path / "r"), *(["--trainer-url", url] if url else [])]
+    assert fix in one_line_error(capsys, argv)
+
+
+@pytest.mark.parametrize("token, fix", [(None, "no token: set NANORL_TOKEN"), ("short", "at least 16 printable")])
+def test_a_worker_without_a_usable_token_stops_in_one_line(capsys, monkeypatch, token, fix):
+    monkeypatch.delenv("NANORL_TOKEN", raising=False)
+    if token:
+        monkeypatch.setenv("NANORL_TOKEN", token)
+    argv = ["--task", "arith", "--model", "tiny", "--role", "rollout", "--trainer-url", "http://127.0.0.1:9"]
     assert fix in one_line_error(capsys, argv)
 
 
