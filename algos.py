@@ -82,8 +82,7 @@ def ppo(batch, cfg):
 
 
 def grpo(batch, cfg):
-    """Group-relative: (R - mean_group) / std_group; Dr. GRPO drops the std division, which
-    otherwise up-weights groups that are nearly all right or all wrong."""
+    """Group-relative: (R - mean_group) / std_group; --dr-grpo drops the division (and its up-weighting)."""
     r = (batch.rewards * batch.mask).sum(1)  # [N]: each row's return
     mean, std, _ = group_baseline(r, batch.group)
     adv = r - mean if cfg.dr_grpo else (r - mean) / (std + EPS)  # [N]
@@ -112,11 +111,9 @@ AGGREGATIONS = ("token_mean", "seq_mean", "constant")
 
 def loss_weights(mask: torch.Tensor, mode: str = "token_mean", total_tokens=None, total_rows=None,
                  constant=None) -> torch.Tensor:
-    """Per-token loss weights [N, T] whose denominators span the whole batch (a torchrun rank passes the
-    all-reduced totals), so the sum of micro-batch gradients equals one big backward.
-      token_mean: every token counts the same (DAPO): mask / tokens.
-      seq_mean:   token-mean inside each row, then mean over rows (the GRPO paper): mask / (len_i * rows).
-      constant:   mask / (rows * constant) (Dr. GRPO): no length bias; constant = the token budget."""
+    """Per-token loss weights [N, T]: token_mean mask / tokens (DAPO), seq_mean mask / (len_i * rows) (the
+    GRPO paper), constant mask / (rows * constant) (Dr. GRPO). The denominators span the whole batch (a
+    torchrun rank passes the all-reduced totals), so the micro-batch gradients sum to one big backward's."""
     tokens = max(float(mask.sum() if total_tokens is None else total_tokens), 1.0)
     rows = max(float((mask.sum(1) > 0).sum() if total_rows is None else total_rows), 1.0)  # not fully masked
     if mode == "seq_mean":  # a row's length is its own: no collective needed

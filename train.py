@@ -554,9 +554,9 @@ def parse(argv: list[str]) -> Config:
         raise utils.ConfigError(f"--resume {cfg.resume}: no config.yaml in {saved.parent}: not a run")
     old, cfg = (utils.load_config(Config, flags, choices(), base=saved, defaults=task_defaults)
                 for flags in ([], argv))
-    identity = ("task", "data", "model", "lora", "lora_rank", "lora_targets", "algo", "loss")  # what trains
-    for name in [n for n in identity if getattr(cfg, n) != getattr(old, n)]:
-        utils.stderr(f"warning: {name} {getattr(cfg, name)!r} replaces the run's {getattr(old, name)!r}")
+    for name in ("task", "data", "model", "lora", "lora_rank", "lora_targets", "algo", "loss"):  # what trains
+        if getattr(cfg, name) != getattr(old, name):
+            utils.stderr(f"warning: {name} {getattr(cfg, name)!r} replaces the run's {getattr(old, name)!r}")
     return cfg
 
 
