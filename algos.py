@@ -75,10 +75,9 @@ def reinforce_pp(batch, cfg):
 
 def ppo(batch, cfg):
     """GAE with the critic's values from before the update; targets fixed once, here."""
-    m = batch.mask
-    adv = gae(batch.rewards, batch.values, m, batch.last_value, ~batch.truncated, cfg.gamma, cfg.lam)
-    batch.returns = (adv + batch.values) * m
-    return masked_whiten(adv, m)
+    adv = gae(batch.rewards, batch.values, batch.mask, batch.last_value, ~batch.truncated, cfg.gamma, cfg.lam)
+    batch.returns = (adv + batch.values) * batch.mask
+    return masked_whiten(adv, batch.mask)
 
 
 def grpo(batch, cfg):
