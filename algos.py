@@ -32,11 +32,9 @@ def next_step(x: torch.Tensor) -> torch.Tensor:
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """G_t = r_t + gamma * G_{t+1} inside each row's run of policy steps; [N, T] -> [N, T]."""
-    nxt, out = next_step(mask), torch.zeros_like(rewards)
-    running = torch.zeros_like(rewards[:, 0])
-    for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + gamma * running * nxt[:, t]
-        out[:, t] = running
+    nxt, out = next_step(mask), rewards.clone()
+    for t in reversed(range(rewards.shape[1] - 1)):
+        out[:, t] += gamma * out[:, t + 1] * nxt[:, t]
     return out * mask
 
 
@@ -77,15 +75,13 @@ def reinforce_pp(batch, cfg):
 
 def ppo(batch, cfg):
     """GAE with the critic's values from before the update; targets fixed once, here."""
-    m = batch.mask
-    adv = gae(batch.rewards, batch.values, m, batch.last_value, ~batch.truncated, cfg.gamma, cfg.lam)
-    batch.returns = (adv + batch.values) * m
-    return masked_whiten(adv, m)
+    adv = gae(batch.rewards, batch.values, batch.mask, batch.last_value, ~batch.truncated, cfg.gamma, cfg.lam)
+    batch.returns = (adv + batch.values) * batch.mask
+    return masked_whiten(adv, batch.mask)
 
 
 def grpo(batch, cfg):
-    """Group-relative: (R - mean_group) / std_group; Dr. GRPO drops the std division, which
-    otherwise up-weights groups that are nearly all right or all wrong."""
+    """Group-relative: (R - mean_group) / std_group; --dr-grpo drops the division (and its up-weighting)."""
     r = (batch.rewards * batch.mask).sum(1)  # [N]: each row's return
     mean, std, _ = group_baseline(r, batch.group)
     adv = r - mean if cfg.dr_grpo else (r - mean) / (std + EPS)  # [N]
@@ -103,9 +99,8 @@ def rloo(batch, cfg):
 def opd(batch, cfg):
     """On-policy distillation: the per-token advantage teacher_logp - old_logp (minus the teacher's
     per-token reverse KL on the student's own samples), plus opd_reward_coef x the task's return."""
-    m = batch.mask
-    adv = (batch.teacher_logp - batch.old_logp) * m  # [N, T]
-    return adv + cfg.opd_reward_coef * discounted_returns(batch.rewards, m, cfg.gamma)
+    adv = (batch.teacher_logp - batch.old_logp) * batch.mask  # [N, T]
+    return adv + cfg.opd_reward_coef * discounted_returns(batch.rewards, batch.mask, cfg.gamma)
 
 
 ALGOS = {fn.__name__: fn for fn in (reinforce, reinforce_baseline, reinforce_pp, ppo, grpo, rloo, opd)}
@@ -115,11 +110,9 @@ AGGREGATIONS = ("token_mean", "seq_mean", "constant")
 
 def loss_weights(mask: torch.Tensor, mode: str = "token_mean", total_tokens=None, total_rows=None,
                  constant=None) -> torch.Tensor:
-    """Per-token loss weights [N, T] whose denominators span the whole batch (a torchrun rank passes the
-    all-reduced totals), so the sum of micro-batch gradients equals one big backward.
-      token_mean: every token counts the same (DAPO): mask / tokens.
-      seq_mean:   token-mean inside each row, then mean over rows (the GRPO paper): mask / (len_i * rows).
-      constant:   mask / (rows * constant) (Dr. GRPO): no length bias; constant = the token budget."""
+    """Per-token loss weights [N, T]: token_mean mask / tokens (DAPO), seq_mean mask / (len_i * rows) (the
+    GRPO paper), constant mask / (rows * constant) (Dr. GRPO). The denominators span the whole batch (a
+    torchrun rank passes the all-reduced totals), so the micro-batch gradients sum to one big backward's."""
     tokens = max(float(mask.sum() if total_tokens is None else total_tokens), 1.0)
     rows = max(float((mask.sum(1) > 0).sum() if total_rows is None else total_rows), 1.0)  # not fully masked
     if mode == "seq_mean":  # a row's length is its own: no collective needed
@@ -133,15 +126,13 @@ IS_LEVELS = ("off", "token", "sequence")  # sampler/trainer mismatch corrections
 
 def policy_loss(logp, old_logp, adv, weights, mask, loss: str = "ppo", eps_low: float = 0.2,
                 eps_high: float = 0.2, dual_clip: float = 0.0):
-    """The one policy loss, summed with `weights`; all inputs [n, T], only logp carries grad.
-      ppo:   max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), r = exp(logp - old_logp); eps_high > eps_low
-             is DAPO's clip-higher; dual_clip c > 1 caps a negative-advantage token's loss at -c A, so one
-             huge ratio cannot dominate the batch.
+    """The one policy loss, summed with `weights`, and per-token stats [n, T] for the caller to average.
+    Inputs [n, T], only logp carries grad; with old_logp == logp.detach() each is the plain policy gradient.
+      ppo:   max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), r = exp(logp - old_logp); dual_clip c > 1
+             caps a negative-advantage token's loss at -c A, so one huge ratio cannot dominate the batch.
       gspo:  the same clip on the row's s = exp(mean_t(logp - old_logp)): value s on every token, gradient
              token by token (GSPO-token: GSPO's own under seq_mean). GSPO wants eps ~ 3e-4 / 4e-4.
-      cispo: -sg(clip(r)) A logp: clipping bounds the weight, yet every token keeps its gradient.
-    With old_logp == logp.detach() the ratio is 1 and every variant is the plain policy gradient.
-    Returns (loss, per-token stats [n, T] to be averaged by the caller)."""
+      cispo: -sg(clip(r)) A logp: clipping bounds the weight, yet every token keeps its gradient."""
     gap = logp - old_logp  # [n, T]
     ratio = torch.exp(gap)
     if loss == "gspo":
@@ -170,8 +161,7 @@ def value_loss(values, returns, weights, old_values=None, clip: float = 0.0):
     return 0.5 * (err * weights).sum()
 
 
-# KL(policy || ref) per token from samples of the policy, d = ref_logp - logp (Schulman's k1, k2, k3):
-# k1 is unbiased but goes negative, k2 is low variance but biased, k3 is unbiased and always >= 0.
+# KL(policy || ref) per token from samples of the policy (Schulman's k1, k2, k3; --kl-estimator's trade-offs)
 KL = {"k1": lambda logp, ref_logp: logp - ref_logp,
       "k2": lambda logp, ref_logp: 0.5 * (logp - ref_logp) ** 2,
       "k3": lambda logp, ref_logp: torch.exp(ref_logp - logp) - (ref_logp - logp) - 1}
@@ -179,10 +169,9 @@ KL = {"k1": lambda logp, ref_logp: logp - ref_logp,
 
 def importance_correction(old_logp, sampler_logp, mask, tis: str, tis_cap: float, mis: str, mis_low: float,
                           mis_high: float):
-    """Sampler/trainer mismatch (e.g. vLLM vs the trainer's kernels): r = p_trainer / p_sampler per
-    token ("token") or the product over the row ("sequence"). Truncated IS multiplies the policy
-    loss by min(r, tis_cap); masked IS drops tokens (rows) whose r leaves [mis_low, mis_high]
-    (both ends kept). Returns (weight [N, T], keep [N, T], stats of the raw ratios)."""
+    """Sampler/trainer mismatch (e.g. vLLM vs the trainer's kernels), r = p_trainer / p_sampler per token or
+    its product over the row: truncated IS weights the policy loss by min(r, tis_cap); masked IS drops tokens
+    (rows) whose r leaves [mis_low, mis_high], ends kept. Returns (weight [N, T], keep [N, T], stats of r)."""
     log_r = (old_logp - sampler_logp) * mask  # [N, T]
     # "off" is a log-ratio of 0, which validate() keeps under tis_cap and inside the mis bounds
     level = {"off": torch.zeros_like(log_r), "token": log_r,

@@ -156,14 +156,14 @@ def validate(cfg: Config) -> None:
             raise err(f"unknown --{name.replace('_', '-')} '{value}'{utils.closest(value, valid)} "
                       f"(choices: {', '.join(valid)})")
     for low, names in ((0, "steps sft_steps micro_batch max_staleness workers pass_k debug_samples samples"),
-                       (1, "eval_every eval_episodes eval_size gen_batch max_new_tokens inner_epochs "
-                           "minibatches ckpt_every keep_ckpts max_turns max_gen_batches")):
+                       (1, "batch group_size eval_every eval_episodes eval_size gen_batch max_new_tokens "
+                           "inner_epochs minibatches ckpt_every keep_ckpts max_turns max_gen_batches")):
         for name in names.split():
             if getattr(cfg, name) < low:
                 raise err(f"need --{name.replace('_', '-')} >= {low} (got {getattr(cfg, name)})")
     if cfg.algo in GROUPED and cfg.group_size < 2:
         raise err(f"--algo {cfg.algo} needs --group-size >= 2 (got {cfg.group_size}); try --group-size 8")
-    if cfg.group_size < 1 or cfg.batch < 1 or cfg.batch % cfg.group_size:
+    if cfg.batch % cfg.group_size:
         raise err(f"--batch {cfg.batch} must be a positive multiple of --group-size {cfg.group_size}")
     if cfg.batch % cfg.minibatches:
         raise err(f"--minibatches {cfg.minibatches} must divide --batch {cfg.batch}")
@@ -365,7 +365,7 @@ def update(policy, opt, batch: Batch, cfg: Config) -> dict:
     """Stage 3: inner epochs x minibatches of the policy loss, each minibatch accumulated over
     micro-batches whose loss weights share one global denominator."""
     n, fresh = len(batch), on_policy(policy, cfg)
-    critic = list(policy.v.parameters()) if policy.has_critic and cfg.critic_max_grad_norm else []
+    critic = list(policy.v.parameters()) if cfg.critic_max_grad_norm else []  # validate(): PPO's only
     actor = [p for p in policy.parameters() if p.requires_grad and all(p is not c for c in critic)]
     stats, means, updates, skipped = defaultdict(float), defaultdict(float), 0, 0
     unit = batch.loss_mask if cfg.loss_agg == "token_mean" else (batch.loss_mask.sum(1) > 0).float()
@@ -554,9 +554,9 @@ def parse(argv: list[str]) -> Config:
         raise utils.ConfigError(f"--resume {cfg.resume}: no config.yaml in {saved.parent}: not a run")
     old, cfg = (utils.load_config(Config, flags, choices(), base=saved, defaults=task_defaults)
                 for flags in ([], argv))
-    identity = ("task", "data", "model", "lora", "lora_rank", "lora_targets", "algo", "loss")  # what trains
-    for name in [n for n in identity if getattr(cfg, n) != getattr(old, n)]:
-        utils.stderr(f"warning: {name} {getattr(cfg, name)!r} replaces the run's {getattr(old, name)!r}")
+    for name in ("task", "data", "model", "lora", "lora_rank", "lora_targets", "algo", "loss"):  # what trains
+        if getattr(cfg, name) != getattr(old, name):
+            utils.stderr(f"warning: {name} {getattr(cfg, name)!r} replaces the run's {getattr(old, name)!r}")
     return cfg
 
 
