@@ -81,9 +81,9 @@ def from_wire(t: dict[str, Tensor], texts: list[tuple[str, str, str]]) -> Batch:
 
 
 def make_batch(prefixes: list[list[int]], samples: list, rewards: list[float], pad_id: int,
-               loss_mask: list[list[int]] | None = None, *, group: Tensor | None = None, version: int = 0,
+               loss_mask: list[list[int]] | None = None, *, group_size: int = 1, version: int = 0,
                stats: dict | None = None, texts: list | None = None) -> Batch:
-    """Collates (prefix, completion) rows into a Batch; by default each row is its own group. `loss_mask`
+    """Collates (prefix, completion) rows into a Batch, in groups of `group_size` in order. `loss_mask`
     (0/1 per completion token) masks out tokens the policy did not sample, e.g. environment replies
     inside a multi-turn episode; the row's reward then sits on its last token with mask 1."""
     N, L = len(prefixes), max(len(p) + len(s.ids) for p, s in zip(prefixes, samples))
@@ -99,7 +99,7 @@ def make_batch(prefixes: list[list[int]], samples: list, rewards: list[float], p
         reward[r, a + int(m.nonzero().max()) if m.any() else e - 1] = rewards[r]
     truncated = torch.tensor([s.truncated for s in samples], dtype=torch.bool)  # [N]
     return Batch(tokens, attn, torch.zeros(N, 0, 0), torch.zeros(N, 0), mask, logp, reward, truncated,
-                 torch.arange(N) if group is None else group, torch.full((N,), version), stats or {},
+                 torch.arange(N) // group_size, torch.full((N,), version), stats or {},
                  texts or [("", "", "")] * N)
 
 
@@ -139,16 +139,17 @@ class Row(NamedTuple):
     parts: dict[str, float]  # each reward function's unweighted value
 
 
-def rollout_single(policy, task: tasks.Task, problems: list[Problem], group_size: int, max_new_tokens: int,
-                   gen_batch: int, greedy: bool = False, drop: bool = False) -> list[list[Row]]:
-    """group_size completions per problem, scored by the task's reward functions: a group per problem.
-    All rows are scored at once, `concurrency` at a time, so a judge's round trips overlap; drop:
-    see Task.score."""
+def rollout_single(policy, task: tasks.Task, problems: list[Problem], group_size: int, cfg,
+                   greedy: bool = False) -> list[list[Row]]:
+    """group_size completions per problem (cfg's max_new_tokens, gen_batch), scored by the task's reward
+    functions: a group per problem. All rows are scored at once, `concurrency` at a time, so a judge's
+    round trips overlap; --judge-down drop: see Task.score."""
     prefixes = [policy.encode_prompt(p.prompt) for p in problems]
     rows = [(p, x) for p, x in zip(problems, prefixes) for _ in range(group_size)]
-    samples = policy.generate([x for _, x in rows], max_new_tokens, gen_batch, greedy=greedy)
+    samples = policy.generate([x for _, x in rows], cfg.max_new_tokens, cfg.gen_batch, greedy=greedy)
     texts = [policy.decode(s.ids) for s in samples]
     width = max(getattr(fn, "concurrency", 1) for fn, _ in task.rewards)  # only a judge scores in parallel
+    drop = cfg.judge_down == "drop"
     with ThreadPoolExecutor(width) as pool:
         scores = list(pool.map(lambda r, t: task.score(r[0].prompt, t, r[0].answer, drop), rows, texts))
     out = [Row(p, x, s, t, *score) for (p, x), s, t, score in zip(rows, samples, texts, scores)]
@@ -163,11 +164,10 @@ def collate_groups(groups: list[list[Row]], pad_id: int, version: int, drop: boo
     stats = {f"reward_{n}": torch.tensor([r.parts[n] for r in rows]) for n in rows[0].parts}
     if drop:
         stats["judge_dropped_frac"] = torch.tensor(lost, dtype=torch.float)
-    group = torch.arange(len(groups)).repeat_interleave(len(groups[0]))  # [N]
     return make_batch([r.prefix for r in rows], [r.sample for r in rows],
                       [0.0 if x else r.reward for x, r in zip(lost, rows)], pad_id,
-                      [[int(not x)] * len(r.sample.ids) for x, r in zip(lost, rows)], group=group,
-                      version=version, stats=stats,
+                      [[int(not x)] * len(r.sample.ids) for x, r in zip(lost, rows)],
+                      group_size=len(groups[0]), version=version, stats=stats,
                       texts=[(r.problem.prompt, r.text, r.problem.answer) for r in rows])
 
 
@@ -257,9 +257,8 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
     at = torch.tensor([float(e.solved_at_turn) for e in eps])  # [N], 0 = never
     stats = {"solved": (at > 0).float(), "solved_first_turn": (at == 1).float(),
              "turns": torch.tensor([float(e.turns) for e in eps])}
-    group = torch.arange(len(problems)).repeat_interleave(group_size)  # [N]
     return make_batch([e.prompt for e in eps], eps, [e.reward for e in eps], policy.pad_id,
-                      [e.mask for e in eps], group=group, version=version, stats=stats,
+                      [e.mask for e in eps], group_size=group_size, version=version, stats=stats,
                       texts=[(e.problem.prompt, e.text, e.problem.answer) for e in eps])
 
 
@@ -272,6 +271,8 @@ class BatchSource:
     policy, so `weights` and `publish` have nothing to do there."""
 
     position = 0  # seeds or problems drawn so far: what a checkpoint holds by default
+    last: dict[str, float] = {}  # about the last next(), to log (same keys on every rank); next() replaces it
+    eval_batch: Batch | None = None  # the last evaluate()'s rows, for samples.jsonl (none for control tasks)
 
     def next(self, step: int) -> Batch:
         """Stage 1: this rank's rows for `step`."""
@@ -281,17 +282,12 @@ class BatchSource:
         """Held-out greedy metrics with the live weights, summed or averaged over ranks."""
         raise NotImplementedError
 
-    last: dict[str, float] = {}  # about the last next(), to log (same keys on every rank); next() replaces it
-
     def metrics(self) -> dict[str, float]:
         return self.last
 
     def weights(self, version: int) -> contextlib.AbstractContextManager:
-        """A context in which the policy holds the weights that sampled `version` (stage 2 scores
-        old log-probs there)."""
+        """A context in which the policy holds the weights that sampled `version`, for stage 2."""
         return live_weights(version)
-
-    eval_batch: Batch | None = None  # the last evaluate()'s rows, for samples.jsonl (none for control tasks)
 
     def demonstrations(self, n: int) -> Batch:
         """n solver-written (prompt, answer) rows for the supervised warm-start (--sft-steps)."""
@@ -371,8 +367,7 @@ class TaskRollouts(BatchSource):
         # RLOO, so it is set aside and fresh prompts are generated, at most max_gen_batches rounds.
         while len(kept) < need and rounds < (cfg.max_gen_batches if cfg.dynamic_sampling else 1):
             rounds += 1
-            for group in rollout_single(self.policy, self.task, self.draw(want), cfg.group_size,
-                                        cfg.max_new_tokens, cfg.gen_batch, drop=self.drop):
+            for group in rollout_single(self.policy, self.task, self.draw(want), cfg.group_size, cfg):
                 if any(math.isnan(r.reward) for r in group):  # a judge gave no score
                     dropped.append(group)
                     continue
@@ -389,25 +384,21 @@ class TaskRollouts(BatchSource):
 
     def evaluate(self) -> dict:
         """Rank r of W scores eval problems r, r + W, ...; summed over ranks, as one process would."""
-        problems, cfg = self.task.eval_problems()[utils.rank() :: utils.world()], self.cfg
-        greedy = rollout_single(self.policy, self.task, problems, 1, cfg.max_new_tokens, cfg.gen_batch,
-                                greedy=True, drop=self.drop)  # a judge scores them too (rewards[0] counts)
-        hits = sum(self.task.correct(p, g[0].text) for p, g in zip(problems, greedy))
-        sums = {"n": len(problems), "eval_accuracy": hits}
-        lenient = [self.task.lenient(p, g[0].text) for p, g in zip(problems, greedy)]
-        if None not in lenient:  # the right answer anywhere, any format: what is left is format
-            sums["eval_accuracy_lenient"] = sum(lenient)
+        problems, cfg, task = self.task.eval_problems()[utils.rank() :: utils.world()], self.cfg, self.task
+        greedy = rollout_single(self.policy, task, problems, 1, cfg, greedy=True)  # judged: rewards[0] counts
+        texts = [g[0].text for g in greedy]
+        sums = {"n": len(problems), "eval_accuracy": sum(map(task.correct, problems, texts))}
+        if None not in (lenient := list(map(task.lenient, problems, texts))):  # the answer in any format:
+            sums["eval_accuracy_lenient"] = sum(lenient)  # what eval_accuracy lacks beyond it is format
         if k := cfg.pass_k:
-            groups = rollout_single(self.policy, self.task, problems, k, cfg.max_new_tokens, cfg.gen_batch,
-                                    drop=self.drop)
-            c = [sum(self.task.correct(r.problem, r.text) for r in g) for g in groups]
+            groups = rollout_single(self.policy, task, problems, k, cfg)
+            c = [sum(task.correct(r.problem, r.text) for r in g) for g in groups]
             sums |= {"eval_pass@1": sum(c) / k, f"eval_pass@{k}": sum(tasks.pass_at_k(k, ci, k) for ci in c)}
         sums = utils.reduce_dict(sums)
-        n = sums.pop("n")
         self.eval_batch = collate_groups(greedy, self.policy.pad_id, 0) if greedy else None
         if cfg.debug_samples and greedy:
             show_samples(self.eval_batch, "eval", cfg.debug_samples)
-        return {k: v / n for k, v in sums.items()}
+        return {k: v / sums["n"] for k, v in sums.items() if k != "n"}
 
     def demonstrations(self, n: int) -> Batch:
         problems, tok = self.draw(n), self.policy.tokenizer
