@@ -74,7 +74,7 @@ WIRE = {"tokens": (2, torch.int64), "attn": (2, torch.float32), "mask": (2, torc
 
 
 def from_wire(t: dict[str, Tensor], texts: list[tuple[str, str, str]]) -> Batch:
-    """The inverse of Batch.wire, for rows already checked (serve.check_batch)."""
+    """The inverse of Batch.wire, for rows already checked (serve.Inbox.check)."""
     n = len(t["tokens"])
     return Batch(**{k: t[k] for k in WIRE}, obs=torch.zeros(n, 0, 0), last_obs=torch.zeros(n, 0),
                  stats={k: v.float() for k, v in t.items() if k not in WIRE}, texts=texts)
@@ -83,9 +83,8 @@ def from_wire(t: dict[str, Tensor], texts: list[tuple[str, str, str]]) -> Batch:
 def make_batch(prefixes: list[list[int]], samples: list, rewards: list[float], pad_id: int,
                loss_mask: list[list[int]] | None = None, *, group_size: int = 1, version: int = 0,
                stats: dict | None = None, texts: list | None = None) -> Batch:
-    """Collates (prefix, completion) rows into a Batch, in groups of `group_size` in order. `loss_mask`
-    (0/1 per completion token) masks out tokens the policy did not sample, e.g. environment replies
-    inside a multi-turn episode; the row's reward then sits on its last token with mask 1."""
+    """(prefix, completion) rows as a Batch, each `group_size` consecutive rows a group. `loss_mask`
+    (0/1 per completion token) masks what the policy did not sample; a row's reward sits on its last 1."""
     N, L = len(prefixes), max(len(p) + len(s.ids) for p, s in zip(prefixes, samples))
     tokens, attn = torch.full((N, L), pad_id, dtype=torch.long), torch.zeros(N, L)  # [N, L] each
     mask, logp, reward = torch.zeros(N, L), torch.zeros(N, L), torch.zeros(N, L)  # [N, L] each
@@ -107,8 +106,7 @@ def make_batch(prefixes: list[list[int]], samples: list, rewards: list[float], p
 def rollout_control(env: CartPole, policy, n: int, seed: int, group_size: int = 1,
                     greedy: bool = False, version: int = 0) -> Batch:
     """n episodes in lockstep from `seed` (a group of `group_size` from one start state), one policy
-    forward per time step for all of them. The time limit truncates (bootstrapped by PPO); a fallen
-    pole terminates."""
+    forward per time step for all. The time limit truncates (PPO bootstraps); a fallen pole terminates."""
     vec = env.reset(n, seed, group_size)
     obs = vec.state.T.astype("float32")
     alive, truncated = torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)
@@ -206,9 +204,8 @@ def encode_reply(policy, messages: list[dict], eos_id: int) -> list[int]:
         mark, eos = "NANORL-TURN-MARK", policy.tokenizer.decode([eos_id])
         stand_in = [{"role": "user", "content": "?"}, {"role": "assistant", "content": mark}]
         text = _chat(policy, stand_in + messages)
-        start = text.index(mark) + len(mark)
-        end = text.find(eos, start)
-        text = text[end + len(eos) :] if end >= 0 else text[start:]
+        after = text[text.index(mark) + len(mark) :]
+        text = after[after.find(eos) + len(eos) :] if eos in after else after
     return policy.tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -222,10 +219,9 @@ def _start(policy, env_factory, problem: Problem) -> Episode:
 
 def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: int, max_turns: int,
                       max_new_tokens: int, max_len: int, greedy: bool = False, version: int = 0) -> Batch:
-    """group_size episodes per problem, up to max_turns model turns each, with one policy.generate
-    call per turn for all live episodes; env steps run in 8 threads (the sandbox and SQLite release
-    the GIL). Only the model's tokens have mask 1; stats: turns, solved (by the last turn),
-    solved_first_turn. An episode whose next turn would pass max_len ends there, marked truncated."""
+    """group_size episodes per problem, up to max_turns model turns each, with one policy.generate call
+    per turn for all live episodes; env steps run in 8 threads (the sandbox and SQLite release the GIL).
+    Only the model's tokens have mask 1. An episode whose next turn would pass max_len ends, truncated."""
     eps = [_start(policy, env_factory, p) for p in problems for _ in range(group_size)]
     if (longest := max(len(e.prompt) for e in eps)) >= max_len:
         raise utils.ConfigError(f"a prompt has {longest} tokens, not fewer than max_len={max_len}; "
@@ -362,25 +358,21 @@ class TaskRollouts(BatchSource):
     def next(self, step: int) -> Batch:
         cfg, want = self.cfg, self.cfg.batch // self.cfg.group_size
         need = want // utils.world()  # this rank's groups
-        kept, flat, dropped, rounds = [], [], [], 0
+        kept, flat, rounds = [], [], 0
         # Dynamic sampling (DAPO): a group whose rewards all agree has zero advantage under GRPO and
         # RLOO, so it is set aside and fresh prompts are generated, at most max_gen_batches rounds.
         while len(kept) < need and rounds < (cfg.max_gen_batches if cfg.dynamic_sampling else 1):
             rounds += 1
             for group in rollout_single(self.policy, self.task, self.draw(want), cfg.group_size, cfg):
-                if any(math.isnan(r.reward) for r in group):  # a judge gave no score
-                    dropped.append(group)
-                    continue
-                spread = len({r.reward for r in group}) > 1
+                rewards = {r.reward for r in group}  # NaN: a judge gave no score, the group is masked out
+                spread = len(rewards) > 1 and not math.isnan(sum(rewards))
                 self.spread += [group[0].problem] if spread and cfg.prompt_reweight else []
                 (kept if spread or not cfg.dynamic_sampling else flat).append(group)
         self.spread = self.spread[-cfg.batch :]  # "recent": the last batch-many prompts with spread
         if cfg.dynamic_sampling:
             self.last = {"gen_rounds": rounds, "gen_frac_zero_std": len(flat) / (len(flat) + len(kept))}
-        # Nothing informative within the bound: train on what there is (no GRPO/RLOO gradient). Dropped
-        # groups fill the rest, masked out, so that every rank keeps batch / W rows.
-        groups = kept[:need] or flat[:need]
-        return collate_groups(groups + dropped[: need - len(groups)], self.policy.pad_id, step, self.drop)
+        # Nothing informative within the bound: train on what there is (no GRPO/RLOO gradient).
+        return collate_groups(kept[:need] or flat[:need], self.policy.pad_id, step, self.drop)
 
     def evaluate(self) -> dict:
         """Rank r of W scores eval problems r, r + W, ...; summed over ranks, as one process would."""
