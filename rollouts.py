@@ -111,7 +111,7 @@ def rollout_control(env: CartPole, policy, n: int, seed: int, group_size: int = 
     obs = vec.state.T.astype("float32")
     alive, truncated = torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)
     steps, last_obs = [], torch.zeros(n, env.obs_dim)  # steps: (obs, action, logp, alive) per time step
-    for _ in range(env.max_steps):
+    while alive.any():  # the time limit ends every episode within env.max_steps
         actions, logp, _ = policy.act(torch.from_numpy(obs), greedy=greedy)
         steps.append((torch.tensor(obs), actions, logp, alive.float()))
         obs, _, term, trunc, _ = vec.step(actions.numpy())
@@ -119,8 +119,6 @@ def rollout_control(env: CartPole, policy, n: int, seed: int, group_size: int = 
         truncated |= ended & ~torch.from_numpy(term)
         last_obs[ended] = torch.from_numpy(obs)[ended]  # the state after the final step, for bootstrapping
         alive &= ~ended
-        if not alive.any():
-            break
     states, actions, logp, mask = (torch.stack(x, 1) for x in zip(*steps))  # [N, T, D], then [N, T] each
     leader = torch.arange(n) // group_size * group_size  # [N]
     return Batch(actions, mask, states, last_obs, mask, logp * mask, mask.clone(), truncated,  # reward: +1
@@ -333,7 +331,6 @@ class TaskRollouts(BatchSource):
         except (ValueError, OSError) as e:  # bad --data rows, a missing file, too small a split
             raise utils.ConfigError(f"--task {cfg.task}: {e}") from None
         self.spread: list = []  # recent problems whose groups had reward spread: prompt_reweight replays them
-        self.drop = cfg.judge_down == "drop"  # a judge that gives no score: NaN, its group masked out
 
     def make_task(self, cfg) -> tasks.Task:
         task = tasks.make_task(cfg.task, seed=cfg.seed, eval_size=cfg.eval_size, data=cfg.data or None,
@@ -372,7 +369,7 @@ class TaskRollouts(BatchSource):
         if cfg.dynamic_sampling:
             self.last = {"gen_rounds": rounds, "gen_frac_zero_std": len(flat) / (len(flat) + len(kept))}
         # Nothing informative within the bound: train on what there is (no GRPO/RLOO gradient).
-        return collate_groups(kept[:need] or flat[:need], self.policy.pad_id, step, self.drop)
+        return collate_groups(kept[:need] or flat[:need], self.policy.pad_id, step, cfg.judge_down == "drop")
 
     def evaluate(self) -> dict:
         """Rank r of W scores eval problems r, r + W, ...; summed over ranks, as one process would."""
@@ -442,15 +439,14 @@ def sample_rows(batch: Batch, n: int, kind: str, step: int) -> list[dict]:
     calls and replies included), length, how it ended, reward and its parts, advantage, sampling version."""
     rows = []
     for r, (prompt, completion, answer) in enumerate(batch.texts[:n]):
-        mask = batch.mask[r] > 0
+        mask, version = batch.mask[r] > 0, int(batch.version[r])  # version: train rows (eval: the step's)
         rows.append({"kind": kind, "prompt": prompt, "completion": completion, "answer": answer,
                      "tokens": int(mask.sum()), "finish": "budget" if batch.truncated[r] else "end",
                      "reward": float(batch.rewards[r].sum()),
                      "adv": None if batch.adv is None else float(batch.adv[r][mask].mean()),
                      "rewards": {k.removeprefix("reward_"): float(v[r]) for k, v in batch.stats.items()
                                  if k.startswith("reward_")},
-                     **({"version": int(batch.version[r]), "staleness": step - 1 - int(batch.version[r])}
-                        if kind == "train" else {})})  # an eval row's weights are the step's own
+                     **({"version": version, "staleness": step - 1 - version} if kind == "train" else {})})
     return rows
 
 
