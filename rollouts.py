@@ -5,10 +5,9 @@ so every rollout option behaves the same in sync and async runs."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field, fields
 from typing import NamedTuple
 
 import torch
@@ -58,7 +57,7 @@ class Batch:
 
     def select(self, rows: slice) -> Batch:
         """Rows `rows` of the stage-1 fields, e.g. one rank's share."""
-        t = [getattr(self, f.name)[rows] for f in dataclasses.fields(self)[:10]]  # tokens .. version
+        t = [getattr(self, f.name)[rows] for f in fields(self)[:10]]  # tokens .. version
         return Batch(*t, {k: v[rows] for k, v in self.stats.items()}, self.texts[rows])
 
     def wire(self) -> dict[str, Tensor]:
@@ -201,8 +200,7 @@ def encode_reply(policy, messages: list[dict], eos_id: int) -> list[int]:
     else:  # render after a stand-in turn, and keep what follows that turn's end token
         mark, eos = "NANORL-TURN-MARK", policy.tokenizer.decode([eos_id])
         stand_in = [{"role": "user", "content": "?"}, {"role": "assistant", "content": mark}]
-        text = _chat(policy, stand_in + messages)
-        after = text[text.index(mark) + len(mark) :]
+        after = _chat(policy, stand_in + messages).split(mark, 1)[1]
         text = after[after.find(eos) + len(eos) :] if eos in after else after
     return policy.tokenizer.encode(text, add_special_tokens=False)
 
@@ -337,8 +335,7 @@ class TaskRollouts(BatchSource):
                                bad_rows=cfg.bad_rows)
         if cfg.overlong_buffer:
             count = lambda text: len(self.policy.tokenizer.encode(text, add_special_tokens=False))
-            penalty = tasks.overlong_penalty(cfg.max_new_tokens, cfg.overlong_buffer, count)
-            task.rewards.append((penalty, 1.0))
+            task.rewards.append((tasks.overlong_penalty(cfg.max_new_tokens, cfg.overlong_buffer, count), 1.0))
         return task
 
     def draw(self, n: int) -> list[Problem]:
@@ -398,12 +395,11 @@ class TaskRollouts(BatchSource):
         return make_batch(prefixes, demos, [0.0] * n, self.policy.pad_id)
 
     def state(self) -> dict:
-        spread = [dataclasses.astuple(p) for p in self.spread]
-        return super().state() | ({"spread": spread} if self.cfg.prompt_reweight else {})
+        return super().state() | ({"spread": [astuple(p) for p in self.spread]} if self.spread else {})
 
     def load_state(self, state: dict) -> None:
         super().load_state(state)
-        self.spread = [Problem(*p) for p in state.get("spread", [])]  # absent: prompt_reweight was off
+        self.spread = [Problem(*p) for p in state.get("spread", [])]  # absent: nothing to replay
 
 
 class EnvRollouts(TaskRollouts):
