@@ -136,9 +136,8 @@ class Row(NamedTuple):
 
 def rollout_single(policy, task: tasks.Task, problems: list[Problem], group_size: int, cfg,
                    greedy: bool = False) -> list[list[Row]]:
-    """group_size completions per problem (cfg's max_new_tokens, gen_batch), scored by the task's reward
-    functions: a group per problem. All rows are scored at once, `concurrency` at a time, so a judge's
-    round trips overlap; --judge-down drop: see Task.score."""
+    """group_size completions per problem, a group each, scored by the task's reward functions all at
+    once, `concurrency` at a time, so a judge's round trips overlap (--judge-down drop: Task.score)."""
     prefixes = [policy.encode_prompt(p.prompt) for p in problems]
     rows = [(p, x) for p, x in zip(problems, prefixes) for _ in range(group_size)]
     samples = policy.generate([x for _, x in rows], cfg.max_new_tokens, cfg.gen_batch, greedy=greedy)
