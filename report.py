@@ -26,11 +26,9 @@ def thin(points: list) -> list:
 
 
 def read_samples(run: Path) -> list[dict]:
-    """samples.jsonl after its rotated older half; a last line cut short by a kill is left out."""
-    lines = []
-    for path in (run / "samples.1.jsonl", run / "samples.jsonl"):
-        lines += path.read_text().splitlines(keepends=True) if path.exists() else []
-    return [json.loads(line) for line in lines if line.endswith("\n")]
+    """samples.1.jsonl (rotated whole) then samples.jsonl; a last line cut short by a kill is left out."""
+    text = "".join(p.read_text() for p in (run / "samples.1.jsonl", run / "samples.jsonl") if p.exists())
+    return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]
 
 
 def write_report(run: str | Path) -> Path:

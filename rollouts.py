@@ -5,10 +5,9 @@ so every rollout option behaves the same in sync and async runs."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field, fields
 from typing import NamedTuple
 
 import torch
@@ -58,7 +57,7 @@ class Batch:
 
     def select(self, rows: slice) -> Batch:
         """Rows `rows` of the stage-1 fields, e.g. one rank's share."""
-        t = [getattr(self, f.name)[rows] for f in dataclasses.fields(self)[:10]]  # tokens .. version
+        t = [getattr(self, f.name)[rows] for f in fields(self)[:10]]  # tokens .. version
         return Batch(*t, {k: v[rows] for k, v in self.stats.items()}, self.texts[rows])
 
     def wire(self) -> dict[str, Tensor]:
@@ -74,18 +73,17 @@ WIRE = {"tokens": (2, torch.int64), "attn": (2, torch.float32), "mask": (2, torc
 
 
 def from_wire(t: dict[str, Tensor], texts: list[tuple[str, str, str]]) -> Batch:
-    """The inverse of Batch.wire, for rows already checked (serve.check_batch)."""
+    """The inverse of Batch.wire, for rows already checked (serve.Inbox.check)."""
     n = len(t["tokens"])
     return Batch(**{k: t[k] for k in WIRE}, obs=torch.zeros(n, 0, 0), last_obs=torch.zeros(n, 0),
                  stats={k: v.float() for k, v in t.items() if k not in WIRE}, texts=texts)
 
 
 def make_batch(prefixes: list[list[int]], samples: list, rewards: list[float], pad_id: int,
-               loss_mask: list[list[int]] | None = None, *, group: Tensor | None = None, version: int = 0,
+               loss_mask: list[list[int]] | None = None, *, group_size: int = 1, version: int = 0,
                stats: dict | None = None, texts: list | None = None) -> Batch:
-    """Collates (prefix, completion) rows into a Batch; by default each row is its own group. `loss_mask`
-    (0/1 per completion token) masks out tokens the policy did not sample, e.g. environment replies
-    inside a multi-turn episode; the row's reward then sits on its last token with mask 1."""
+    """(prefix, completion) rows as a Batch, each `group_size` consecutive rows a group. `loss_mask`
+    (0/1 per completion token) masks what the policy did not sample; a row's reward sits on its last 1."""
     N, L = len(prefixes), max(len(p) + len(s.ids) for p, s in zip(prefixes, samples))
     tokens, attn = torch.full((N, L), pad_id, dtype=torch.long), torch.zeros(N, L)  # [N, L] each
     mask, logp, reward = torch.zeros(N, L), torch.zeros(N, L), torch.zeros(N, L)  # [N, L] each
@@ -99,7 +97,7 @@ def make_batch(prefixes: list[list[int]], samples: list, rewards: list[float], p
         reward[r, a + int(m.nonzero().max()) if m.any() else e - 1] = rewards[r]
     truncated = torch.tensor([s.truncated for s in samples], dtype=torch.bool)  # [N]
     return Batch(tokens, attn, torch.zeros(N, 0, 0), torch.zeros(N, 0), mask, logp, reward, truncated,
-                 torch.arange(N) if group is None else group, torch.full((N,), version), stats or {},
+                 torch.arange(N) // group_size, torch.full((N,), version), stats or {},
                  texts or [("", "", "")] * N)
 
 
@@ -107,13 +105,12 @@ def make_batch(prefixes: list[list[int]], samples: list, rewards: list[float], p
 def rollout_control(env: CartPole, policy, n: int, seed: int, group_size: int = 1,
                     greedy: bool = False, version: int = 0) -> Batch:
     """n episodes in lockstep from `seed` (a group of `group_size` from one start state), one policy
-    forward per time step for all of them. The time limit truncates (bootstrapped by PPO); a fallen
-    pole terminates."""
+    forward per time step for all. The time limit truncates (PPO bootstraps); a fallen pole terminates."""
     vec = env.reset(n, seed, group_size)
     obs = vec.state.T.astype("float32")
     alive, truncated = torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)
     steps, last_obs = [], torch.zeros(n, env.obs_dim)  # steps: (obs, action, logp, alive) per time step
-    for _ in range(env.max_steps):
+    while alive.any():  # the time limit ends every episode within env.max_steps
         actions, logp = policy.act(torch.from_numpy(obs), greedy=greedy)
         steps.append((torch.tensor(obs), actions, logp, alive.float()))
         obs, _, term, trunc, _ = vec.step(actions.numpy())
@@ -121,8 +118,6 @@ def rollout_control(env: CartPole, policy, n: int, seed: int, group_size: int = 
         truncated |= ended & ~torch.from_numpy(term)
         last_obs[ended] = torch.from_numpy(obs)[ended]  # the state after the final step, for bootstrapping
         alive &= ~ended
-        if not alive.any():
-            break
     states, actions, logp, mask = (torch.stack(x, 1) for x in zip(*steps))  # [N, T, D], then [N, T] each
     leader = torch.arange(n) // group_size * group_size  # [N]
     return Batch(actions, mask, states, last_obs, mask, logp * mask, mask.clone(), truncated,  # reward: +1
@@ -139,16 +134,16 @@ class Row(NamedTuple):
     parts: dict[str, float]  # each reward function's unweighted value
 
 
-def rollout_single(policy, task: tasks.Task, problems: list[Problem], group_size: int, max_new_tokens: int,
-                   gen_batch: int, greedy: bool = False, drop: bool = False) -> list[list[Row]]:
-    """group_size completions per problem, scored by the task's reward functions: a group per problem.
-    All rows are scored at once, `concurrency` at a time, so a judge's round trips overlap; drop:
-    see Task.score."""
+def rollout_single(policy, task: tasks.Task, problems: list[Problem], group_size: int, cfg,
+                   greedy: bool = False) -> list[list[Row]]:
+    """group_size completions per problem, a group each, scored by the task's reward functions all at
+    once, `concurrency` at a time, so a judge's round trips overlap (--judge-down drop: Task.score)."""
     prefixes = [policy.encode_prompt(p.prompt) for p in problems]
     rows = [(p, x) for p, x in zip(problems, prefixes) for _ in range(group_size)]
-    samples = policy.generate([x for _, x in rows], max_new_tokens, gen_batch, greedy=greedy)
+    samples = policy.generate([x for _, x in rows], cfg.max_new_tokens, cfg.gen_batch, greedy=greedy)
     texts = [policy.decode(s.ids) for s in samples]
     width = max(getattr(fn, "concurrency", 1) for fn, _ in task.rewards)  # only a judge scores in parallel
+    drop = cfg.judge_down == "drop"
     with ThreadPoolExecutor(width) as pool:
         scores = list(pool.map(lambda r, t: task.score(r[0].prompt, t, r[0].answer, drop), rows, texts))
     out = [Row(p, x, s, t, *score) for (p, x), s, t, score in zip(rows, samples, texts, scores)]
@@ -163,11 +158,10 @@ def collate_groups(groups: list[list[Row]], pad_id: int, version: int, drop: boo
     stats = {f"reward_{n}": torch.tensor([r.parts[n] for r in rows]) for n in rows[0].parts}
     if drop:
         stats["judge_dropped_frac"] = torch.tensor(lost, dtype=torch.float)
-    group = torch.arange(len(groups)).repeat_interleave(len(groups[0]))  # [N]
     return make_batch([r.prefix for r in rows], [r.sample for r in rows],
                       [0.0 if x else r.reward for x, r in zip(lost, rows)], pad_id,
-                      [[int(not x)] * len(r.sample.ids) for x, r in zip(lost, rows)], group=group,
-                      version=version, stats=stats,
+                      [[int(not x)] * len(r.sample.ids) for x, r in zip(lost, rows)],
+                      group_size=len(groups[0]), version=version, stats=stats,
                       texts=[(r.problem.prompt, r.text, r.problem.answer) for r in rows])
 
 
@@ -205,10 +199,8 @@ def encode_reply(policy, messages: list[dict], eos_id: int) -> list[int]:
     else:  # render after a stand-in turn, and keep what follows that turn's end token
         mark, eos = "NANORL-TURN-MARK", policy.tokenizer.decode([eos_id])
         stand_in = [{"role": "user", "content": "?"}, {"role": "assistant", "content": mark}]
-        text = _chat(policy, stand_in + messages)
-        start = text.index(mark) + len(mark)
-        end = text.find(eos, start)
-        text = text[end + len(eos) :] if end >= 0 else text[start:]
+        after = _chat(policy, stand_in + messages).split(mark, 1)[1]
+        text = after[after.find(eos) + len(eos) :] if eos in after else after
     return policy.tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -222,10 +214,9 @@ def _start(policy, env_factory, problem: Problem) -> Episode:
 
 def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: int, max_turns: int,
                       max_new_tokens: int, max_len: int, greedy: bool = False, version: int = 0) -> Batch:
-    """group_size episodes per problem, up to max_turns model turns each, with one policy.generate
-    call per turn for all live episodes; env steps run in 8 threads (the sandbox and SQLite release
-    the GIL). Only the model's tokens have mask 1; stats: turns, solved (by the last turn),
-    solved_first_turn. An episode whose next turn would pass max_len ends there, marked truncated."""
+    """group_size episodes per problem, up to max_turns model turns each, with one policy.generate call
+    per turn for all live episodes; env steps run in 8 threads (the sandbox and SQLite release the GIL).
+    Only the model's tokens have mask 1. An episode whose next turn would pass max_len ends, truncated."""
     eps = [_start(policy, env_factory, p) for p in problems for _ in range(group_size)]
     if (longest := max(len(e.prompt) for e in eps)) >= max_len:
         raise utils.ConfigError(f"a prompt has {longest} tokens, not fewer than max_len={max_len}; "
@@ -257,9 +248,8 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
     at = torch.tensor([float(e.solved_at_turn) for e in eps])  # [N], 0 = never
     stats = {"solved": (at > 0).float(), "solved_first_turn": (at == 1).float(),
              "turns": torch.tensor([float(e.turns) for e in eps])}
-    group = torch.arange(len(problems)).repeat_interleave(group_size)  # [N]
     return make_batch([e.prompt for e in eps], eps, [e.reward for e in eps], policy.pad_id,
-                      [e.mask for e in eps], group=group, version=version, stats=stats,
+                      [e.mask for e in eps], group_size=group_size, version=version, stats=stats,
                       texts=[(e.problem.prompt, e.text, e.problem.answer) for e in eps])
 
 
@@ -272,6 +262,8 @@ class BatchSource:
     policy, so `weights` and `publish` have nothing to do there."""
 
     position = 0  # seeds or problems drawn so far: what a checkpoint holds by default
+    last: dict[str, float] = {}  # about the last next(), to log (same keys on every rank); next() replaces it
+    eval_batch: Batch | None = None  # the last evaluate()'s rows, for samples.jsonl (none for control tasks)
 
     def next(self, step: int) -> Batch:
         """Stage 1: this rank's rows for `step`."""
@@ -281,17 +273,12 @@ class BatchSource:
         """Held-out greedy metrics with the live weights, summed or averaged over ranks."""
         raise NotImplementedError
 
-    last: dict[str, float] = {}  # about the last next(), to log (same keys on every rank); next() replaces it
-
     def metrics(self) -> dict[str, float]:
         return self.last
 
     def weights(self, version: int) -> contextlib.AbstractContextManager:
-        """A context in which the policy holds the weights that sampled `version` (stage 2 scores
-        old log-probs there)."""
+        """A context in which the policy holds the weights that sampled `version`, for stage 2."""
         return live_weights(version)
-
-    eval_batch: Batch | None = None  # the last evaluate()'s rows, for samples.jsonl (none for control tasks)
 
     def demonstrations(self, n: int) -> Batch:
         """n solver-written (prompt, answer) rows for the supervised warm-start (--sft-steps)."""
@@ -341,15 +328,13 @@ class TaskRollouts(BatchSource):
         except (ValueError, OSError) as e:  # bad --data rows, a missing file, too small a split
             raise utils.ConfigError(f"--task {cfg.task}: {e}") from None
         self.spread: list = []  # recent problems whose groups had reward spread: prompt_reweight replays them
-        self.drop = cfg.judge_down == "drop"  # a judge that gives no score: NaN, its group masked out
 
     def make_task(self, cfg) -> tasks.Task:
         task = tasks.make_task(cfg.task, seed=cfg.seed, eval_size=cfg.eval_size, data=cfg.data or None,
                                bad_rows=cfg.bad_rows)
         if cfg.overlong_buffer:
             count = lambda text: len(self.policy.tokenizer.encode(text, add_special_tokens=False))
-            penalty = tasks.overlong_penalty(cfg.max_new_tokens, cfg.overlong_buffer, count)
-            task.rewards.append((penalty, 1.0))
+            task.rewards.append((tasks.overlong_penalty(cfg.max_new_tokens, cfg.overlong_buffer, count), 1.0))
         return task
 
     def draw(self, n: int) -> list[Problem]:
@@ -366,48 +351,39 @@ class TaskRollouts(BatchSource):
     def next(self, step: int) -> Batch:
         cfg, want = self.cfg, self.cfg.batch // self.cfg.group_size
         need = want // utils.world()  # this rank's groups
-        kept, flat, dropped, rounds = [], [], [], 0
+        kept, flat, rounds = [], [], 0
         # Dynamic sampling (DAPO): a group whose rewards all agree has zero advantage under GRPO and
         # RLOO, so it is set aside and fresh prompts are generated, at most max_gen_batches rounds.
         while len(kept) < need and rounds < (cfg.max_gen_batches if cfg.dynamic_sampling else 1):
             rounds += 1
-            for group in rollout_single(self.policy, self.task, self.draw(want), cfg.group_size,
-                                        cfg.max_new_tokens, cfg.gen_batch, drop=self.drop):
-                if any(math.isnan(r.reward) for r in group):  # a judge gave no score
-                    dropped.append(group)
-                    continue
-                spread = len({r.reward for r in group}) > 1
+            for group in rollout_single(self.policy, self.task, self.draw(want), cfg.group_size, cfg):
+                rewards = {r.reward for r in group}  # NaN: a judge gave no score, the group is masked out
+                spread = len(rewards) > 1 and not math.isnan(sum(rewards))
                 self.spread += [group[0].problem] if spread and cfg.prompt_reweight else []
                 (kept if spread or not cfg.dynamic_sampling else flat).append(group)
         self.spread = self.spread[-cfg.batch :]  # "recent": the last batch-many prompts with spread
         if cfg.dynamic_sampling:
             self.last = {"gen_rounds": rounds, "gen_frac_zero_std": len(flat) / (len(flat) + len(kept))}
-        # Nothing informative within the bound: train on what there is (no GRPO/RLOO gradient). Dropped
-        # groups fill the rest, masked out, so that every rank keeps batch / W rows.
-        groups = kept[:need] or flat[:need]
-        return collate_groups(groups + dropped[: need - len(groups)], self.policy.pad_id, step, self.drop)
+        # Nothing informative within the bound: train on what there is (no GRPO/RLOO gradient).
+        return collate_groups(kept[:need] or flat[:need], self.policy.pad_id, step, cfg.judge_down == "drop")
 
     def evaluate(self) -> dict:
         """Rank r of W scores eval problems r, r + W, ...; summed over ranks, as one process would."""
-        problems, cfg = self.task.eval_problems()[utils.rank() :: utils.world()], self.cfg
-        greedy = rollout_single(self.policy, self.task, problems, 1, cfg.max_new_tokens, cfg.gen_batch,
-                                greedy=True, drop=self.drop)  # a judge scores them too (rewards[0] counts)
-        hits = sum(self.task.correct(p, g[0].text) for p, g in zip(problems, greedy))
-        sums = {"n": len(problems), "eval_accuracy": hits}
-        lenient = [self.task.lenient(p, g[0].text) for p, g in zip(problems, greedy)]
-        if None not in lenient:  # the right answer anywhere, any format: what is left is format
-            sums["eval_accuracy_lenient"] = sum(lenient)
+        problems, cfg, task = self.task.eval_problems()[utils.rank() :: utils.world()], self.cfg, self.task
+        greedy = rollout_single(self.policy, task, problems, 1, cfg, greedy=True)  # judged: rewards[0] counts
+        texts = [g[0].text for g in greedy]
+        sums = {"n": len(problems), "eval_accuracy": sum(map(task.correct, problems, texts))}
+        if None not in (lenient := list(map(task.lenient, problems, texts))):  # right answer, any format
+            sums["eval_accuracy_lenient"] = sum(lenient)  # its gap to eval_accuracy is format
         if k := cfg.pass_k:
-            groups = rollout_single(self.policy, self.task, problems, k, cfg.max_new_tokens, cfg.gen_batch,
-                                    drop=self.drop)
-            c = [sum(self.task.correct(r.problem, r.text) for r in g) for g in groups]
+            groups = rollout_single(self.policy, task, problems, k, cfg)
+            c = [sum(task.correct(r.problem, r.text) for r in g) for g in groups]
             sums |= {"eval_pass@1": sum(c) / k, f"eval_pass@{k}": sum(tasks.pass_at_k(k, ci, k) for ci in c)}
         sums = utils.reduce_dict(sums)
-        n = sums.pop("n")
         self.eval_batch = collate_groups(greedy, self.policy.pad_id, 0) if greedy else None
         if cfg.debug_samples and greedy:
             show_samples(self.eval_batch, "eval", cfg.debug_samples)
-        return {k: v / n for k, v in sums.items()}
+        return {k: v / sums["n"] for k, v in sums.items() if k != "n"}
 
     def demonstrations(self, n: int) -> Batch:
         problems, tok = self.draw(n), self.policy.tokenizer
@@ -418,12 +394,11 @@ class TaskRollouts(BatchSource):
         return make_batch(prefixes, demos, [0.0] * n, self.policy.pad_id)
 
     def state(self) -> dict:
-        spread = [dataclasses.astuple(p) for p in self.spread]
-        return super().state() | ({"spread": spread} if self.cfg.prompt_reweight else {})
+        return super().state() | ({"spread": [astuple(p) for p in self.spread]} if self.spread else {})
 
     def load_state(self, state: dict) -> None:
         super().load_state(state)
-        self.spread = [Problem(*p) for p in state.get("spread", [])]  # absent: prompt_reweight was off
+        self.spread = [Problem(*p) for p in state.get("spread", [])]  # absent: nothing to replay
 
 
 class EnvRollouts(TaskRollouts):
@@ -459,15 +434,14 @@ def sample_rows(batch: Batch, n: int, kind: str, step: int) -> list[dict]:
     calls and replies included), length, how it ended, reward and its parts, advantage, sampling version."""
     rows = []
     for r, (prompt, completion, answer) in enumerate(batch.texts[:n]):
-        mask = batch.mask[r] > 0
+        mask, version = batch.mask[r] > 0, int(batch.version[r])  # version: train rows (eval: the step's)
         rows.append({"kind": kind, "prompt": prompt, "completion": completion, "answer": answer,
                      "tokens": int(mask.sum()), "finish": "budget" if batch.truncated[r] else "end",
                      "reward": float(batch.rewards[r].sum()),
                      "adv": None if batch.adv is None else float(batch.adv[r][mask].mean()),
                      "rewards": {k.removeprefix("reward_"): float(v[r]) for k, v in batch.stats.items()
                                  if k.startswith("reward_")},
-                     **({"version": int(batch.version[r]), "staleness": step - 1 - int(batch.version[r])}
-                        if kind == "train" else {})})  # an eval row's weights are the step's own
+                     **({"version": version, "staleness": step - 1 - version} if kind == "train" else {})})
     return rows
 
 
