@@ -213,7 +213,8 @@ def _start(policy, env_factory, problem: Problem) -> Episode:
 
 
 def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: int, max_turns: int,
-                      max_new_tokens: int, max_len: int, greedy: bool = False, version: int = 0) -> Batch:
+                      max_new_tokens: int, max_len: int, greedy: bool = False, version: int = 0,
+                      gen_batch: int = 64) -> Batch:
     """group_size episodes per problem, up to max_turns model turns each, with one policy.generate call
     per turn for all live episodes; env steps run in 8 threads (the sandbox and SQLite release the GIL).
     Only the model's tokens have mask 1. An episode whose next turn would pass max_len ends, truncated."""
@@ -224,7 +225,7 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
     with ThreadPoolExecutor(8) as pool:
         while live := [e for e in eps if not e.done]:  # each ends by max_turns at the latest
             room = [min(max_new_tokens, max_len - len(e.prompt) - len(e.ids)) for e in live]
-            samples = policy.generate([e.prompt + e.ids for e in live], max(room), greedy=greedy)
+            samples = policy.generate([e.prompt + e.ids for e in live], max(room), gen_batch, greedy)
             for e, s, r in zip(live, samples, room):  # a smaller budget cuts the sample: still token-exact
                 e.ids, e.logps = e.ids + s.ids[:r], e.logps + s.logps[:r]
                 e.mask += [1] * len(s.ids[:r])
@@ -412,7 +413,7 @@ class EnvRollouts(TaskRollouts):
     def episodes(self, problems: list[Problem], k: int, greedy: bool = False, version: int = 0) -> Batch:
         cfg = self.cfg
         return rollout_multiturn(self.policy, self.env, problems, k, cfg.max_turns, cfg.max_new_tokens,
-                                 cfg.max_len, greedy, version=version)
+                                 cfg.max_len, greedy, version, cfg.gen_batch)
 
     def next(self, step: int) -> Batch:
         k = self.cfg.group_size

@@ -21,7 +21,7 @@ import train
 from exact import assert_sampled_ids_are_trained
 from model import LLMPolicy, Sample
 from modeldir import build_tiny_model
-from rollouts import rollout_multiturn
+from rollouts import EnvRollouts, rollout_multiturn
 from tasks import Problem, ProceduralTask, completion_number
 
 
@@ -136,6 +136,17 @@ def test_readme_example_solves_in_a_rollout_by_bisection(monkeypatch):
     assert batch.rewards.sum(1).tolist() == [1.0] * 8
     assert {k: v.mean().item() for k, v in batch.stats.items()} == {"solved": 1.0, "solved_first_turn": 0.0,
                                                                   "turns": sum(turns) / 8}
+
+
+def test_a_multi_turn_source_generates_in_chunks_of_gen_batch(monkeypatch):
+    """--gen-batch reaches every generate call of a sync multi-turn run, as it does in a worker's."""
+    monkeypatch.setitem(TEXT_ENVS, "guess", GuessNumber)
+    cfg = train.Config(task="guess", algo="grpo", batch=4, group_size=2, gen_batch=3, eval_size=4, max_new_tokens=8)
+    policy, chunks = ScriptedPolicy(chat_tokenizer(), bisect), []
+    scripted = policy.generate
+    policy.generate = lambda prefixes, n, gen_batch, greedy=False: chunks.append(gen_batch) or scripted(prefixes, n)
+    batch = EnvRollouts(cfg, policy).next(0)
+    assert len(batch) == 4 and len(chunks) == int(batch.stats["turns"].max()) and set(chunks) == {3}
 
 
 # ---------------------------------------------------------------- token-exact multi-turn episodes
