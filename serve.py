@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import utils
-from model import LLMPolicy, Sample, VLLMGenerator
+from model import LLMPolicy, VLLMGenerator
 from rollouts import WIRE, Batch, BatchSource, from_wire, sources
 from transport import Client, PayloadError, Request, ServeError, Server, decode, encode
 
@@ -392,6 +392,7 @@ class _Sampler:
 
     def __init__(self, policy, gen, fetcher: AdapterFetcher):
         self.policy, self.gen, self.fetcher = policy, gen, fetcher
+        self.generate = gen.generate  # the generator's own: LLMPolicy's and VLLMGenerator's agree
         self.version, self.apply_s = -1, 0.0
 
     def __getattr__(self, name):  # tokenizer, decode, encode_prompt, pad_id, use_template, ...
@@ -411,10 +412,6 @@ class _Sampler:
             elif self.fetcher.done.wait(0.05):
                 return False
         return not self.fetcher.done.is_set()
-
-    def generate(self, prefixes: list[list[int]], max_new_tokens: int, gen_batch: int,
-                 greedy: bool = False) -> list[Sample]:
-        return self.gen.generate(prefixes, max_new_tokens, gen_batch, greedy)
 
 
 def run_worker(cfg) -> int:
