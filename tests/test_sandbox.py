@@ -54,7 +54,7 @@ def test_infinite_loop_is_killed_at_the_wall_clock_timeout_and_scores_0():
     env.reset(Problem("What is 6 * 7?", "42", "k"))
     start = time.monotonic()
     obs, reward, done, _ = env.step("```python\nwhile True:\n    pass\n```")
-    assert time.monotonic() - start < env.timeout_s + 1.0
+    assert time.monotonic() - start < env.timeout_s + 5.0  # slack for a loaded CI machine; unkilled: forever
     assert reward == 0.0 and not done and obs[0]["content"] == "(timed out and was killed)"
 
 
@@ -294,7 +294,7 @@ def test_sql_one_function_call_cannot_outrun_the_wall_clock():
     with pytest.raises(sqlite3.OperationalError, match="interrupted"):  # ran 25 s in one printf call in-process
         sandbox.run_sql(sql_database("shop"), "SELECT length(printf('%.*c', 999999999, name)) FROM customers",
                         timeout_s=1.0)
-    assert time.monotonic() - start < 2.5
+    assert time.monotonic() - start < 1.0 + 5.0  # slack for a loaded CI machine; unbounded: 25 s
 
 
 def test_eight_concurrent_runaway_queries_leave_the_callers_memory_flat():
