@@ -289,5 +289,7 @@ def test_two_rank_async_trainer_with_two_hf_workers_trains_every_step_exactly(tm
     # each rank rescored its own share under the version that sampled it, so the worker log-probs match
     assert max(v for _, v in m["logp_gap"]) < 1e-4 and "dropped_no_snapshot" not in m
     assert max(v for _, v in m["staleness_max"]) <= 2 and max(s - v for s, v in m["staleness_max"]) >= 1
-    assert max(v for _, v in m["live_workers"]) == 2
+    # at least the worker that sampled the batches, at most the two started; whether the second joins
+    # within 4 steps depends on the machine's load (exact counting: test_inbox's liveness test)
+    assert 1 <= max(v for _, v in m["live_workers"]) <= 2
     assert proc.stderr.count("trainer listening on") == 1  # rank 0 alone serves
