@@ -22,13 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = {"one process (VLLMGenerator)": "0", "engine + runner processes (vLLM default)": "1"}
 
 CHILD = """
-import json, statistics, sys, time
+import json, os, statistics, sys, time
 from types import SimpleNamespace
 t0 = float(sys.argv[1])
 import vllm
 from model import VLLMGenerator
 from modeldir import resolve_model
-if sys.argv[3] == "1":  # vLLM's default layout: the executor picks its own backend (processes)
+if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1":  # vLLM default: its own executor (processes)
     real = vllm.LLM
     vllm.LLM = lambda **kw: real(**{k: v for k, v in kw.items() if k != "distributed_executor_backend"})
 cfg = SimpleNamespace(lora_rank=16, dtype="fp32", temperature=1.0, top_p=1.0)
@@ -46,7 +46,7 @@ print("RESULT " + json.dumps({"start_s": ready, "tokens_per_s": statistics.media
 
 def once(model: str, multiprocessing: str) -> dict:
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(time.time()), model, multiprocessing],
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(time.time()), model],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
