@@ -155,9 +155,11 @@ def validate(cfg: Config) -> None:
         if (value := getattr(cfg, name)) not in valid:
             raise err(f"unknown --{name.replace('_', '-')} '{value}'{utils.closest(value, valid)} "
                       f"(choices: {', '.join(valid)})")
-    for low, names in ((0, "steps sft_steps micro_batch max_staleness workers pass_k debug_samples samples"),
+    for low, names in ((0, "steps sft_steps micro_batch max_staleness workers pass_k debug_samples samples "
+                           "loss_agg_constant vf_coef vf_clip critic_max_grad_norm kl_coef"),
                        (1, "batch group_size eval_every eval_episodes eval_size gen_batch max_new_tokens "
-                           "inner_epochs minibatches ckpt_every keep_ckpts max_turns max_gen_batches")):
+                           "inner_epochs minibatches ckpt_every keep_ckpts max_turns max_gen_batches max_len "
+                           "hidden lora_rank lora_alpha")):
         for name in names.split():
             if getattr(cfg, name) < low:
                 raise err(f"need --{name.replace('_', '-')} >= {low} (got {getattr(cfg, name)})")
@@ -173,9 +175,11 @@ def validate(cfg: Config) -> None:
         raise err(f"--batch {cfg.batch} is the global batch: {utils.world()} ranks need a multiple of "
                   f"{unit} (ranks x whole groups of --group-size x --minibatches); "
                   f"try --batch {unit * -(-cfg.batch // unit)}")
-    if not (0 < cfg.gamma <= 1 and 0 <= cfg.lam <= 1 and min(cfg.lr, cfg.sft_lr, cfg.worker_patience) > 0):
-        raise err("need 0 < gamma <= 1, 0 <= lam <= 1, and lr, sft_lr and worker_patience > 0")
-    if not (0 < cfg.eps_low <= 1 and cfg.eps_high > 0) or 0 < cfg.dual_clip <= 1:
+    positive = cfg.lr, cfg.sft_lr, cfg.max_grad_norm, cfg.worker_patience, cfg.dist_timeout
+    if not (0 < cfg.gamma <= 1 and 0 <= cfg.lam <= 1 and min(positive) > 0):
+        raise err("need 0 < gamma <= 1, 0 <= lam <= 1, and lr, sft_lr, max_grad_norm, worker_patience and "
+                  "dist_timeout > 0")
+    if not (0 < cfg.eps_low <= 1 and cfg.eps_high > 0) or not (cfg.dual_clip == 0 or cfg.dual_clip > 1):
         raise err(f"need 0 < eps_low <= 1, eps_high > 0 and dual_clip 0 (off) or > 1 "
                   f"(got {cfg.eps_low}, {cfg.eps_high}, {cfg.dual_clip})")
     if cfg.tis_cap < 1 or not 0 < cfg.mis_low <= 1 <= cfg.mis_high:
@@ -194,6 +198,9 @@ def validate(cfg: Config) -> None:
         raise err(f"--log {cfg.log}: choose from {', '.join(utils.LOGGERS)} (metrics.csv is always written)")
     if cfg.resume and not Path(cfg.resume).is_dir():
         raise err(f"--resume {cfg.resume}: no such run directory")
+    for flag, path in (("out", cfg.out), ("export", cfg.export)):  # found now, not after the training
+        if path and any(p.is_file() for p in (Path(path), *Path(path).parents)):
+            raise err(f"--{flag} {path}: a file is in the way of that directory; pick another path")
     validate_modes(cfg)
 
 
@@ -228,6 +235,8 @@ def validate_modes(cfg: Config) -> None:
                   "critic-free --algo (grpo, rloo, reinforce_pp) with workers")
     if cfg.role == "rollout" and not cfg.trainer_url:
         raise err("--role rollout needs --trainer-url http://HOST:PORT (the trainer prints it at start)")
+    if cfg.trainer_url:  # before a model loads
+        serve.split_url(cfg.trainer_url)
     if cfg.role == "sync" and (cfg.workers or cfg.trainer_url):
         raise err("--workers and --trainer-url are for --role trainer (or rollout); drop them in a sync run")
     if cfg.vllm and (cfg.role != "rollout" or not cfg.lora):
@@ -530,7 +539,11 @@ def checkpoint(cfg: Config, out: Path, step: int, policy, opt, source: BatchSour
 def finish(cfg: Config, policy, out: Path, wall_s: float) -> None:
     report.write_report(out)
     if cfg.export:
-        policy.export(cfg.export, cfg.export_merged)
+        try:
+            policy.export(cfg.export, cfg.export_merged)
+        except OSError as e:  # e.g. a full disk: the trained weights are in the checkpoints
+            raise utils.ConfigError(f"--export {cfg.export}: {e}; the run's checkpoints are intact: "
+                                    "--resume RUN --eval-only --export DIR exports one") from None
     print(report.summary(out, wall_s, cfg.export))
 
 

@@ -9,6 +9,7 @@ import datetime
 import difflib
 import inspect
 import json
+import math
 import os
 import re
 import shutil
@@ -38,12 +39,15 @@ def closest(name: str, valid) -> str:
 
 def coerce(field: dataclasses.Field, value, source: str):
     """YAML/CLI value -> the field's declared type (bool, int, float or str), or a ConfigError naming
-    the key. YAML's true is no number and 1 no bool; an int takes 3.0 but not 3.5."""
+    the key. YAML's true is no number and 1 no bool; an int takes 3.0 but not 3.5; a float is finite
+    (a NaN learning rate or clip would pass every range check and train on NaN)."""
     kind = field.type if isinstance(field.type, str) else field.type.__name__
     try:
         if kind == "str" or isinstance(value, bool) == (kind == "bool"):
             typed = {"bool": bool, "int": int, "float": float, "str": str}[kind](value)
-            if kind != "int" or typed == float(value):
+            if kind == "float" and not math.isfinite(typed):
+                kind = "a finite float"
+            elif kind != "int" or typed == float(value):
                 return typed
     except (TypeError, ValueError, OverflowError):  # Overflow: int(inf)
         pass
@@ -90,6 +94,8 @@ def load_config(cls, argv: list[str], choices: dict | None = None, base: Path | 
             preset = yaml.safe_load(Path(source).read_text()) or {}
         except FileNotFoundError:
             raise ConfigError(f"--config {source}: no such file; presets live in configs/") from None
+        except (OSError, ValueError, yaml.YAMLError) as e:  # a directory, binary bytes, broken YAML
+            raise ConfigError(f"{source}: cannot read it as YAML ({' '.join(str(e).split())})") from None
         if not isinstance(preset, dict):
             raise ConfigError(f"{source}: expected a mapping of config keys")
         for key, value in preset.items():
@@ -98,7 +104,10 @@ def load_config(cls, argv: list[str], choices: dict | None = None, base: Path | 
             values[key] = coerce(fields[key], value, source)
     for name, f in fields.items():
         if (raw := getattr(args, name)) is not None:  # a flag's text is YAML, unless the field is a str
-            value = raw if isinstance(raw, bool) or f.type in ("str", str) else yaml.safe_load(raw)
+            value = raw
+            if not isinstance(raw, bool) and f.type not in ("str", str):
+                with contextlib.suppress(yaml.YAMLError):  # "[": coerce names the flag and its type
+                    value = yaml.safe_load(raw)
             values[name] = coerce(f, value, "--" + name.replace("_", "-"))
     return cls(**{**defaults(values), **values})
 
@@ -139,7 +148,10 @@ class RunFiles:
     samples.jsonl. A resumed run first drops the lines after its checkpoint's step, which it writes again."""
 
     def __init__(self, out: Path, cfg, resumed_at: float | None, wall):
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--out {out}: cannot create the run directory ({e}); pick another") from None
         (out / "config.yaml").write_text(dump_config(cfg))
         self.path, self.samples_path, self.wall = out / "metrics.csv", out / "samples.jsonl", wall
         if resumed_at is not None:

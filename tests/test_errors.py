@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import train
+from model import LLMPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
 MIXED = str(ROOT / "tests" / "data" / "gsm8k_mixed.jsonl")  # 9 good rows
@@ -32,6 +33,14 @@ def one_line_error(capsys, argv) -> str:
     (["--workers", "2"], "are for --role trainer"),
     (LLM + ["--role", "trainer", "--algo", "ppo"], "use --role sync, or a critic-free --algo"),
     (LLM + ["--overlong-buffer", "999", "--max-new-tokens", "8"], "in 1..--max-new-tokens"),
+    (["--lr", "nan"], "'lr' must be a finite float, got 'nan'"),  # NaN passes every range check
+    (LLM + ["--temperature", "nan"], "'temperature' must be a finite float"),
+    (["--dist-timeout", "inf"], "'dist_timeout' must be a finite float"),
+    (["--hidden", "-1"], "need --hidden >= 1 (got -1)"),
+    (LLM + ["--lora-rank", "0"], "need --lora-rank >= 1 (got 0)"),
+    (LLM + ["--kl-coef", "-0.1"], "need --kl-coef >= 0 (got -0.1)"),
+    (["--max-grad-norm", "0"], "max_grad_norm, worker_patience and dist_timeout > 0"),  # 0 zeroes the grads
+    (["--dual-clip", "-1"], "dual_clip 0 (off) or > 1"),
 ])
 def test_bad_flags_stop_in_one_line_naming_the_fix(capsys, argv, fix):
     assert fix in one_line_error(capsys, argv)
@@ -54,6 +63,28 @@ def test_resume_of_another_policy_names_the_runs_own_config(capsys, tmp_path):
     capsys.readouterr()
     err = one_line_error(capsys, ["--resume", str(out), "--steps", "2", "--hidden", "32", "--no-progress"])
     assert f"--resume {out} alone restores the run's own" in err
+
+
+def test_run_and_export_directories_that_cannot_be_made_stop_before_training(capsys, tmp_path):
+    (tmp_path / "file").write_text("x")
+    for flags in (["--out", str(tmp_path / "file")], LLM + ["--export", str(tmp_path / "file" / "adapter")]):
+        assert "a file is in the way of that directory" in one_line_error(capsys, flags)
+    # found when the run directory is made, as root too (the kernel refuses a directory in /proc)
+    err = one_line_error(capsys, ["--out", "/proc/nanorl-run", "--steps", "1", "--no-progress"])
+    assert err.startswith("error: --out /proc/nanorl-run: cannot create the run directory")
+
+
+def test_an_export_that_fails_after_training_keeps_the_checkpoints_and_says_how_to_redo_it(
+        capsys, tmp_path, monkeypatch):
+    def full_disk(self, path, merged=False):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(LLMPolicy, "export", full_disk)
+    out = tmp_path / "run"
+    err = one_line_error(capsys, LLM + ["--steps", "1", "--batch", "4", "--group-size", "2", "--max-new-tokens", "4",
+                                        "--eval-size", "2", "--out", str(out), "--export", str(tmp_path / "adapter")])
+    assert "No space left on device" in err and "--resume RUN --eval-only --export DIR" in err
+    assert [p.name for p in out.glob("ckpt-*")] == ["ckpt-0000001"]
 
 
 def test_the_command_line_prints_no_traceback():

@@ -63,6 +63,28 @@ def test_badly_typed_value_names_the_key():
         cfg_from(["--batch", "many"])
 
 
+@pytest.mark.parametrize("data", [b"lr: [\n", b"\xff\xfebinary", None])  # None: a directory
+def test_an_unreadable_preset_is_one_config_error(tmp_path, data):
+    path = tmp_path / "preset.yaml"
+    if data is None:
+        path.mkdir()
+    else:
+        path.write_bytes(data)
+    with pytest.raises(utils.ConfigError, match="preset.yaml: cannot read it as YAML"):
+        cfg_from(["--config", str(path)])
+
+
+def test_a_flag_that_is_no_yaml_names_the_flag_and_its_type():
+    with pytest.raises(utils.ConfigError, match="--lr: 'lr' must be float, got '\\['"):
+        cfg_from(["--lr", "["])
+
+
+def test_a_yaml_nan_or_inf_is_no_float_setting(tmp_path):
+    (tmp_path / "nan.yaml").write_text("lr: .nan\ntis_cap: .inf\n")
+    with pytest.raises(utils.ConfigError, match="nan.yaml: 'lr' must be a finite float, got nan"):
+        cfg_from(["--config", str(tmp_path / "nan.yaml")])
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--algo", "grpo"], "--algo grpo needs --group-size >= 2 \\(got 1\\); try --group-size 8"),
     (["--algo", "rloo", "--group-size", "1"], "--algo rloo needs --group-size >= 2"),
