@@ -421,14 +421,21 @@ class EnvRollouts(TaskRollouts):
         return self.episodes(self.draw(self.cfg.batch // k), k, version=step)
 
     def evaluate(self) -> dict:
-        """Rank r plays eval problems r, r + W, ...; per-rank sums are added over ranks."""
-        problems = self.task.eval_problems()[utils.rank() :: utils.world()]
+        """Rank r plays eval problems r, r + W, ...; per-rank sums are added over ranks. --pass-k:
+        k sampled episodes per problem besides the greedy one, as for single-turn tasks."""
+        problems, k = self.task.eval_problems()[utils.rank() :: utils.world()], self.cfg.pass_k
         self.eval_batch = self.episodes(problems, 1, greedy=True) if problems else None
+        if self.cfg.debug_samples and problems:
+            show_samples(self.eval_batch, "eval", self.cfg.debug_samples)
         names = {"solved": "eval_accuracy", "solved_first_turn": "eval_accuracy_first_turn",
                  "turns": "eval_turns"}
-        sums = {k: float(self.eval_batch.stats[k].sum()) if problems else 0.0 for k in names}
+        sums = {name: float(self.eval_batch.stats[s].sum()) if problems else 0.0 for s, name in names.items()}
+        if k:
+            solved = self.episodes(problems, k).stats["solved"].view(-1, k) if problems else torch.zeros(0, k)
+            sums["eval_pass@1"] = solved.mean(1).sum().item()  # a sampled episode's solve rate
+            sums[f"eval_pass@{k}"] = solved.amax(1).sum().item()  # any of the k solved it
         sums = utils.reduce_dict({"n": len(problems), **sums})
-        return {name: sums[k] / sums["n"] for k, name in names.items()}
+        return {name: v / sums["n"] for name, v in sums.items() if name != "n"}
 
 
 def sample_rows(batch: Batch, n: int, kind: str, step: int) -> list[dict]:

@@ -149,6 +149,34 @@ def test_a_multi_turn_source_generates_in_chunks_of_gen_batch(monkeypatch):
     assert len(batch) == 4 and len(chunks) == int(batch.stats["turns"].max()) and set(chunks) == {3}
 
 
+class HalfStubborn(ScriptedPolicy):
+    """Greedy: bisection. Sampled: the odd episodes of each group guess 1 on every turn instead."""
+
+    def generate(self, prefixes, max_new_tokens, gen_batch=64, greedy=False):
+        rows = iter(range(len(prefixes)))
+        self.script = lambda text: "1" if not greedy and stubborn(next(rows), text) else bisect(text)
+        return super().generate(prefixes, max_new_tokens)
+
+
+def stubborn(row: int, conversation: str) -> bool:
+    turns = conversation.split("<|im_start|>assistant\n")[1:]  # the model's turns so far, then the open one
+    return bool(row % 2) if len(turns) == 1 else turns[0].startswith("1<|im_end|>")
+
+
+def test_a_multi_turn_eval_reports_pass_at_k_and_shows_debug_samples(monkeypatch, capsys):
+    """--pass-k and --debug-samples work for multi-turn tasks as for single-turn ones."""
+    monkeypatch.setitem(TEXT_ENVS, "guess", GuessNumber)
+    cfg = train.Config(task="guess", algo="grpo", batch=4, group_size=2, eval_size=4, max_new_tokens=8,
+                       max_turns=7, pass_k=2, debug_samples=1)
+    source = EnvRollouts(cfg, HalfStubborn(chat_tokenizer(), bisect))
+    secrets = [int(p.answer) for p in source.task.eval_problems()]
+    metrics = source.evaluate()
+    # bisection solves every problem; of each pair of samples one bisects, the other solves only a secret 1
+    assert metrics["eval_accuracy"] == 1.0 and metrics["eval_pass@2"] == 1.0
+    assert metrics["eval_pass@1"] == sum((1 + (s == 1)) / 2 for s in secrets) / 4
+    assert capsys.readouterr().out.count("--- eval prompt:") == 1  # tqdm.write: stdout
+
+
 # ---------------------------------------------------------------- token-exact multi-turn episodes
 def think_then_answer(conversation: str) -> str:
     return "<think>try</think><answer>3 + 5</answer>" if "Try again" not in conversation else \
