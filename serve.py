@@ -19,7 +19,6 @@ import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 import utils
 from model import LLMPolicy, VLLMGenerator
 from rollouts import WIRE, Batch, BatchSource, from_wire, sources
-from transport import Client, PayloadError, Request, ServeError, Server, decode, encode
+from transport import Client, PayloadError, Request, ServeError, Server, decode, encode, split_url
 
 FINGERPRINT = ("task", "seed", "eval_size", "data", "model", "lora", "lora_rank", "lora_alpha",
                "lora_targets", "max_new_tokens", "group_size", "temperature", "top_p", "chat_template",
@@ -67,10 +66,11 @@ class Inbox:
         self.version, self.payload, self.finished, self.next_worker = -1, b"", False, 0
         self.seen, self.told = {}, set()  # worker -> time of its last request; workers told "finished"
         self.counts, self.apply_s, self.publish_s, self.rollout_metrics = Counter(), [], 0.0, []
-        url = urlsplit(cfg.trainer_url)  # "" (the usual case) binds an ephemeral loopback port
+        # "" (the usual case) binds an ephemeral loopback port
+        host, port = split_url(cfg.trainer_url) if cfg.trainer_url else ("127.0.0.1", 0)
         routes = {("POST", "/hello"): self.hello, ("GET", "/adapter"): self.adapter,
                   ("POST", "/batch"): self.receive}
-        self.server = Server(routes, url.hostname or "127.0.0.1", url.port or 0)
+        self.server = Server(routes, host, port or 0)
         alone = "" if os.environ.get("NANORL_TOKEN") else " (none is set: only --workers started here join)"
         utils.stderr(f"trainer listening on {self.server.url}; start workers with --role rollout "
                      f"--trainer-url {self.server.url} and the same NANORL_TOKEN{alone}")

@@ -216,6 +216,14 @@ class Server(socketserver.ThreadingTCPServer):
     __exit__ = close
 
 
+def split_url(url: str) -> tuple[str, int | None]:
+    """(host, port or None) of an http://HOST[:PORT] url."""
+    with contextlib.suppress(ValueError):  # urlsplit's: an unclosed [IPv6, a port past 65535
+        if (u := urlsplit(url)).scheme == "http" and u.hostname:
+            return u.hostname, u.port
+    raise utils.ConfigError(f"--trainer-url must look like http://HOST:PORT, got {url!r}")
+
+
 class Client:
     """Tiny HTTP client: one connection per request, bounded retries with linear backoff. Connection
     failures are retried for every request; failures after the request was sent are retried only
@@ -223,11 +231,10 @@ class Client:
 
     def __init__(self, url: str, token: str | None = None, timeout: float = 30.0, retries: int = 3,
                  backoff: float = 1.0):
-        if (u := urlsplit(url)).scheme != "http" or not u.hostname:
-            raise utils.ConfigError(f"server url must look like http://HOST:PORT, got {url!r}")
+        host, port = split_url(url)
         if not (token := token or os.environ.get("NANORL_TOKEN")):
             raise utils.ConfigError("no token: set NANORL_TOKEN to the trainer's token (Server.token)")
-        self.url, self.host, self.port = url.rstrip("/"), u.hostname, u.port or 80
+        self.url, self.host, self.port = url.rstrip("/"), host, port or 80
         self.token, self.timeout, self.retries, self.backoff = _check_token(token), timeout, retries, backoff
 
     def get(self, path: str) -> tuple[int, bytearray]:

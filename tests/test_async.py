@@ -95,6 +95,10 @@ def finish(proc, log, limit=300) -> str:
     (["--task", "arith", "--role", "rollout"], "needs --trainer-url"),
     (["--role", "trainer"], "cartpole runs in one process"),
     (["--task", "arith", "--role", "trainer", "--max-staleness", "-1"], "--max-staleness >= 0"),
+    # urlsplit's own ValueErrors (an unclosed [IPv6, a port past 65535) were tracebacks
+    (["--task", "arith", "--role", "rollout", "--trainer-url", "http://[::1"], "must look like http://HOST:PORT"),
+    (["--task", "arith", "--role", "trainer", "--trainer-url", "http://h:99999"], "must look like http://HOST"),
+    (["--task", "arith", "--role", "rollout", "--trainer-url", "localhost:8000"], "must look like http://HOST"),
 ])
 def test_role_flags_are_checked_up_front_naming_the_fix(argv, message):
     with pytest.raises(utils.ConfigError, match=message):
