@@ -407,8 +407,9 @@ class DatasetTask(Task):
         problems = list(found.values())
         random.Random(f"{seed}:split").shuffle(problems)
         if len(problems) <= eval_size:
+            fix = f"lower --eval-size to {len(problems) - 1}" if len(problems) > 1 else "add rows"
             raise ValueError(f"{self.name}: eval_size={eval_size} leaves no training problems "
-                             f"({len(problems)} usable rows); lower --eval-size")
+                             f"({len(problems)} usable rows); {fix}")
         self._eval, self._train = problems[:eval_size], problems[eval_size:]
 
     def _rows(self, data: str | None) -> Iterator[tuple[str, Any]]:  # (where, row): file lines or hub records

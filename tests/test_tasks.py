@@ -2,6 +2,7 @@
 evaluator's refusals, split disjointness and determinism, dataset loading, pass@k."""
 import json
 import operator
+import os
 import sys
 import textwrap
 import types
@@ -355,8 +356,10 @@ def test_dataset_split_is_disjoint_deterministic_and_cycles():
 
 
 def test_dataset_eval_size_must_leave_training_rows():
-    with pytest.raises(ValueError, match="9 usable rows.*lower --eval-size"):
+    with pytest.raises(ValueError, match="9 usable rows\\); lower --eval-size to 8"):
         mixed(eval_size=9)
+    with pytest.raises(ValueError, match="0 usable rows\\); add rows"):  # no eval size helps
+        make_task("gsm8k", seed=0, eval_size=1, data=os.devnull)
 
 
 def test_missing_datasets_package_says_to_pass_data(monkeypatch):
