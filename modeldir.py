@@ -124,9 +124,13 @@ def publish(final: Path, lm: torch.nn.Module, tok) -> str:
     file: save_pretrained refuses a GGUF-loaded model, and under torchrun writes weights on rank 0 only."""
     # Tied weights (SmolLM2's head is its embedding) share storage, which save_file refuses: one name each.
     state = dict({v.data_ptr(): (k, v) for k, v in reversed(lm.state_dict().items())}.values())
-    with utils.atomic_dir(final, replace=False) as tmp:
-        lm.config.save_pretrained(tmp)
-        lm.generation_config.save_pretrained(tmp)
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        tok.save_pretrained(tmp)
+    try:
+        with utils.atomic_dir(final, replace=False) as tmp:
+            lm.config.save_pretrained(tmp)
+            lm.generation_config.save_pretrained(tmp)
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            tok.save_pretrained(tmp)
+    except OSError as e:  # an unwritable or full cache
+        raise utils.ConfigError(f"cannot write {final} ({e}); point NANORL_CACHE (the model cache) at a "
+                                "writable directory with room") from None
     return str(final)

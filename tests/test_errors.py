@@ -81,10 +81,16 @@ def test_an_export_that_fails_after_training_keeps_the_checkpoints_and_says_how_
 
     monkeypatch.setattr(LLMPolicy, "export", full_disk)
     out = tmp_path / "run"
-    err = one_line_error(capsys, LLM + ["--steps", "1", "--batch", "4", "--group-size", "2", "--max-new-tokens", "4",
-                                        "--eval-size", "2", "--out", str(out), "--export", str(tmp_path / "adapter")])
+    small = ["--steps", "1", "--batch", "4", "--group-size", "2", "--max-new-tokens", "4", "--eval-size", "2"]
+    err = one_line_error(capsys, LLM + small + ["--out", str(out), "--export", str(tmp_path / "adapter")])
     assert "No space left on device" in err and "--resume RUN --eval-only --export DIR" in err
     assert [p.name for p in out.glob("ckpt-*")] == ["ckpt-0000001"]
+
+
+def test_an_unwritable_model_cache_is_one_line(capsys, monkeypatch):
+    monkeypatch.setenv("NANORL_CACHE", "/proc/nanorl-cache")  # the kernel refuses it, to root too
+    err = one_line_error(capsys, LLM + ["--steps", "1"])
+    assert "cannot write /proc/nanorl-cache/tiny-" in err and "point NANORL_CACHE" in err
 
 
 def test_the_command_line_prints_no_traceback():
