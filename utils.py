@@ -346,6 +346,9 @@ def load_checkpoint(ckpt: Path, policy: torch.nn.Module, opt: torch.optim.Optimi
     weights = load_file(str(ckpt / "weights.safetensors"))
     state = torch.load(ckpt / "state.pt", weights_only=True)
     meta = json.loads((ckpt / "meta.json").read_text())
+    if not (isinstance(meta, dict) and {"step", "wall_s", "source"} <= meta.keys() and isinstance(state, dict)
+            and {"optimizer", "torch_rng"} <= state.keys()):
+        raise KeyError("meta.json or state.pt lacks what train.checkpoint writes")
     trained = {n: p.shape for n, p in policy.named_parameters() if p.requires_grad}
     if {n: w.shape for n, w in weights.items()} != trained:
         raise ConfigError(f"{ckpt}: its tensors do not match this policy (another model, LoRA setting or "
@@ -362,7 +365,8 @@ def resume_checkpoint(run: Path, policy: torch.nn.Module, opt: torch.optim.Optim
     for ckpt in [run] if run.name.startswith("ckpt-") else reversed(checkpoints(run)):
         try:
             return load_checkpoint(ckpt, policy, opt)
-        except (SafetensorError, json.JSONDecodeError, RuntimeError, OSError) as e:  # Runtime: torch.load
+        # RuntimeError: torch.load's; KeyError: load_checkpoint's, for a checkpoint nanorl did not write
+        except (SafetensorError, json.JSONDecodeError, KeyError, RuntimeError, OSError) as e:
             stderr(f"skipping {ckpt}: {type(e).__name__}: {str(e).splitlines()[0]}")
     stderr(f"--resume {run}: no checkpoint loads; the run starts over")
     return None

@@ -368,7 +368,7 @@ def test_checkpoint_round_trip_restores_exactly_the_trained_tensors(tiny, tmp_pa
     pol = policy(tiny)
     randomise_adapter(pol)
     opt = torch.optim.Adam([p for p in pol.parameters() if p.requires_grad])
-    ckpt = utils.save_checkpoint(tmp_path, 3, pol, opt, {}, keep=1)
+    ckpt = utils.save_checkpoint(tmp_path, 3, pol, opt, {"wall_s": 0.0, "source": {}}, keep=1)
     fresh = policy(tiny)
     utils.load_checkpoint(ckpt, fresh, torch.optim.Adam([p for p in fresh.parameters() if p.requires_grad]))
     a, b = pol.trainable_state(), fresh.trainable_state()

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 import train
 import utils
+from model import MLPPolicy
 
 ROOT = Path(__file__).parent.parent
 
@@ -52,6 +53,17 @@ def test_help_shows_each_fields_comment_default_and_choices_grouped_as_in_config
     sections = ["run:", "language-model tasks (everything below is ignored by cartpole):", "torchrun (", "disaggregated"]
     positions = [text.index("\n" + s) for s in sections]
     assert positions == sorted(positions) and text.index("\n  --model ") > positions[1] > text.index("\n  --steps ")
+
+
+def test_resume_skips_a_checkpoint_without_what_nanorl_writes(tmp_path, capsys):
+    policy = MLPPolicy(4, 2)
+    opt = torch.optim.Adam(policy.parameters())
+    for step in (1, 2):
+        utils.save_checkpoint(tmp_path, step, policy, opt, {"wall_s": 0.0, "source": {"position": step}}, keep=3)
+    (tmp_path / "ckpt-0000002" / "meta.json").write_text('{"step": 2}')  # valid JSON of another format
+    assert utils.resume_checkpoint(tmp_path, policy, opt)["source"] == {"position": 1}
+    err = capsys.readouterr().err
+    assert f"skipping {tmp_path / 'ckpt-0000002'}: KeyError: 'meta.json or state.pt lacks" in err
 
 
 @pytest.mark.parametrize("damage", ["weights.safetensors", "meta.json"])
