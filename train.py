@@ -57,7 +57,7 @@ class Config:
     inner_epochs: int = 1  # passes over each batch; >1 makes the update off-policy (PPO uses 4)
     minibatches: int = 1  # optimizer steps per epoch; 1 keeps the first-epoch ratio exactly 1
     micro_batch: int = 0  # rows per forward/backward (0 = the whole minibatch); only memory changes
-    max_grad_norm: float = 1.0  # clips rare huge-return batches that would otherwise undo learning
+    max_grad_norm: float = 1.0  # clips rare huge-return batches that would otherwise undo learning; 0 = off
     ent_coef: float = 0.0  # entropy bonus; CartPole solves without it
     vf_coef: float = 0.5  # value-loss weight for PPO's critic (separate trunk, so it rarely matters)
     vf_clip: float = 0.0  # keeps new values within this distance of the pre-update ones (PPO); 0 = off
@@ -156,29 +156,23 @@ def validate(cfg: Config) -> None:
             raise err(f"unknown --{name.replace('_', '-')} '{value}'{utils.closest(value, valid)} "
                       f"(choices: {', '.join(valid)})")
     for low, names in ((0, "steps sft_steps micro_batch max_staleness workers pass_k debug_samples samples "
-                           "loss_agg_constant vf_coef vf_clip critic_max_grad_norm kl_coef"),
+                           "loss_agg_constant vf_coef vf_clip max_grad_norm critic_max_grad_norm kl_coef"),
                        (1, "batch group_size eval_every eval_episodes eval_size gen_batch max_new_tokens "
                            "inner_epochs minibatches ckpt_every keep_ckpts max_turns max_gen_batches max_len "
-                           "hidden lora_rank lora_alpha")):
+                           "hidden lora_rank lora_alpha dist_timeout")):
         for name in names.split():
             if getattr(cfg, name) < low:
                 raise err(f"need --{name.replace('_', '-')} >= {low} (got {getattr(cfg, name)})")
     if cfg.algo in GROUPED and cfg.group_size < 2:
         raise err(f"--algo {cfg.algo} needs --group-size >= 2 (got {cfg.group_size}); try --group-size 8")
-    if cfg.batch % cfg.group_size:
-        raise err(f"--batch {cfg.batch} must be a positive multiple of --group-size {cfg.group_size}")
-    if cfg.batch % cfg.minibatches:
-        raise err(f"--minibatches {cfg.minibatches} must divide --batch {cfg.batch}")
     # torchrun: each rank takes batch / W rows of whole groups (an async trainer splits its batch alike)
     unit = utils.world() * math.lcm(cfg.group_size, cfg.minibatches)
     if cfg.batch % unit:
-        raise err(f"--batch {cfg.batch} is the global batch: {utils.world()} ranks need a multiple of "
-                  f"{unit} (ranks x whole groups of --group-size x --minibatches); "
-                  f"try --batch {unit * -(-cfg.batch // unit)}")
-    positive = cfg.lr, cfg.sft_lr, cfg.max_grad_norm, cfg.worker_patience, cfg.dist_timeout
-    if not (0 < cfg.gamma <= 1 and 0 <= cfg.lam <= 1 and min(positive) > 0):
-        raise err("need 0 < gamma <= 1, 0 <= lam <= 1, and lr, sft_lr, max_grad_norm, worker_patience and "
-                  "dist_timeout > 0")
+        raise err(f"--batch {cfg.batch} is the global batch: {utils.world()} rank(s) need a multiple of "
+                  f"{unit}, whole groups of --group-size {cfg.group_size} in --minibatches {cfg.minibatches} "
+                  f"each; try --batch {unit * -(-cfg.batch // unit)}")
+    if not (0 < cfg.gamma <= 1 and 0 <= cfg.lam <= 1 and min(cfg.lr, cfg.sft_lr, cfg.worker_patience) > 0):
+        raise err("need 0 < gamma <= 1, 0 <= lam <= 1, and lr, sft_lr and worker_patience > 0")
     if not (0 < cfg.eps_low <= 1 and cfg.eps_high > 0) or not (cfg.dual_clip == 0 or cfg.dual_clip > 1):
         raise err(f"need 0 < eps_low <= 1, eps_high > 0 and dual_clip 0 (off) or > 1 "
                   f"(got {cfg.eps_low}, {cfg.eps_high}, {cfg.dual_clip})")
@@ -198,9 +192,8 @@ def validate(cfg: Config) -> None:
         raise err(f"--log {cfg.log}: choose from {', '.join(utils.LOGGERS)} (metrics.csv is always written)")
     if cfg.resume and not Path(cfg.resume).is_dir():
         raise err(f"--resume {cfg.resume}: no such run directory")
-    for flag, path in (("out", cfg.out), ("export", cfg.export)):  # found now, not after the training
-        if path and any(p.is_file() for p in (Path(path), *Path(path).parents)):
-            raise err(f"--{flag} {path}: a file is in the way of that directory; pick another path")
+    if cfg.export and any(p.is_file() for p in (Path(cfg.export), *Path(cfg.export).parents)):
+        raise err(f"--export {cfg.export}: a file is in the way of that directory; pick another path")
     validate_modes(cfg)
 
 
@@ -395,7 +388,7 @@ def update(policy, opt, batch: Batch, cfg: Config) -> dict:
                     means[k] += ((v * batch.loss_mask[rows]).sum() / tokens.clamp(min=1)).item()
             utils.sum_grads(policy)  # torchrun: every rank now holds the whole batch's gradient
             total = utils.all_sum(total)  # so that all ranks agree on skipping a non-finite step
-            norms = {"grad_norm": torch.nn.utils.clip_grad_norm_(actor, cfg.max_grad_norm)}
+            norms = {"grad_norm": torch.nn.utils.clip_grad_norm_(actor, cfg.max_grad_norm or math.inf)}
             if critic:  # a clip of its own, so that neither gradient's scale crowds out the other
                 norms["critic_grad_norm"] = torch.nn.utils.clip_grad_norm_(critic, cfg.critic_max_grad_norm)
             # A NaN/inf never reaches the weights; nor does a step without tokens (every sample dropped),

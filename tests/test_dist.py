@@ -209,7 +209,7 @@ def test_world_size_must_split_the_global_batch_into_whole_groups(monkeypatch):
     cfg = cfg_from("--algo", "grpo", "--group-size", "4", "--batch", "12")
     train.validate(cfg)  # one process: 3 groups are fine
     monkeypatch.setattr(utils, "world", lambda: 2)
-    with pytest.raises(utils.ConfigError, match="2 ranks need a multiple of 8.*try --batch 16"):
+    with pytest.raises(utils.ConfigError, match="2 rank\\(s\\) need a multiple of 8.*try --batch 16"):
         train.validate(cfg)
 
 

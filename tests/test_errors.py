@@ -39,7 +39,8 @@ def one_line_error(capsys, argv) -> str:
     (["--hidden", "-1"], "need --hidden >= 1 (got -1)"),
     (LLM + ["--lora-rank", "0"], "need --lora-rank >= 1 (got 0)"),
     (LLM + ["--kl-coef", "-0.1"], "need --kl-coef >= 0 (got -0.1)"),
-    (["--max-grad-norm", "0"], "max_grad_norm, worker_patience and dist_timeout > 0"),  # 0 zeroes the grads
+    (["--max-grad-norm", "-1"], "need --max-grad-norm >= 0 (got -1.0)"),  # 0 is off
+    (["--dist-timeout", "0"], "need --dist-timeout >= 1 (got 0.0)"),
     (["--dual-clip", "-1"], "dual_clip 0 (off) or > 1"),
 ])
 def test_bad_flags_stop_in_one_line_naming_the_fix(capsys, argv, fix):
@@ -67,11 +68,11 @@ def test_resume_of_another_policy_names_the_runs_own_config(capsys, tmp_path):
 
 def test_run_and_export_directories_that_cannot_be_made_stop_before_training(capsys, tmp_path):
     (tmp_path / "file").write_text("x")
-    for flags in (["--out", str(tmp_path / "file")], LLM + ["--export", str(tmp_path / "file" / "adapter")]):
-        assert "a file is in the way of that directory" in one_line_error(capsys, flags)
-    # found when the run directory is made, as root too (the kernel refuses a directory in /proc)
-    err = one_line_error(capsys, ["--out", "/proc/nanorl-run", "--steps", "1", "--no-progress"])
-    assert err.startswith("error: --out /proc/nanorl-run: cannot create the run directory")
+    err = one_line_error(capsys, LLM + ["--export", str(tmp_path / "file" / "adapter")])  # before training
+    assert "a file is in the way of that directory" in err
+    for out in (tmp_path / "file", Path("/proc/nanorl-run")):  # /proc: the kernel refuses it to root too
+        err = one_line_error(capsys, ["--out", str(out), "--steps", "1", "--no-progress"])
+        assert err.startswith(f"error: --out {out}: cannot create the run directory")
 
 
 def test_an_export_that_fails_after_training_keeps_the_checkpoints_and_says_how_to_redo_it(

@@ -90,8 +90,8 @@ def test_a_yaml_nan_or_inf_is_no_float_setting(tmp_path):
     (["--algo", "rloo", "--group-size", "1"], "--algo rloo needs --group-size >= 2"),
     (["--algo", "ppx"], "unknown --algo 'ppx'; did you mean 'ppo'"),
     (["--task", "cartpol"], "unknown --task 'cartpol'; did you mean 'cartpole'"),
-    (["--batch", "10", "--group-size", "4", "--algo", "grpo"], "--batch 10 must be a positive multiple of --group-size 4"),
-    (["--minibatches", "3"], "--minibatches 3 must divide --batch 16"),
+    (["--batch", "10", "--group-size", "4", "--algo", "grpo"], "need a multiple of 4, whole groups of --group-size 4.*try --batch 12"),
+    (["--minibatches", "3"], "--batch 16 is the global batch: 1 rank\\(s\\) need a multiple of 3.*--minibatches 3 each; try --batch 18"),
     (["--gamma", "1.5"], "0 < gamma <= 1"),
     (["--resume", "/nonexistent/run"], "no such run directory"),
     (["--vf-clip", "0.2"], "tune PPO's critic, and the --algo reinforce policy has none; use --algo ppo"),
@@ -179,6 +179,17 @@ def test_microbatched_backward_matches_one_shot(algo):
         grads.append([b - p.detach() for b, p in zip(before, policy.parameters())])
     for a, b in zip(*grads):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_max_grad_norm_0_turns_clipping_off():
+    after = {}
+    for norm in ("0", "1e9", "1e-3"):
+        cfg = cfg_from(["--max-grad-norm", norm])
+        policy, batch = prepared(cfg)
+        stats = train.update(policy, torch.optim.SGD(policy.parameters(), lr=1.0), batch, cfg)
+        after[norm] = torch.cat([p.detach().flatten() for p in policy.parameters()])
+    assert stats["grad_norm"] > 1e-3  # so 1e-3 clips, and the unclipped steps differ from it
+    assert torch.equal(after["0"], after["1e9"]) and not torch.equal(after["0"], after["1e-3"])
 
 
 def test_nan_loss_skips_the_update_and_keeps_weights_finite(monkeypatch):
