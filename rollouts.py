@@ -430,10 +430,10 @@ class EnvRollouts(TaskRollouts):
         names = {"solved": "eval_accuracy", "solved_first_turn": "eval_accuracy_first_turn",
                  "turns": "eval_turns"}
         sums = {name: float(self.eval_batch.stats[s].sum()) if problems else 0.0 for s, name in names.items()}
-        if k:
-            solved = self.episodes(problems, k).stats["solved"].view(-1, k) if problems else torch.zeros(0, k)
-            sums["eval_pass@1"] = solved.mean(1).sum().item()  # a sampled episode's solve rate
-            sums[f"eval_pass@{k}"] = solved.amax(1).sum().item()  # any of the k solved it
+        if k:  # c[i]: how many of problem i's k sampled episodes solved it
+            solved = self.episodes(problems, k).stats["solved"] if problems else torch.zeros(0)
+            c = solved.view(-1, k).sum(1).int().tolist()
+            sums |= {"eval_pass@1": sum(c) / k, f"eval_pass@{k}": sum(tasks.pass_at_k(k, ci, k) for ci in c)}
         sums = utils.reduce_dict({"n": len(problems), **sums})
         return {name: v / sums["n"] for name, v in sums.items() if name != "n"}
 
