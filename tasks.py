@@ -264,7 +264,7 @@ class ProceduralTask(Task):
             p = self.generate(random.Random(f"{seed}:eval:{i}"))
             found.setdefault(p.key, p)
         if len(found) < eval_size:
-            raise ValueError(f"{self.name}: found only {len(found)} distinct eval problems; "
+            raise ValueError(f"found only {len(found)} distinct eval problems; "
                              f"lower --eval-size (got {eval_size})")
         self._eval, self._eval_keys = list(found.values()), frozenset(found)
 
@@ -408,13 +408,13 @@ class DatasetTask(Task):
         random.Random(f"{seed}:split").shuffle(problems)
         if len(problems) <= eval_size:
             fix = f"lower --eval-size to {len(problems) - 1}" if len(problems) > 1 else "add rows"
-            raise ValueError(f"{self.name}: eval_size={eval_size} leaves no training problems "
+            raise ValueError(f"eval_size={eval_size} leaves no training problems "
                              f"({len(problems)} usable rows); {fix}")
         self._eval, self._train = problems[:eval_size], problems[eval_size:]
 
     def _rows(self, data: str | None) -> Iterator[tuple[str, Any]]:  # (where, row): file lines or hub records
-        if data is not None:  # _problem parses each line: invalid JSON is one more malformed row
-            lines = Path(data).read_text(encoding="utf-8").splitlines()
+        if data is not None:  # _problem parses each line: invalid JSON or UTF-8 is one more malformed row
+            lines = Path(data).read_bytes().splitlines()  # bytes: only \n and \r end a line, as in JSONL
             return ((f"{data}:{n}", line) for n, line in enumerate(lines, 1) if line.strip())
         path, config, split = self.hub
         try:
@@ -424,16 +424,18 @@ class DatasetTask(Task):
         # with OSError, requests/httpx or datasets errors depending on its version.
         except Exception as e:
             install = "pip install datasets, or " if isinstance(e, ImportError) else ""
-            raise ValueError(f"task {self.name!r}: could not load {path!r} from the Hugging Face hub "
+            raise ValueError(f"could not load {path!r} from the Hugging Face hub "
                              f"({type(e).__name__}: {e}); {install}pass a local file with --data path/to/"
                              f'{self.name}.jsonl (one {{"question": ..., "answer": ...}} per line)') from e
         return ((f"{path}[{split}]:row {i}", row) for i, row in enumerate(ds))
 
     def _problem(self, row: Any) -> Problem:
         """The row (a hub record or a JSONL line) as a Problem; BadRow says why it is malformed."""
-        if isinstance(row, str):
+        if isinstance(row, bytes):
             try:
-                row = json.loads(row)
+                row = json.loads(row.decode("utf-8-sig"))  # -sig: an editor's BOM
+            except UnicodeDecodeError:
+                raise BadRow("not UTF-8 text; save the file as UTF-8") from None
             except json.JSONDecodeError as e:
                 raise BadRow(f"invalid JSON: {e.msg}") from None
         if not isinstance(row, dict):
@@ -441,7 +443,7 @@ class DatasetTask(Task):
         question = row.get("question", row.get("problem"))
         answer = row.get("answer", row.get("solution"))
         if not isinstance(question, str) or not question.strip():
-            raise BadRow("missing field 'question'")
+            raise BadRow("field 'question' is missing, empty or not text")
         if answer is None:  # any other value must read as a number below
             raise BadRow("missing field 'answer'")
         text = str(answer).split("####")[-1]
@@ -503,7 +505,7 @@ def make_task(name: str, *, seed: int, eval_size: int, data: str | None = None,
     if issubclass(TASKS[name], DatasetTask):
         options.update(data=data, bad_rows=bad_rows)
     elif data is not None:
-        raise ValueError(f"task {name!r} generates its own problems; drop --data {data}")
+        raise ValueError(f"this task generates its own problems; drop --data {data}")
     return TASKS[name](seed=seed, eval_size=eval_size, **options)
 
 

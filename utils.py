@@ -351,8 +351,8 @@ def load_checkpoint(ckpt: Path, policy: torch.nn.Module, opt: torch.optim.Optimi
         raise KeyError("meta.json or state.pt lacks what train.checkpoint writes")
     trained = {n: p.shape for n, p in policy.named_parameters() if p.requires_grad}
     if {n: w.shape for n, w in weights.items()} != trained:
-        raise ConfigError(f"{ckpt}: its tensors do not match this policy (another model, LoRA setting or "
-                          f"--hidden than the run's); --resume {ckpt.parent} alone restores the run's own")
+        raise ConfigError(f"{ckpt}: its tensors do not match this policy (model, LoRA, --hidden or PPO "
+                          f"critic unlike the run's); --resume {ckpt.parent} alone restores the run's own")
     policy.load_state_dict(weights, strict=False)
     opt.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["torch_rng"])

@@ -48,9 +48,11 @@ def test_bad_flags_stop_in_one_line_naming_the_fix(capsys, argv, fix):
 
 
 @pytest.mark.parametrize("argv, fix", [
-    (["--task", "gsm8k", "--data", MIXED, "--eval-size", "9"], "leaves no training problems"),
+    # the task's name once: "--task gsm8k: gsm8k: eval_size..." repeated it
+    (["--task", "gsm8k", "--data", MIXED, "--eval-size", "9"],
+     "error: --task gsm8k: eval_size=9 leaves no training problems (9 usable rows); lower --eval-size to 8"),
     (["--task", "gsm8k", "--data", "no/such/file.jsonl"], "--task gsm8k: "),
-    (["--task", "arith", "--data", MIXED], "drop --data"),
+    (["--task", "arith", "--data", MIXED], "error: --task arith: this task generates its own problems; drop --data"),
 ])
 def test_task_data_errors_stop_in_one_line(capsys, tmp_path, argv, fix):
     err = one_line_error(capsys, ["--model", "tiny", "--no-progress", "--out", str(tmp_path / "r"), *argv])
@@ -64,6 +66,8 @@ def test_resume_of_another_policy_names_the_runs_own_config(capsys, tmp_path):
     capsys.readouterr()
     err = one_line_error(capsys, ["--resume", str(out), "--steps", "2", "--hidden", "32", "--no-progress"])
     assert f"--resume {out} alone restores the run's own" in err
+    err = one_line_error(capsys, ["--resume", str(out), "--steps", "2", "--algo", "ppo", "--no-progress"])
+    assert "(model, LoRA, --hidden or PPO critic unlike the run's)" in err  # PPO adds a critic's tensors
 
 
 def test_run_and_export_directories_that_cannot_be_made_stop_before_training(capsys, tmp_path):

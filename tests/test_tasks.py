@@ -337,6 +337,25 @@ def test_malformed_rows_are_skipped_with_file_and_line():
     assert "not a JSON object" in task.skipped[3]
 
 
+def test_data_lines_are_read_as_jsonl_bytes(tmp_path):
+    """A line that is not UTF-8 is one malformed row (it stopped the whole file); U+2028 inside a question
+    does not end its line (str.splitlines split it); an editor's BOM does not spoil the first row."""
+    rows = [{"question": f"What is {i} plus 1?", "answer": str(i + 1)} for i in range(4)]
+    lines = [json.dumps(r, ensure_ascii=False).encode() for r in rows]
+    lines[0] = b"\xef\xbb\xbf" + lines[0]  # BOM
+    lines[1] = json.dumps({"question": "Two\u2028lines: 5 + 5?", "answer": "10"}, ensure_ascii=False).encode()
+    lines[2] = b'{"question": "caf\xe9 bill: 2 + 2?", "answer": "4"}'  # Latin-1, not UTF-8
+    lines.append(json.dumps({"question": 7, "answer": "7"}).encode())
+    (path := tmp_path / "rows.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.warns(UserWarning):
+        task = make_task("gsm8k", seed=0, eval_size=1, data=str(path))
+    assert task.skipped == [f"{path}:3 (not UTF-8 text; save the file as UTF-8)",
+                            f"{path}:5 (field 'question' is missing, empty or not text)"]
+    problems = task.eval_problems() + [task.train_problem(i) for i in range(2)]
+    assert sorted(p.key for p in problems) == ["Two lines: 5 + 5?", "What is 0 plus 1?", "What is 3 plus 1?"]
+    assert any(p.prompt.startswith("Two\u2028lines: 5 + 5?\n") for p in problems)
+
+
 def test_malformed_rows_are_rejected_with_file_line_and_fix():
     match = r"gsm8k_mixed.jsonl:3: malformed row \(invalid JSON.*--bad-rows skip"
     with pytest.raises(ValueError, match=match):
