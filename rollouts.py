@@ -294,7 +294,7 @@ class BatchSource:
         return {"position": self.position}
 
     def load_state(self, state: dict) -> None:
-        self.position = state["position"]
+        self.position = state.get("position", 0)  # older async trainers' checkpoints have none
 
     def close(self) -> None:
         pass

