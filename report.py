@@ -59,7 +59,12 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1 or not (Path(argv[0]) / "config.yaml").exists():
         utils.stderr("usage: python report.py RUN_DIR (a run directory of train.py, with its config.yaml)")
         return 2
-    print(write_report(argv[0]))
+    try:
+        print(write_report(argv[0]))
+    except (ValueError, KeyError, TypeError) as e:  # a hand-edited metrics.csv or samples.jsonl
+        utils.stderr(f"{argv[0]}: cannot read its metrics.csv or samples.jsonl ({type(e).__name__}: {e}); "
+                     "fix or delete the damaged line")
+        return 2
     return 0
 
 
