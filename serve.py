@@ -86,7 +86,7 @@ class Inbox:
     def hello(self, req: Request):
         try:
             theirs = dict(json.loads(req.body)["fingerprint"])
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):  # Recursion: [[[[... nested past the stack
             return 400, {"error": 'POST /hello needs JSON {"fingerprint": {...}}'}
         if diff := [f"{k} (trainer {v!r}, worker {theirs.get(k)!r})" for k, v in fingerprint(self.cfg).items()
                     if theirs.get(k) != v]:

@@ -82,6 +82,13 @@ def test_liveness_counts_only_worker_ids_the_trainer_issued(inbox):
     assert inbox.live() == {0}
 
 
+@pytest.mark.parametrize("body", [b"", b"\xff\xfe", b"[]", b'{"fingerprint": "abc"}', b"[" * 100_000 + b"]" * 100_000,
+                                  b'{"fingerprint": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"])
+def test_a_hello_that_is_not_a_fingerprint_gets_400_and_no_worker_id(inbox, body):
+    assert inbox.hello(Request("/hello", {}, body)) == (400, {"error": 'POST /hello needs JSON {"fingerprint": {...}}'})
+    assert inbox.next_worker == 0  # nested past Python's stack it was a 500 and a logged traceback
+
+
 def encode_hello(inbox) -> bytes:
     import json
 
