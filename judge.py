@@ -13,6 +13,7 @@ import urllib.request
 
 _SCORE = re.compile(r"score[\s:=*]*(?:is[\s*]+)?(-?\d+(?:\.\d+)?)(?:\s*/\s*(\d+))?", re.IGNORECASE)
 _BARE = re.compile(r"\s*(-?\d+(?:\.\d+)?)(?:\s*/\s*(\d+))?\s*\.?\s*")
+CACHE_ROWS = 4096  # scores kept: many steps of rows (a repeat is mostly within a group), MBs not GBs
 
 
 class JudgeUnavailable(RuntimeError):
@@ -47,6 +48,8 @@ class Judge:
     def __call__(self, prompt: str, completion: str, answer: str) -> float:
         key = (prompt, completion, self.rubric)
         if key not in self.cache:  # two threads asking for one key at once both get the same score
+            if len(self.cache) >= CACHE_ROWS:  # a long run judges millions of rows: start afresh
+                self.cache.clear()
             self.cache[key] = self.ask(prompt, completion)
         return self.cache[key]
 

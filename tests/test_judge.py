@@ -8,6 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+import judge as judge_module
 from judge import Judge, JudgeUnavailable, parse_score
 
 
@@ -105,6 +106,16 @@ def test_cache_is_keyed_by_prompt_completion_and_rubric(server):
     a("p2", "c", "")
     b("p", "c", "")
     assert len(server.requests) == 4
+
+
+def test_the_cache_is_bounded_and_keeps_serving_repeats(server, monkeypatch):
+    monkeypatch.setattr(judge_module, "CACHE_ROWS", 3)
+    judge = Judge("r", server.url, "m")
+    for i in range(7):
+        judge("p", f"c{i}", "")
+        judge("p", f"c{i}", "")  # a repeat right after (a group's equal completions) is never asked again
+        assert len(judge.cache) == i % 3 + 1  # full at 3: cleared before the next new row
+    assert len(server.requests) == 7
 
 
 def test_retries_with_backoff_then_succeeds(server):
