@@ -28,6 +28,8 @@ def resolve_model(name: str) -> str:
     """The directory for --model `name`, checked (config only) so that a typo fails at start-up."""
     from transformers import AutoConfig
 
+    if not name.strip():  # Path("") is the working directory
+        raise utils.ConfigError("--model is empty; name one: tiny, smollm2-135m, a hub id or a directory")
     if name == "tiny":
         return build_tiny_model()
     if name == "smollm2-135m":  # a GGUF in a PyPI package: found, not imported (importing starts llama_cpp)
@@ -49,7 +51,8 @@ def resolve_model(name: str) -> str:
         AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as e:
         why = str(e).splitlines()[0]
-        raise utils.ConfigError(f"--model {name}: cannot load it ({why}); {LOAD_HINT}") from None
+        typo = utils.closest(name, ("tiny", "smollm2-135m"))  # the names that need no download
+        raise utils.ConfigError(f"--model {name}: cannot load it ({why}){typo}; {LOAD_HINT}") from None
     return name
 
 

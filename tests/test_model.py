@@ -86,6 +86,10 @@ def test_bad_model_id_fails_at_start_up_naming_the_fix(tmp_path):
         LLMPolicy(train.Config(model="./no-such-model"))
     with pytest.raises(utils.ConfigError, match=r"--model .*: cannot load it \(.*\); check the model id"):
         resolve_model(str(tmp_path))  # a directory, but no config.json inside
+    with pytest.raises(utils.ConfigError, match="^--model is empty; name one: tiny, smollm2-135m"):
+        resolve_model("")  # it was the working directory
+    with pytest.raises(utils.ConfigError, match=r"cannot load it \(.*\); did you mean 'smollm2-135m'\?; check"):
+        resolve_model("smollm2:135m")  # not a hub id (fails without a hub lookup): the name it is close to
     with pytest.raises(utils.ConfigError, match="choices: fp32, bf16"):
         LLMPolicy(train.Config(model=str(tmp_path), dtype="fp16"))
 
