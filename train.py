@@ -231,7 +231,8 @@ def validate_modes(cfg: Config) -> None:
     if cfg.trainer_url:  # before a model loads
         serve.split_url(cfg.trainer_url)
     if cfg.role == "sync" and (cfg.workers or cfg.trainer_url):
-        raise err("--workers and --trainer-url are for --role trainer (or rollout); drop them in a sync run")
+        raise err("--workers and --trainer-url are for --role trainer (or rollout); drop them in a sync run "
+                  "(resuming an async run: --workers 0 --trainer-url '')")
     if cfg.vllm and (cfg.role != "rollout" or not cfg.lora):
         raise err("--vllm is for --role rollout with --lora: with full fine-tuning every sync would ship "
                   "the whole model; drop --vllm to let the worker generate with its own copy of the policy")

@@ -70,6 +70,15 @@ def test_resume_of_another_policy_names_the_runs_own_config(capsys, tmp_path):
     assert "(model, LoRA, --hidden or PPO critic unlike the run's)" in err  # PPO adds a critic's tensors
 
 
+def test_an_async_run_resumed_in_one_process_is_told_how_to_drop_its_workers(capsys, tmp_path):
+    (tmp_path / "config.yaml").write_text("task: arith\nrole: trainer\nworkers: 2\n")  # what such a run saved
+    err = one_line_error(capsys, ["--resume", str(tmp_path), "--role", "sync"])
+    assert err.endswith("drop them in a sync run (resuming an async run: --workers 0 --trainer-url '')")
+    cfg = train.parse(["--resume", str(tmp_path), "--role", "sync", "--workers", "0", "--trainer-url", ""])
+    train.validate(cfg)  # the fix it names is accepted
+    assert (cfg.role, cfg.workers, cfg.trainer_url, cfg.task) == ("sync", 0, "", "arith")
+
+
 def test_run_and_export_directories_that_cannot_be_made_stop_before_training(capsys, tmp_path):
     (tmp_path / "file").write_text("x")
     err = one_line_error(capsys, LLM + ["--export", str(tmp_path / "file" / "adapter")])  # before training
