@@ -61,9 +61,9 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         print(write_report(argv[0]))
-    except (ValueError, KeyError, TypeError) as e:  # a hand-edited metrics.csv or samples.jsonl
-        utils.stderr(f"{argv[0]}: cannot read its metrics.csv or samples.jsonl ({type(e).__name__}: {e}); "
-                     "fix or delete the damaged line")
+    except (ValueError, KeyError, TypeError, yaml.YAMLError) as e:  # a hand-edited file of the run
+        utils.stderr(f"{argv[0]}: cannot read its config.yaml, metrics.csv or samples.jsonl ("
+                     f"{type(e).__name__}: {' '.join(str(e).split())}); fix or delete the damaged line")
         return 2
     return 0
 

@@ -94,10 +94,11 @@ def test_rebuild_command_writes_the_same_page(run, tmp_path):
 
 
 @pytest.mark.parametrize("name, text", [("metrics.csv", "step,wall_s,key,value\n1,0.5,loss,abc\n"),
-                                        ("samples.jsonl", '{"step": 1}\nnot json\n')])
+                                        ("samples.jsonl", '{"step": 1}\nnot json\n'),
+                                        ("config.yaml", "task: [cartpole\n")])
 def test_a_damaged_log_is_one_line_naming_the_fix(tmp_path, capsys, name, text):
     (tmp_path / "config.yaml").write_text("task: cartpole\n")
-    (tmp_path / name).write_text(text)
+    (tmp_path / name).write_text(text)  # the damaged file (config.yaml: replaced)
     assert report.main([str(tmp_path)]) == 2 and not (tmp_path / "report.html").exists()
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith(f"{tmp_path}: cannot read") and "delete the damaged line" in err[0]
