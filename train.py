@@ -192,6 +192,8 @@ def validate(cfg: Config) -> None:
         raise err(f"--log {cfg.log}: choose from {', '.join(utils.LOGGERS)} (metrics.csv is always written)")
     if cfg.resume and not Path(cfg.resume).is_dir():
         raise err(f"--resume {cfg.resume}: no such run directory")
+    if not cfg.resume and cfg.role != "rollout" and (run := run_dir(cfg) / "config.yaml").exists():
+        raise err(f"{run.parent} holds a run: --resume {run.parent} continues it, or pick another --out")
     if cfg.export and any(p.is_file() for p in (Path(cfg.export), *Path(cfg.export).parents)):
         raise err(f"--export {cfg.export}: a file is in the way of that directory; pick another path")
     validate_modes(cfg)
@@ -209,8 +211,7 @@ def validate_modes(cfg: Config) -> None:
         raise err(f"--overlong-buffer is for single-turn LLM tasks, in 1..--max-new-tokens "
                   f"(got {cfg.overlong_buffer})")
     if (cfg.algo == "opd") != bool(cfg.teacher) or (cfg.teacher and cfg.task in CONTROL):
-        raise err("--algo opd and --teacher MODEL go together, on LLM tasks: the teacher scores the "
-                  "student's samples")
+        raise err("--algo opd and --teacher MODEL go together, and only on LLM tasks")
     if cfg.task == "python_tool":  # model code runs only where the sandbox isolates it, or weakly by name
         try:
             sandbox.use(cfg.sandbox)
@@ -424,23 +425,23 @@ def micro_loss(policy, batch: Batch, rows: torch.Tensor, share, fresh: bool, cfg
 
 # ---------------------------------------------------------------- the loop
 HEADLINE = ("eval_return", "eval_accuracy")  # the eval that --target stops at (a task logs one of them)
+STOP = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}  # a user's stop, or kill's and a scheduler's
 
 
 def train(cfg: Config) -> Path:
     validate(cfg)
     policy, opt, source = build(cfg)
-    lead = utils.rank() == 0  # under torchrun only rank 0 writes: logs, samples, checkpoints, the report
     meta = resume(cfg, policy, opt, source)
     if cfg.eval_only:
         return evaluate_only(cfg, policy, source, meta["step"] if meta else 0)
     teacher = load_teacher(cfg, policy) if cfg.teacher else None
     out, log, step, last_eval, interrupted = run_dir(cfg), utils.Metrics(), 0, {}, []
 
-    def on_ctrl_c(*_):  # the first finishes the step, then checkpoints: a half-applied update is never saved
+    def on_stop(signum, _):  # the first: finish the step, then checkpoint (never a half-applied update)
         if interrupted:  # the second stops at once, e.g. a trainer waiting for workers that never come
             raise KeyboardInterrupt
         interrupted.append(True)
-        utils.stderr("Ctrl-C: finishing this step, then saving a checkpoint; press Ctrl-C again to stop now")
+        utils.stderr(f"{STOP[signum]}: finishing this step and checkpointing; {STOP[signum]} again stops now")
 
     def stop(step: int, log) -> bool:  # after each step: a Ctrl-C seen by one rank stops all here, saved
         if utils.reduce_dict({"stop": bool(interrupted)})["stop"]:
@@ -449,11 +450,11 @@ def train(cfg: Config) -> Path:
             utils.stderr(f"interrupted: checkpoint saved; continue with --resume {out}")
         return bool(interrupted)
 
-    previous = signal.signal(signal.SIGINT, on_ctrl_c)  # before the warm-start, which Ctrl-C stops alike
+    previous = {s: signal.signal(s, on_stop) for s in STOP}  # before the warm-start, which they stop alike
     try:
         log, step = start_run(cfg, out, policy, opt, source, meta, stop)
-        bar = tqdm(range(step, cfg.steps), initial=step, total=cfg.steps, disable=not (cfg.progress and lead),
-                   dynamic_ncols=True)
+        bar = tqdm(range(step, cfg.steps), initial=step, total=cfg.steps, dynamic_ncols=True,
+                   disable=not cfg.progress or utils.rank() > 0)
         for step in bar if not interrupted else ():
             batch = source.next(step)  # 1. rollout
             batch = prepare(policy, batch, cfg, source.weights, teacher)  # 2. advantage
@@ -462,7 +463,7 @@ def train(cfg: Config) -> Path:
             stats.update(utils.reduce_dict(source.metrics(), mean=True))  # 5. log, evaluate, checkpoint
             log.log(step + 1, stats)
             log.samples(step + 1, sample_rows(batch, cfg.samples, "train", step + 1))
-            if step % cfg.eval_every == 0 and cfg.debug_samples and lead:
+            if step % cfg.eval_every == 0 and cfg.debug_samples and utils.rank() == 0:
                 show_samples(batch, f"step {step}", cfg.debug_samples)
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 last_eval = evaluate(source, log, step + 1, out)
@@ -479,10 +480,11 @@ def train(cfg: Config) -> Path:
         utils.stderr(f"stopped during step {step + 1} (not saved); checkpoints so far: --resume {out}")
         raise
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         log.close()
         source.close()  # an async trainer tells its workers the run is over
-    if lead:
+    if utils.rank() == 0:  # under torchrun only rank 0 writes: logs, samples, checkpoints, the report
         utils.plot(out, keys=("reward", *HEADLINE, "eval_accuracy_lenient"))
         finish(cfg, policy, out, log.wall())
     return out
@@ -500,10 +502,8 @@ def resume(cfg: Config, policy, opt, source: BatchSource) -> dict | None:
 def start_run(cfg: Config, out: Path, policy, opt, source: BatchSource, meta: dict | None, stop):
     """The run's log, then what precedes RL step 0 (evaluations, warm-start): (log, RL's first step)."""
     start = meta["step"] if meta else -cfg.sft_steps  # < 0: (in) the warm-start
-    # A resumed run rewrites what came after its checkpoint (everything, when none loads).
-    resumed_at = (start if meta else start - 1) if cfg.resume else None
-    wall = meta["wall_s"] if meta else 0.0
-    log = utils.Metrics(out, cfg, wall, resumed_at)  # under torchrun, rank 0 alone writes
+    resumed_at = (start if meta else start - 1) if cfg.resume else None  # logs after its step are rewritten
+    log = utils.Metrics(out, cfg, meta["wall_s"] if meta else 0.0, resumed_at)  # rank 0 alone writes
     if cfg.sft_steps and not meta:
         evaluate(source, log, -cfg.sft_steps, out, "_before_sft")
     if start < 0 and warm_start(policy, opt, source, cfg, log, start, stop):

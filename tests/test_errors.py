@@ -111,3 +111,21 @@ def test_the_command_line_prints_no_traceback():
     run = subprocess.run([sys.executable, "train.py", "--task", "cartpole", "--sft-steps", "5"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
+
+
+def test_a_new_run_never_writes_into_another_runs_directory(capsys, tmp_path):
+    """Before, a second run with the same --out appended to its metrics.csv and replaced its checkpoints
+    of equal step, so a later --resume mixed two runs. Now it is refused before anything is written."""
+    out, quick = tmp_path / "run", ["--steps", "2", "--batch", "4", "--eval-episodes", "1", "--no-progress"]
+    assert train.main(["--out", str(out), "--ckpt-every", "1", *quick]) == 0
+    capsys.readouterr()
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    for again in (["--out", str(out), *quick], ["--out", str(out), "--eval-only", "--no-progress"]):
+        err = one_line_error(capsys, again)
+        assert err == f"error: {out} holds a run: --resume {out} continues it, or pick another --out"
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files  # not a byte changed
+    # the fix it names works; a rollout worker with the run's config never writes there, so it may
+    assert train.main(["--resume", str(out), "--steps", "3", "--no-progress"]) == 0
+    assert sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-0000001", "ckpt-0000002", "ckpt-0000003"]
+    train.validate(train.parse(["--task", "arith", "--role", "rollout", "--trainer-url", "http://127.0.0.1:9",
+                                "--out", str(out)]))

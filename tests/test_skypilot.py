@@ -3,6 +3,7 @@ train.Config field, every value parses and validates, every shell variable is de
 import dataclasses
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,8 @@ def train_commands(spec: dict) -> list[list[str]]:
     """The argv after `train.py` of every command in `run` that starts train.py, with shell
     variables replaced by the recipe's envs (secrets and SkyPilot's own variables by stand-ins)."""
     values = {**SKYPILOT_VARS, "SKYPILOT_NUM_GPUS_PER_NODE": str(gpus(spec)), "HEAD": "10.0.0.1",
-              **{k: str(v) for k, v in (spec.get("envs") or {}).items()}, **{k: "secret" for k in spec.get("secrets") or {}}}
+              **{k: str(v) for k, v in (spec.get("envs") or {}).items()}, **{k: "secret" for k in spec.get("secrets") or {}},
+              "START": "--out"}  # set by the recipe itself: a first launch (test_a_relaunch_continues_the_run)
 
     def substitute(match):
         name = match.group(1) or match.group(2)
@@ -104,3 +106,18 @@ def test_the_worker_recipe_passes_the_token_only_as_a_launch_time_secret():
     assert trainer[:4] == ["--role", "trainer", "--trainer-url", "http://0.0.0.0:8765"]  # listens on every interface
     assert worker[:5] == ["--role", "rollout", "--trainer-url", "http://10.0.0.1:8765", "--vllm"]
     assert spec["num_nodes"] >= 2  # a trainer plus at least one worker
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_a_relaunch_continues_the_run(path, tmp_path):
+    """A second `sky launch` finds the first launch's run directory: the recipe then resumes it, since
+    train.py refuses to start a new run there. Runs the recipe's own line with bash, both ways."""
+    spec = recipe(path)
+    [choose] = [line.strip() for line in spec["run"].splitlines() if "START=" in line]
+    assert "$START $OUT" in spec["run"].replace("\\\n", " ")  # the trainer's run directory flag
+    ran = lambda out: subprocess.run(["bash", "-c", f'OUT={out}; {choose}; echo "$START $OUT"'],
+                                     capture_output=True, text=True, check=True).stdout.strip()
+    assert ran(tmp_path / "run") == f"--out {tmp_path / 'run'}"  # the first launch
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("task: gsm8k\n")
+    assert ran(tmp_path / "run") == f"--resume {tmp_path / 'run'}"

@@ -278,3 +278,22 @@ def test_ctrl_c_finishes_the_step_then_checkpoints(tmp_path, monkeypatch):
     out = train.train(quick(tmp_path, "--steps", "50"))
     assert utils.checkpoints(out)[-1].name == "ckpt-0000003"
     assert [s for s, _, _ in utils.read_metrics(out / "metrics.csv")["loss"]][-1] == 3
+
+
+def test_sigterm_finishes_the_step_then_checkpoints_like_ctrl_c(tmp_path, monkeypatch, capfd):
+    """kill, a scheduler's stop or a preempted node's notice send SIGTERM, which used to end the run at
+    once, losing every step since the last checkpoint (50 by default)."""
+    real_next = rollouts.ControlRollouts.next
+
+    def next_then_terminate(self, step):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives mid-step
+        return real_next(self, step)
+
+    monkeypatch.setattr(rollouts.ControlRollouts, "next", next_then_terminate)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    out = train.train(quick(tmp_path, "--steps", "50"))
+    assert utils.checkpoints(out)[-1].name == "ckpt-0000003"  # step 3 (index 2) finished, then saved
+    assert [s for s, _, _ in utils.read_metrics(out / "metrics.csv")["loss"]][-1] == 3
+    assert "SIGTERM: finishing this step and checkpointing; SIGTERM again stops now" in capfd.readouterr().err
+    assert {s: signal.getsignal(s) for s in before} == before  # both handlers were put back
