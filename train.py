@@ -544,7 +544,7 @@ def finish(cfg: Config, policy, out: Path, wall_s: float) -> None:
 def evaluate_only(cfg: Config, policy, source: BatchSource, step: int) -> Path:
     """--eval-only: one eval of the loaded weights, logged at their step in a run directory of its own."""
     out = run_dir(cfg) / f"eval-{step:07d}" if cfg.resume else run_dir(cfg)
-    log = utils.Metrics(out, cfg)
+    log = utils.Metrics(out, cfg, resumed_at=step - 1)  # an eval run again replaces the one before
     evaluate(source, log, step, out)
     log.close()
     finish(cfg, policy, out, 0.0)

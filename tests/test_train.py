@@ -297,3 +297,11 @@ def test_sigterm_finishes_the_step_then_checkpoints_like_ctrl_c(tmp_path, monkey
     assert [s for s, _, _ in utils.read_metrics(out / "metrics.csv")["loss"]][-1] == 3
     assert "SIGTERM: finishing this step and checkpointing; SIGTERM again stops now" in capfd.readouterr().err
     assert {s: signal.getsignal(s) for s in before} == before  # both handlers were put back
+
+
+def test_evaluating_a_checkpoint_again_replaces_the_eval_instead_of_adding_a_second(tmp_path):
+    out = train.train(quick(tmp_path, "--steps", "2"))
+    for _ in range(2):
+        assert train.main(["--resume", str(out), "--eval-only", "--no-progress"]) == 0
+    evals = utils.read_metrics(out / "eval-0000002" / "metrics.csv")
+    assert list(evals) == ["eval_return"] and [s for s, _, _ in evals["eval_return"]] == [2]  # was [2, 2]
