@@ -267,7 +267,7 @@ def load_teacher(cfg: Config, student):
 
 def warm_start(policy, opt, source: BatchSource, cfg: Config, log, first: int, stop) -> bool:
     """Supervised steps first..-1 (logged at first+1..0) on the task's solver's demos, so RL's gain shows
-    apart; the RL Adam at sft_lr (a checkpoint holds all a resume needs), then reset. True: a Ctrl-C stop."""
+    apart; the RL Adam at sft_lr (a checkpoint holds all a resume needs), then reset. True: a stop (STOP)."""
     opt.param_groups[0]["lr"] = cfg.sft_lr  # build() gives Adam one group
     for step in range(first, 0):
         batch = source.demonstrations(cfg.batch)
@@ -443,9 +443,9 @@ def train(cfg: Config) -> Path:
         interrupted.append(True)
         utils.stderr(f"{STOP[signum]}: finishing this step and checkpointing; {STOP[signum]} again stops now")
 
-    def stop(step: int, log) -> bool:  # after each step: a Ctrl-C seen by one rank stops all here, saved
+    def stop(step: int, log) -> bool:  # after each step: a stop seen by one rank stops all here, saved
         if utils.reduce_dict({"stop": bool(interrupted)})["stop"]:
-            interrupted.append(True)  # also on a rank that saw no Ctrl-C
+            interrupted.append(True)  # also on a rank that saw no signal
             checkpoint(cfg, out, step, policy, opt, source, log)  # the caller's log: warm-start wall time too
             utils.stderr(f"interrupted: checkpoint saved; continue with --resume {out}")
         return bool(interrupted)
