@@ -14,6 +14,7 @@ import urllib.request
 _SCORE = re.compile(r"score[\s:=*]*(?:is[\s*]+)?(-?\d+(?:\.\d+)?)(?:\s*/\s*(\d+))?", re.IGNORECASE)
 _BARE = re.compile(r"\s*(-?\d+(?:\.\d+)?)(?:\s*/\s*(\d+))?\s*\.?\s*")
 CACHE_ROWS = 4096  # scores kept: many steps of rows (a repeat is mostly within a group), MBs not GBs
+REPLY_BYTES = 1 << 20  # a scored reply is a few KB; a server streaming more is not a judge
 
 
 class JudgeUnavailable(RuntimeError):
@@ -29,6 +30,14 @@ def parse_score(text: str, high: int) -> float | None:
     if value is None or (den and int(den) != high) or not 0 <= float(value) <= high:
         return None
     return float(value) / high
+
+
+class _Unfollowed(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args):  # the 3xx reaches ask(): following it would carry the key elsewhere
+        return None
+
+
+_OPENER = urllib.request.build_opener(_Unfollowed)
 
 
 class Judge:
@@ -65,18 +74,23 @@ class Judge:
         for attempt in range(self.retries + 1):
             time.sleep(self.backoff * 2 ** (attempt - 1) if attempt else 0)
             try:
-                with self.slots, urllib.request.urlopen(request, timeout=self.timeout) as r:
-                    reply = json.load(r)["choices"][0]["message"]["content"] or ""
+                with self.slots, _OPENER.open(request, timeout=self.timeout) as r:
+                    data = r.read(REPLY_BYTES + 1)
+                if len(data) > REPLY_BYTES:
+                    raise ValueError(f"a reply over {REPLY_BYTES} bytes")
+                reply = json.loads(data)["choices"][0]["message"]["content"]
             except urllib.error.HTTPError as e:  # before OSError, which it is
                 cause = f"HTTP {e.code} {e.reason}"
+                if 300 <= e.code < 400:
+                    cause, fix = f"{cause} to {e.headers['Location']}", "make that URL the endpoint"
                 if e.code != 429 and e.code < 500:  # a bad request, key or model: asking again cannot help
                     break
             except (OSError, ValueError, KeyError, IndexError, TypeError) as e:  # down, timed out, not JSON
                 cause = f"{type(e).__name__}: {e}"
             else:
-                if (score := parse_score(reply, self.high)) is not None:
+                if isinstance(reply, str) and (score := parse_score(reply, self.high)) is not None:
                     return score
-                cause, fix = f"no score in its reply {reply[:60]!r}", "constrain its reply (Judge's `extra`)"
+                cause, fix = f"no score in its reply {reply!r:.60}", "constrain its reply (Judge's `extra`)"
                 break  # at temperature 0, asking again gets the same reply
         raise JudgeUnavailable(f"judge {self.url} gave no score after {attempt + 1} tries ({cause}); {fix}, "
                                "or pass --judge-down drop to drop such samples and count them")

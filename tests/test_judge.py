@@ -2,6 +2,7 @@
 chat-completions endpoint would, fails on purpose, or answers garbage."""
 import json
 import math
+import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -148,6 +149,62 @@ def test_garbage_reply_raises_instead_of_scoring_zero(server):
     with pytest.raises(JudgeUnavailable, match="no score in its reply 'What a lovely"):
         Judge("r", server.url, "m", backoff=0.01)("p", "c", "")
     assert len(server.requests) == 1  # temperature 0: the same question gets the same garbage
+
+
+@pytest.mark.parametrize("content", [7, ["Score: 7"], {"score": 7}, None])
+def test_a_reply_whose_content_is_not_text_raises_instead_of_crashing(server, content):
+    server.reply = content  # an endpoint that is not quite OpenAI-compatible: a TypeError crashed the run
+    shown = re.escape(repr(content))
+    with pytest.raises(JudgeUnavailable, match=r"after 1 tries \(no score in its reply " + shown):
+        Judge("r", server.url, "m", backoff=0.01)("p", "c", "")
+    assert len(server.requests) == 1
+
+
+def test_a_reply_over_the_byte_cap_raises_without_being_parsed(server, monkeypatch):
+    monkeypatch.setattr(judge_module, "REPLY_BYTES", 1000)
+    server.reply = "Score: 7 " + "x" * 1000  # the whole body is over 1,000 bytes, its score never read
+    with pytest.raises(JudgeUnavailable, match=r"after 1 tries \(ValueError: a reply over 1000 bytes\)"):
+        Judge("r", server.url, "m", retries=0)("p", "c", "")
+    server.reply = "Score: 7 " + "x" * 800  # under the cap: the same reply is scored
+    assert Judge("r", server.url, "m", retries=0)("p", "c", "") == 0.7
+
+
+class Redirecting(BaseHTTPRequestHandler):
+    """Answers every request with `server.code` to `server.location`; records the Authorization it got."""
+
+    def do_POST(self):
+        self.server.seen.append((self.command, self.headers.get("Authorization")))
+        self.send_response(self.server.code)
+        self.send_header("Location", self.server.location)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_GET = do_POST
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("code", [301, 302, 303, 307, 308])
+def test_a_redirect_is_not_followed_so_the_key_goes_to_no_other_host(monkeypatch, code):
+    monkeypatch.setenv("NANORL_JUDGE_KEY", "sekrit")
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), Redirecting) for _ in range(2)]
+    (endpoint, elsewhere), threads = servers, []
+    for s in servers:
+        s.seen, s.code = [], code
+        threads.append(threading.Thread(target=s.serve_forever, daemon=True))
+        threads[-1].start()
+    endpoint.location = elsewhere.location = f"http://localhost:{elsewhere.server_port}/v1/chat/completions"
+    try:
+        with pytest.raises(JudgeUnavailable, match=rf"after 1 tries \(HTTP {code} .* to "
+                           rf"{re.escape(endpoint.location)}\); make that URL the endpoint, or pass"):
+            Judge("r", f"http://127.0.0.1:{endpoint.server_port}/v1", "m", backoff=0.01)("p", "c", "")
+        assert endpoint.seen == [("POST", "Bearer sekrit")]  # asked once, where the user pointed it
+        assert elsewhere.seen == []  # urllib's default opener sent the key on to this host
+    finally:
+        for s in servers:
+            s.shutdown()
+            s.server_close()
 
 
 def test_judge_down_raises_after_retries():
