@@ -25,26 +25,30 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x - mean) / (std + EPS) * mask
 
 
-def next_step(x: torch.Tensor) -> torch.Tensor:
-    """x[:, t + 1] at t, 0 after the last step; of the mask: 1 where the next step is the policy's too."""
-    return torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], 1)  # [N, T]
+def next_policy_step(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x at the row's next policy step after t, past an environment's tokens between two turns;
+    0 where none follows. Of the mask itself: 1 where a policy step is still to come in the row."""
+    out = torch.zeros_like(x)
+    for t in reversed(range(x.shape[1] - 1)):
+        out[:, t] = torch.where(mask[:, t + 1] > 0, x[:, t + 1], out[:, t + 1])
+    return out  # [N, T]
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = r_t + gamma * G_{t+1} inside each row's run of policy steps; [N, T] -> [N, T]."""
-    nxt, out = next_step(mask), rewards.clone()
+    """G_t = r_t + gamma * G at the row's next policy step; [N, T] -> [N, T]. A multi-turn episode is
+    one row: the environment's tokens pass G on undiscounted, so an early turn earns a later solve."""
+    out, factor = rewards * mask, torch.where(mask > 0, gamma, 1.0)  # [N, T] each
     for t in reversed(range(rewards.shape[1] - 1)):
-        out[:, t] += gamma * out[:, t + 1] * nxt[:, t]
+        out[:, t] += factor[:, t] * out[:, t + 1]
     return out * mask
 
 
 def gae(rewards, values, mask, last_value, terminated, gamma: float, lam: float) -> torch.Tensor:
-    """GAE; after a row's last step the next value is `last_value` if a time limit cut the episode
-    (truncation is not death), 0 if it terminated; [N, T] -> [N, T]."""
-    nxt = next_step(mask)
-    is_last = mask * (1 - nxt)  # [N, T]: 1 on each row's final policy step
+    """GAE over each row's policy steps; after the row's last one the next value is `last_value` if a
+    time limit cut the episode (truncation is not death), 0 if it terminated; [N, T] -> [N, T]."""
+    is_last = mask * (1 - next_policy_step(mask, mask))  # [N, T]: 1 on each row's final policy step
     bootstrap = (last_value * (~terminated).float()).unsqueeze(1)  # [N, 1]
-    next_values = next_step(values) * nxt + is_last * bootstrap  # [N, T]
+    next_values = next_policy_step(values, mask) + is_last * bootstrap  # [N, T]
     deltas = (rewards + gamma * next_values - values) * mask  # [N, T]
     return discounted_returns(deltas, mask, gamma * lam)  # GAE: the TD errors' (gamma * lam)-discounted sum
 

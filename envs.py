@@ -111,18 +111,19 @@ def _gold_rows(db: str, gold: str) -> list[tuple]:
 def sql_correct(prompt: str, completion: str, answer: str) -> float:
     """1.0 iff the answer-tag query returns the gold query's rows: as a multiset, or in order when
     the gold query has ORDER BY. Column names do not matter, column order does. A query that
-    fails, is denied or returns over 10,000 rows scores 0."""
+    fails, is denied or returns over 10,000 rows scores 0, and so does an answer with no statement
+    ("", ";", a comment): it has no columns, and its no rows must not match an empty gold result."""
     query, ref = extract_answer(completion), json.loads(answer)
     if query is None:
         return 0.0
     query = re.sub(r"^```\w*|```$", "", query)  # extract_answer has stripped it
     try:
-        _, rows, more = run_sql(sql_database(ref["db"]), query, max_rows=10_000)
+        columns, rows, more = run_sql(sql_database(ref["db"]), query, max_rows=10_000)
     except sqlite3.Error:  # the model's query is broken: a wrong answer, not a crash
         return 0.0
-    gold = _gold_rows(ref["db"], ref["gold"])
-    ordered = "ORDER BY" in ref["gold"].upper()
-    return float(not more and (_normal(rows) == gold if ordered else Counter(_normal(rows)) == Counter(gold)))
+    gold, rows = _gold_rows(ref["db"], ref["gold"]), _normal(rows)
+    same = rows == gold if "ORDER BY" in ref["gold"].upper() else Counter(rows) == Counter(gold)
+    return float(bool(columns) and not more and same)
 
 
 # Three small databases of synthetic rows, drawn once from a seeded generator (no download):

@@ -408,8 +408,11 @@ class EnvRollouts(TaskRollouts):
     episode is one token sequence; only the model's own tokens are trained."""
 
     def make_task(self, cfg) -> tasks.Task:
-        self.env = TEXT_ENVS[cfg.task]
-        return self.env.task(seed=cfg.seed, eval_size=cfg.eval_size)
+        env = TEXT_ENVS[cfg.task]
+        self.env = lambda: env(cfg.max_turns)  # --max-turns ends an episode, not the env class's default
+        if cfg.data:  # the problems come with the environment (its databases, its checks)
+            raise ValueError(f"this task generates its own problems; drop --data {cfg.data}")
+        return env.task(seed=cfg.seed, eval_size=cfg.eval_size)
 
     def episodes(self, problems: list[Problem], k: int, greedy: bool = False, version: int = 0) -> Batch:
         cfg = self.cfg

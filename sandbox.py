@@ -237,7 +237,8 @@ def _read_all(files, cap: int, deadline: float) -> tuple[list[bytes], bool, bool
 # clock is a kill and memory an rlimit. Temp tables stay in memory (under RLIMIT_AS), never on disk.
 _SQL_CHILD = r"""
 import json, resource, sqlite3, sys
-path, query, max_rows, max_bytes, mem = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
+path, (max_rows, max_bytes, mem) = sys.argv[1], map(int, sys.argv[2:])
+query = sys.stdin.buffer.read().decode()
 for r, v in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_FSIZE, 0), (resource.RLIMIT_CORE, 0)):
     resource.setrlimit(r, (v, v))
 ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
@@ -264,11 +265,11 @@ def run_sql(path: str, query: str, *, max_rows: int = 1000, max_bytes: int = 8 <
     connection whose authorizer allows only reading (no ATTACH, PRAGMA, writes or DDL), in a child
     process killed after `timeout_s`, with mem_mb of address space, strings and blobs of 1 MB and
     max_bytes of results. Raises sqlite3.Error ("not authorized", "interrupted", syntax, memory)."""
-    args = [sys.executable, "-I", "-S", "-c", _SQL_CHILD, Path(path).resolve().as_uri() + "?mode=ro", query,
+    args = [sys.executable, "-I", "-S", "-c", _SQL_CHILD, Path(path).resolve().as_uri() + "?mode=ro",
             *map(str, (max_rows, max_bytes, mem_mb << 20))]
-    try:
-        r = subprocess.run(args, capture_output=True, timeout=timeout_s + 0.5, env={},
-                           stdin=subprocess.DEVNULL)
+    try:  # the query on stdin: in argv a NUL byte or 128 KiB of text fails to start the process
+        r = subprocess.run(args, input=query.encode("utf-8", "replace"), capture_output=True,
+                           timeout=timeout_s + 0.5, env={})
         out = json.loads(r.stdout, object_hook=lambda d: bytes.fromhex(d["blob"]) if "blob" in d else d)
     except subprocess.TimeoutExpired:  # run() has killed it
         raise sqlite3.OperationalError(f"interrupted: the query ran over {timeout_s} s") from None

@@ -114,7 +114,7 @@ class Config:
     sft_steps: int = 0  # supervised warm-start steps on the task's own solver's demos, before RL
     sft_lr: float = 1e-3  # warm-start learning rate (separate: supervised steps tolerate more)
     overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens of the budget; 0 = off
-    max_turns: int = 4  # multi-turn envs: model turns per episode; each one is a chance to fix an error
+    max_turns: int = 4  # turns per multi-turn episode (default: the env's own); each may fix an error
     max_len: int = 2048  # multi-turn envs: an episode longer than this (tokens) ends early, cleanly
     sandbox: str = "strict"  # python_tool: strict refuses where code cannot be isolated; weak: rlimits only
     # ---- torchrun (`torchrun --nproc_per_node=N train.py ...`: --batch stays the global batch)
@@ -138,7 +138,8 @@ def task_defaults(given: dict) -> dict:
         return {}
     return {"algo": "grpo", "group_size": 8, "batch": 64,  # 8 prompts x 8: a spread at 10-90% accuracy
             "lr": 5e-4 if given.get("lora", Config.lora) else 5e-5,  # a low-rank update: ~10x the rate
-            "max_new_tokens": kind.max_new_tokens}  # the task's own budget ("12+7=" needs 8, GSM8K 512)
+            "max_new_tokens": kind.max_new_tokens,  # the task's own budget ("12+7=" needs 8, GSM8K 512)
+            "max_turns": getattr(TEXT_ENVS.get(task), "max_turns", Config.max_turns)}  # a text env's own
 
 
 def choices() -> dict:
@@ -217,7 +218,7 @@ def validate_modes(cfg: Config) -> None:
             sandbox.use(cfg.sandbox)
         except sandbox.SandboxUnavailable as e:
             raise err(str(e)) from None
-    llm = [f for f in ("sft_steps", "mask_truncated", "kl_coef", "pass_k", "debug_samples")
+    llm = [f for f in ("sft_steps", "mask_truncated", "kl_coef", "pass_k", "debug_samples", "data")
            if getattr(cfg, f)]  # the other text options are refused for CartPole above
     if cfg.task in CONTROL and llm:  # no text, no tokens
         raise err(f"--{llm[0].replace('_', '-')} is for LLM tasks; {cfg.task} has no text (CartPole's "
@@ -413,8 +414,7 @@ def micro_loss(policy, batch: Batch, rows: torch.Tensor, share, fresh: bool, cfg
     old = logp.detach() if fresh else batch.old_logp[rows]  # on-policy: the ratio is exactly 1
     loss, s = policy_loss(logp, old, batch.adv[rows], w * batch.is_weight[rows], batch.mask[rows], cfg.loss,
                           cfg.eps_low, cfg.eps_high, cfg.dual_clip)  # IS weights scale the policy term only
-    loss = loss - cfg.ent_coef * (entropy * w).sum()
-    s["entropy"] = entropy.detach()
+    loss, s["entropy"] = loss - cfg.ent_coef * (entropy * w).sum(), entropy.detach()
     if values is not None:
         loss += cfg.vf_coef * value_loss(values, batch.returns[rows], w, batch.values[rows], cfg.vf_clip)
     if cfg.kl_coef and not cfg.kl_in_reward:

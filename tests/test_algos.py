@@ -31,6 +31,21 @@ def test_discounted_returns_stop_at_the_end_of_each_row():
     assert torch.equal(g, t([[1.75, 1.5, 1.0, 0.0], [2.0, 0, 0, 0]]))
 
 
+def test_an_early_turn_of_a_multi_turn_row_earns_the_return_of_the_turns_after_it():
+    # turn 1 (2 tokens), the environment's reply (2 tokens, mask 0), turn 2 (2 tokens) that solves it
+    r, m = t([[0, 0, 0, 0, 0, 1, 0]]), t([[1, 1, 0, 0, 1, 1, 0]])
+    g = algos.discounted_returns(r, m, gamma=0.5)  # discounted per policy step, not per reply token
+    assert torch.equal(g, t([[0.125, 0.25, 0, 0, 0.5, 1.0, 0]]))
+    assert torch.equal(algos.reinforce(SimpleNamespace(rewards=r, mask=m), CFG), g)  # CFG.gamma is 0.5
+
+
+def test_gae_runs_past_the_environments_tokens_to_the_next_turns_value():
+    r, v, m = t([[0, 5, 1]]), t([[0.5, 9.0, 0.25]]), t([[1, 0, 1]])  # the reply's 5 and 9.0 are not the policy's
+    adv = algos.gae(r, v, m, t([2.0]), torch.tensor([True]), 0.5, 0.5)
+    # deltas: 0 + .5*.25 - .5 = -.375 (the next turn's value), 1 - .25 = .75 (terminated); adv0 = -.375 + .25*.75
+    assert torch.allclose(adv, t([[-0.1875, 0, 0.75]]))
+
+
 def gae_batch(terminated):
     return SimpleNamespace(rewards=t([[1, 1, 0]]), values=t([[0.5, 0.25, 0]]), mask=t([[1, 1, 0]]),
                            last_value=t([2.0]), truncated=torch.tensor([not terminated]))

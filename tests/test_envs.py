@@ -149,6 +149,21 @@ def test_a_multi_turn_source_generates_in_chunks_of_gen_batch(monkeypatch):
     assert len(batch) == 4 and len(chunks) == int(batch.stats["turns"].max()) and set(chunks) == {3}
 
 
+@pytest.mark.parametrize("max_turns", [1, 6])
+def test_a_multi_turn_source_plays_exactly_max_turns_turns(max_turns):
+    """--max-turns, not the env class's default of 4, ends an episode that never solves."""
+    cfg = train.Config(task="countdown_multiturn", algo="grpo", batch=4, group_size=2, eval_size=4,
+                       max_new_tokens=32, max_turns=max_turns)
+    batch = EnvRollouts(cfg, ScriptedPolicy(chat_tokenizer(), lambda text: "<answer>1 + 1</answer>")).next(0)
+    assert batch.stats["turns"].tolist() == [max_turns] * 4 and batch.stats["solved"].sum() == 0
+
+
+def test_an_envs_own_max_turns_is_the_tasks_default_and_the_flag_overrides_it(monkeypatch):
+    monkeypatch.setitem(TEXT_ENVS, "guess", GuessNumber)  # the README's env: max_turns = 7
+    assert [train.parse(argv).max_turns for argv in (["--task", "guess"], ["--task", "guess", "--max-turns", "2"],
+                                                      ["--task", "sql"], ["--task", "arith"])] == [7, 2, 4, 4]
+
+
 class HalfStubborn(ScriptedPolicy):
     """Greedy: bisection. Sampled: the odd episodes of each group guess 1 on every turn instead."""
 
@@ -357,6 +372,27 @@ def test_sql_reward_compares_result_sets_with_the_gold_query():
                        ordered) == 0.0
     count = json.dumps({"db": "shop", "gold": "SELECT COUNT(*) FROM customers WHERE city = 'Oslo'"})
     assert sql_correct("", f"<answer>SELECT {len(oslo)}.0</answer>", count) == 1.0  # 2.0 == 2, as numbers
+
+
+@pytest.mark.parametrize("answer", ["<answer></answer>", "<answer>;</answer>", "<answer>-- no idea</answer>",
+                                    "<answer>```sql\n```</answer>"])
+def test_an_answer_with_no_sql_statement_never_matches_an_empty_gold_result(answer):
+    nobody = json.dumps({"db": "shop", "gold": "SELECT name FROM customers WHERE city = 'Atlantis'"})
+    assert sql_correct("", "<answer>SELECT name FROM customers WHERE city = 'Atlantis'</answer>", nobody) == 1.0
+    assert sql_correct("", "<answer>SELECT name FROM customers WHERE 0</answer>", nobody) == 1.0  # a query, no rows
+    assert sql_correct("", answer, nobody) == 0.0  # it paid 1.0: no columns and no rows "matched"
+
+
+@pytest.mark.parametrize("query", ["SELECT 1 AS one\x00", "SELECT 1 AS one -- " + "x" * 200_000])
+def test_a_query_with_a_nul_byte_or_over_the_argv_limit_is_an_error_for_the_model_not_a_crash(query):
+    """A byte-level BPE model can write a NUL, a long generation 128 KiB: passed in argv, both failed to
+    start the query's process (UnboundLocalError / E2BIG out of the rollout)."""
+    env, gold = SQLEnv(), json.dumps({"db": "shop", "gold": "SELECT 1 AS one"})
+    env.reset(Problem("q", gold, "k"))
+    obs, reward, done, _ = env.step(f"```sql\n{query}\n```")
+    assert (reward, done) == (0.0, False)
+    assert obs[0]["content"] == ("error: the query contains a null character" if "\x00" in query else "one\n1")
+    assert sql_correct("", f"<answer>{query}</answer>", gold) == float("\x00" not in query)
 
 
 def test_sql_env_returns_errors_and_rows_so_the_model_can_fix_its_query():

@@ -24,6 +24,7 @@ def one_line_error(capsys, argv) -> str:
 
 @pytest.mark.parametrize("argv, fix", [
     (["--task", "cartpole", "--sft-steps", "5"], "--sft-steps is for LLM tasks"),
+    (["--task", "cartpole", "--data", MIXED], "--data is for LLM tasks"),  # was ignored
     (LLM + ["--gen-batch", "0"], "need --gen-batch >= 1 (got 0)"),
     (LLM + ["--gen-batch", "-1"], "need --gen-batch >= 1 (got -1)"),
     (LLM + ["--eval-size", "0"], "need --eval-size >= 1 (got 0)"),
@@ -53,6 +54,7 @@ def test_bad_flags_stop_in_one_line_naming_the_fix(capsys, argv, fix):
      "error: --task gsm8k: eval_size=9 leaves no training problems (9 usable rows); lower --eval-size to 8"),
     (["--task", "gsm8k", "--data", "no/such/file.jsonl"], "--task gsm8k: "),
     (["--task", "arith", "--data", MIXED], "error: --task arith: this task generates its own problems; drop --data"),
+    (["--task", "sql", "--data", MIXED], "error: --task sql: this task generates its own problems; drop --data"),
 ])
 def test_task_data_errors_stop_in_one_line(capsys, tmp_path, argv, fix):
     err = one_line_error(capsys, ["--model", "tiny", "--no-progress", "--out", str(tmp_path / "r"), *argv])
