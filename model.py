@@ -18,10 +18,11 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 import utils
-from modeldir import LOAD_HINT, resolve_model
+from modeldir import LOAD_HINT, cache_root, resolve_model
 
 
 def mlp(inputs: int, hidden: int, outputs: int) -> nn.Sequential:
@@ -120,8 +121,14 @@ def load_lm(path: str, cfg, device: torch.device) -> nn.Module:
     dtype = DTYPES[cfg.dtype] if cfg.lora else torch.float32
     try:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn).to(device)
-    except (ValueError, ImportError) as e:  # an unknown or uninstalled attention kernel
-        raise utils.ConfigError(f"--attn {attn}: {str(e).splitlines()[0]} (try --attn sdpa)") from None
+    except (ValueError, ImportError, OSError, SafetensorError) as e:
+        why = str(e).splitlines()[0]
+        if isinstance(e, ImportError) or "attn" in why:  # an unknown or uninstalled attention kernel
+            raise utils.ConfigError(f"--attn {attn}: {why} (try --attn sdpa)") from None
+        # the rest: a model that is not a causal LM, or weights missing or cut short (a copy, a full disk)
+        cached = cache_root() in Path(path).parents
+        fix = f"delete {path} (the cache's copy) and rerun" if cached else LOAD_HINT
+        raise utils.ConfigError(f"--model {cfg.model}: no causal LM loads from it ({why}); {fix}") from None
 
 
 class LLMPolicy(nn.Module):
@@ -359,13 +366,17 @@ class LLMPolicy(nn.Module):
         return path
 
     def export(self, path: str, merged: bool = False) -> str:
-        """The model as users load it: LoRA's adapter (save_adapter), or a full model + tokenizer (merged)."""
+        """The model as users load it: LoRA's adapter (save_adapter), or a full model + tokenizer (merged),
+        written whole into a new or empty directory: one that holds anything is never touched."""
+        if why := utils.export_blocker(Path(path)):  # validate() checked: something was put there since
+            raise FileExistsError(why)
         if self.lora and not merged:
             return self.save_adapter(path)
         # merge_and_unload on a copy: the policy keeps its adapter (it may go on training or evaluating)
         lm = copy.deepcopy(self.model).merge_and_unload() if self.lora else self.model
-        lm.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
+        with utils.atomic_dir(Path(path)) as tmp:
+            lm.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
         return path
 
     def wire_names(self) -> dict[str, str]:

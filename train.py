@@ -193,10 +193,10 @@ def validate(cfg: Config) -> None:
         raise err(f"--log {cfg.log}: choose from {', '.join(utils.LOGGERS)} (metrics.csv is always written)")
     if cfg.resume and not Path(cfg.resume).is_dir():
         raise err(f"--resume {cfg.resume}: no such run directory")
-    if not cfg.resume and cfg.role != "rollout" and (run := run_dir(cfg) / "config.yaml").exists():
-        raise err(f"{run.parent} holds a run: --resume {run.parent} continues it, or pick another --out")
-    if cfg.export and any(p.is_file() for p in (Path(cfg.export), *Path(cfg.export).parents)):
-        raise err(f"--export {cfg.export}: a file is in the way of that directory; pick another path")
+    if not cfg.resume and cfg.role != "rollout" and utils.holds_run(run := run_dir(cfg)):
+        raise err(f"{run} holds a run: --resume {run} continues it, or pick another --out")
+    if cfg.export and (why := utils.export_blocker(Path(cfg.export))):
+        raise err(f"--export {cfg.export}: {why}; pick a new or empty directory")
     validate_modes(cfg)
 
 
@@ -492,7 +492,7 @@ def train(cfg: Config) -> Path:
 
 def resume(cfg: Config, policy, opt, source: BatchSource) -> dict | None:
     """--resume: the newest checkpoint that loads, into policy, optimizer and source (None: none does)."""
-    meta = utils.resume_checkpoint(Path(cfg.resume), policy, opt) if cfg.resume else None
+    meta = utils.resume_checkpoint(Path(cfg.resume), policy, opt, cfg.eval_only) if cfg.resume else None
     if meta:  # every rank reads the checkpoint: multi-node runs need --out on shared storage
         source.load_state(meta["source"])
     utils.split_rng()  # after any restored RNG state: ranks must not sample identical tokens

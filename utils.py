@@ -11,6 +11,7 @@ import inspect
 import json
 import math
 import os
+import pickle  # only for its exception: torch.load(weights_only=True) raises it on foreign bytes
 import re
 import shutil
 import sys
@@ -25,6 +26,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 # for train.py's @utils.record: torchrun then reports a failed rank's traceback
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: F401
+
+UMASK = os.umask(0o022)  # the process's umask, read the only way there is (setting it), then put back
+os.umask(UMASK)
 
 
 # ---------------------------------------------------------------- config
@@ -296,6 +300,7 @@ def atomic_dir(final: Path, replace: bool = True):
     never sees half of it. replace=False keeps an existing `final` (a concurrent builder's)."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    tmp.chmod(0o777 & ~UMASK)  # as mkdir would: mkdtemp's 0700 hid exports and caches from other users
     try:
         yield tmp
         if replace:
@@ -306,6 +311,14 @@ def atomic_dir(final: Path, replace: bool = True):
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def export_blocker(path: Path) -> str | None:
+    """Why an export cannot be written to `path` (None: it can). It never replaces a file: an --export
+    of `.`, of a run's or a model's directory would have deleted them."""
+    if any(p.is_file() for p in (path, *path.parents)):
+        return "a file is in the way of that directory"
+    return "that directory is not empty" if path.is_dir() and any(path.iterdir()) else None
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -337,8 +350,16 @@ def save_checkpoint(out: Path, step: int, policy: torch.nn.Module, opt: torch.op
 
 
 def checkpoints(run: Path) -> list[Path]:
-    """Oldest first, by step (warm-start checkpoints have negative steps)."""
-    return sorted(run.glob("ckpt-*"), key=lambda p: int(p.name[5:]))
+    """Oldest first, by step (warm-start checkpoints have negative steps); a ckpt-0000001.bak is a copy."""
+    found = [p for p in run.glob("ckpt-*") if re.fullmatch(r"ckpt--?\d+", p.name)]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def holds_run(run: Path) -> bool:
+    """A checkpoint or a logged metric: what a new run there would mix with or replace. A start that
+    failed before both (e.g. a prompt over --max-len at the first eval) leaves nothing to keep."""
+    metrics = run / "metrics.csv"
+    return bool(checkpoints(run)) or (metrics.exists() and metrics.read_bytes().count(b"\n") > 1)
 
 
 def load_checkpoint(ckpt: Path, policy: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
@@ -359,15 +380,22 @@ def load_checkpoint(ckpt: Path, policy: torch.nn.Module, opt: torch.optim.Optimi
     return meta
 
 
-def resume_checkpoint(run: Path, policy: torch.nn.Module, opt: torch.optim.Optimizer) -> dict | None:
+def resume_checkpoint(run: Path, policy: torch.nn.Module, opt: torch.optim.Optimizer,
+                      required: bool = False) -> dict | None:
     """The newest checkpoint of a run that loads, or the one named (None: none does), naming each damaged
-    one it skips and why (a write cut short: the atomic rename makes that rare; a full disk or a copy not)."""
-    for ckpt in [run] if run.name.startswith("ckpt-") else reversed(checkpoints(run)):
+    one it skips and why (a write cut short: the atomic rename makes that rare; a full disk or a copy not).
+    A named one, or any when `required` (--eval-only), must load: else the untrained model would stand in."""
+    named = run.name.startswith("ckpt-")
+    for ckpt in [run] if named else reversed(checkpoints(run)):
         try:
             return load_checkpoint(ckpt, policy, opt)
-        # RuntimeError: torch.load's; KeyError: load_checkpoint's, for a checkpoint nanorl did not write
-        except (SafetensorError, json.JSONDecodeError, KeyError, RuntimeError, OSError) as e:
-            stderr(f"skipping {ckpt}: {type(e).__name__}: {str(e).splitlines()[0]}")
+        # RuntimeError, EOFError, UnpicklingError: torch.load's (an empty or foreign state.pt); KeyError:
+        # load_checkpoint's, for a checkpoint nanorl did not write
+        except (SafetensorError, json.JSONDecodeError, KeyError, RuntimeError, OSError, EOFError,
+                pickle.UnpicklingError) as e:
+            stderr(f"skipping {ckpt}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'empty'}")
+    if named or required:
+        raise ConfigError(f"--resume {run}: no checkpoint of it loads (above); resume another run or ckpt-*")
     stderr(f"--resume {run}: no checkpoint loads; the run starts over")
     return None
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import train
+import utils
 from model import LLMPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,6 +91,28 @@ def test_run_and_export_directories_that_cannot_be_made_stop_before_training(cap
         assert err.startswith(f"error: --out {out}: cannot create the run directory")
 
 
+def test_an_export_never_replaces_a_directory_that_holds_anything(capsys, tmp_path, monkeypatch):
+    """--export DIR deleted what DIR held (rmtree, then rename): `--export .` the working directory, runs/
+    and the new checkpoint with it. Now a directory with anything in it is refused, before training."""
+    notes, empty = tmp_path / "notes", tmp_path / "empty"
+    notes.mkdir()
+    empty.mkdir()
+    (notes / "my_notes.txt").write_text("keep me")
+    monkeypatch.chdir(notes)
+    for where in (str(notes), "."):
+        err = one_line_error(capsys, LLM + ["--export", where])
+        assert err == f"error: --export {where}: that directory is not empty; pick a new or empty directory"
+    policy = LLMPolicy(train.parse(LLM))
+    with pytest.raises(FileExistsError, match="that directory is not empty"):  # one made during training
+        policy.export(str(notes), merged=True)
+    assert [p.name for p in notes.iterdir()] == ["my_notes.txt"] and (notes / "my_notes.txt").read_text() == "keep me"
+    for merged, where in ((False, empty), (True, tmp_path / "new" / "merged")):  # empty or new: written whole
+        train.validate(train.parse(LLM + ["--export", str(where)]))
+        policy.export(str(where), merged)
+        assert (where / ("config.json" if merged else "adapter_config.json")).exists()
+        assert where.stat().st_mode & 0o777 == 0o777 & ~utils.UMASK  # as mkdir makes it, not mkdtemp's 0700
+
+
 def test_an_export_that_fails_after_training_keeps_the_checkpoints_and_says_how_to_redo_it(
         capsys, tmp_path, monkeypatch):
     def full_disk(self, path, merged=False):
@@ -131,3 +154,17 @@ def test_a_new_run_never_writes_into_another_runs_directory(capsys, tmp_path):
     assert sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-0000001", "ckpt-0000002", "ckpt-0000003"]
     train.validate(train.parse(["--task", "arith", "--role", "rollout", "--trainer-url", "http://127.0.0.1:9",
                                 "--out", str(out)]))
+
+
+def test_a_start_that_failed_before_logging_a_step_leaves_its_directory_to_the_fixed_command(capsys, tmp_path):
+    """A prompt over --max-len fails at the first eval, after config.yaml is written: the command that
+    the error names (--max-len raised, the same --out) must run there, not be told the run exists."""
+    out = tmp_path / "run"
+    quick = ["--task", "countdown_multiturn", "--model", "tiny", "--steps", "1", "--batch", "2", "--group-size", "2",
+             "--eval-size", "1", "--max-new-tokens", "8", "--max-turns", "1", "--no-progress", "--out", str(out)]
+    assert one_line_error(capsys, quick + ["--max-len", "20"]).endswith("raise max_len (--max-len)")
+    assert (out / "config.yaml").exists() and (out / "metrics.csv").read_text().count("\n") <= 1  # a header
+    assert train.main(quick) == 0
+    assert {line.split(",")[0] for line in (out / "metrics.csv").read_text().splitlines()[1:]} == {"0", "1"}
+    (out / "ckpt-0000001").rename(tmp_path / "moved")  # logged steps alone still make it a run
+    assert "holds a run" in one_line_error(capsys, quick)

@@ -3,6 +3,7 @@ import json
 import os
 import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,6 +93,30 @@ def test_bad_model_id_fails_at_start_up_naming_the_fix(tmp_path):
         resolve_model("smollm2:135m")  # not a hub id (fails without a hub lookup): the name it is close to
     with pytest.raises(utils.ConfigError, match="choices: fp32, bf16"):
         LLMPolicy(train.Config(model=str(tmp_path), dtype="fp16"))
+
+
+def test_a_model_directory_without_usable_weights_or_not_a_causal_lm_fails_in_one_line(tiny, tmp_path, monkeypatch):
+    from transformers import T5Config
+
+    def copy(name, damage):
+        d = tmp_path / name
+        shutil.copytree(tiny, d)
+        damage(d / "model.safetensors")
+        return d
+
+    cut = lambda f: f.write_bytes(f.read_bytes()[:100])  # a copy or a full disk cut it short
+    for d in (copy("missing", lambda f: f.unlink()), copy("cut", cut)):  # were tracebacks (OSError, SafetensorError)
+        with pytest.raises(utils.ConfigError, match=rf"^--model {d}: no causal LM loads from it \(.+\); check the"):
+            LLMPolicy(train.Config(model=str(d)))
+    t5 = copy("t5", lambda f: f.unlink())
+    T5Config().save_pretrained(t5)
+    with pytest.raises(utils.ConfigError, match=r"no causal LM loads from it \(Unrecognized configuration class"):
+        LLMPolicy(train.Config(model=str(t5)))  # it said "--attn sdpa: ... (try --attn sdpa)"
+    monkeypatch.setenv("NANORL_CACHE", str(tmp_path / "cache"))
+    cached = Path(resolve_model("tiny"))
+    cut(cached / "model.safetensors")
+    with pytest.raises(utils.ConfigError, match=rf"; delete {cached} \(the cache's copy\) and rerun$"):
+        LLMPolicy(train.Config(model="tiny"))  # the cache reuses a directory that has its config.json
 
 
 # ---------------------------------------------------------------- sampling == scoring

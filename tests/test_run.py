@@ -5,6 +5,7 @@ import json
 import multiprocessing
 import os
 import random
+import shutil
 import signal
 import struct
 import subprocess
@@ -64,6 +65,36 @@ def test_resume_skips_a_checkpoint_without_what_nanorl_writes(tmp_path, capsys):
     assert utils.resume_checkpoint(tmp_path, policy, opt)["source"] == {"position": 1}
     err = capsys.readouterr().err
     assert f"skipping {tmp_path / 'ckpt-0000002'}: KeyError: 'meta.json or state.pt lacks" in err
+
+
+def test_an_empty_or_foreign_state_file_is_skipped_and_a_stray_copy_is_no_checkpoint(tmp_path, capsys):
+    policy = MLPPolicy(4, 2)
+    opt = torch.optim.Adam(policy.parameters())
+    for step in (1, 2, 3):
+        utils.save_checkpoint(tmp_path, step, policy, opt, {"wall_s": 0.0, "source": {"position": step}}, keep=3)
+    (tmp_path / "ckpt-0000003" / "state.pt").write_bytes(b"")  # what a full disk leaves
+    (tmp_path / "ckpt-0000002" / "state.pt").write_bytes(bytes(range(256)) * 4)  # not a torch.save
+    shutil.copytree(tmp_path / "ckpt-0000001", tmp_path / "ckpt-0000001.bak")  # a user's copy: int() crashed on it
+    assert [p.name for p in utils.checkpoints(tmp_path)] == ["ckpt-0000001", "ckpt-0000002", "ckpt-0000003"]
+    assert utils.resume_checkpoint(tmp_path, policy, opt)["step"] == 1  # both escaped the skip before
+    skipped = [line for line in capsys.readouterr().err.splitlines() if line.startswith("skipping")]
+    assert [line.split(": ")[1] for line in skipped] == ["EOFError", "UnpicklingError"]
+    utils.save_checkpoint(tmp_path, 4, policy, opt, {"wall_s": 0.0, "source": {}}, keep=1)  # pruning skips it too
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000001.bak", "ckpt-0000004"]
+
+
+def test_a_named_checkpoint_or_an_eval_only_must_load_instead_of_the_untrained_model_standing_in(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train.main(cartpole(out, "--steps", "2", "--ckpt-every", "1", "--target", "0")[2:]) == 0
+    for ckpt in utils.checkpoints(out):
+        (ckpt / "meta.json").write_text("{")
+    capsys.readouterr()
+    for argv in (["--resume", str(out / "ckpt-0000002")], ["--resume", str(out), "--eval-only"]):
+        assert train.main([*argv, "--no-progress"]) == 2  # it evaluated (and exported) step 0's weights, exit 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith(f"error: --resume {argv[1]}: no checkpoint of it loads (above); resume another")
+        assert len(err) >= 2 and all(line.startswith("skipping") for line in err[:-1])
+    assert not (out / "eval-0000000").exists()
 
 
 @pytest.mark.parametrize("damage", ["weights.safetensors", "meta.json"])
