@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 from typing import NamedTuple
 
+import jinja2
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -184,13 +185,19 @@ class LLMPolicy(nn.Module):
         ends = [self.tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])]
         self.eos_ids = {int(i) for i in ends if i is not None}
         if not self.eos_ids:
-            raise utils.ConfigError("neither the tokenizer nor generation_config names an eos token, "
-                                    "so no completion could end")
+            raise utils.ConfigError(f"--model {cfg.model}: neither its tokenizer nor generation_config "
+                                    "names an eos token, so no completion could end; set eos_token in its "
+                                    "tokenizer_config.json or eos_token_id in its generation_config.json")
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids)
         self.use_template = cfg.chat_template and self.tokenizer.chat_template is not None
         # the bos the tokenizer writes before a text, which encode(add_special_tokens=False) leaves out
         self.bos = [i for i in self.tokenizer("")["input_ids"] if i == self.tokenizer.bos_token_id]
+        try:  # a broken template fails here, not at the first rollout
+            self.encode_prompt("2+2=")
+        except jinja2.TemplateError as e:
+            raise utils.ConfigError(f"--model {cfg.model}: its chat template fails ({type(e).__name__}: "
+                                    f"{e}); fix it or pass --no-chat-template") from None
         self.eval()
 
     def autocast(self):

@@ -43,6 +43,9 @@ def resolve_model(name: str) -> str:
         if not local.is_file():
             raise utils.ConfigError(f"--model {name}: no such file; pass the path of a .gguf file")
         return gguf_to_hf(local)
+    if (local / "adapter_config.json").is_file() and not (local / "config.json").is_file():
+        raise utils.ConfigError(f"--model {name}: a LoRA adapter (an --export), not a model; --export DIR "
+                                "--export-merged writes one that --model loads")
     if local.is_dir():
         name = str(local)
     elif name.startswith((".", "/", "~")):

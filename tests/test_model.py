@@ -119,6 +119,25 @@ def test_a_model_directory_without_usable_weights_or_not_a_causal_lm_fails_in_on
         LLMPolicy(train.Config(model="tiny"))  # the cache reuses a directory that has its config.json
 
 
+def test_an_adapter_a_broken_chat_template_or_no_eos_token_fails_in_one_line_naming_the_fix(tiny, tmp_path):
+    adapter = policy(tiny).save_adapter(str(tmp_path / "adapter"))  # what --export writes for a LoRA run
+    with pytest.raises(utils.ConfigError, match=r"a LoRA adapter \(an --export\), not a model; --export DIR --exp"):
+        resolve_model(adapter)  # it said "Unrecognized model" with no way forward
+    broken, silent = tmp_path / "broken", tmp_path / "silent"
+    for d in (broken, silent):
+        shutil.copytree(tiny, d)
+    config = json.loads((broken / "tokenizer_config.json").read_text())
+    (broken / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{% if %}"}))
+    with pytest.raises(utils.ConfigError, match=r"its chat template fails \(TemplateSyntaxError: .*--no-chat-tem"):
+        LLMPolicy(train.Config(model=str(broken)))  # a jinja2 traceback at the first rollout
+    assert LLMPolicy(train.Config(model=str(broken), chat_template=False)).use_template is False  # the named fix
+    (silent / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": None}))
+    for name in ("config.json", "generation_config.json"):
+        (silent / name).write_text(json.dumps({**json.loads((silent / name).read_text()), "eos_token_id": None}))
+    with pytest.raises(utils.ConfigError, match="no completion could end; set eos_token in its tokenizer_config"):
+        LLMPolicy(train.Config(model=str(silent)))
+
+
 # ---------------------------------------------------------------- sampling == scoring
 def test_sampler_logps_equal_recomputed_logps(tiny):
     pol = policy(tiny)
