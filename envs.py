@@ -104,8 +104,12 @@ def _normal(rows: list[tuple]) -> list[tuple]:  # 2.0 == 2, and float noise belo
 
 
 @functools.lru_cache(maxsize=4096)
-def _gold_rows(db: str, gold: str) -> list[tuple]:
-    return _normal(run_sql(sql_database(db), gold, max_rows=100_000)[1])
+def _gold_rows(db: str, gold: str) -> list[tuple]:  # our own query: read here, not in run_sql's child
+    con = sqlite3.connect(Path(sql_database(db)).as_uri() + "?mode=ro", uri=True)
+    try:
+        return _normal(con.execute(gold).fetchall())
+    finally:
+        con.close()
 
 
 def sql_correct(prompt: str, completion: str, answer: str) -> float:
@@ -165,14 +169,17 @@ class SQLTask(ProceduralTask):
     name, rewards = "sql", [(sql_correct, 1.0), (format_reward, 0.1)]
 
     def generate(self, rng: random.Random) -> Problem:
-        db = rng.choice(sorted(SQL))
-        question, gold = rng.choice(SQL[db]["questions"])
-        params = {k: rng.choice(v) for k, v in SQL[db]["params"].items()}
+        while True:  # redrawn while the gold result is empty: any query returning nothing would match it
+            db = rng.choice(sorted(SQL))
+            question, gold = rng.choice(SQL[db]["questions"])
+            params = {k: rng.choice(v) for k, v in SQL[db]["params"].items()}
+            if _gold_rows(db, gold := gold.format(**params)):
+                break
         question = question.format(**params)
         schema = "\n".join(f"CREATE TABLE {t} ({v['columns']});" for t, v in SQL[db]["tables"].items())
         hint = _HINT.format("read-only SQLite queries", "sql", "result", "SQL query")
         return Problem(f"SQLite database:\n{schema}\n\nQuestion: {question}\n{hint}",
-                       json.dumps({"db": db, "gold": gold.format(**params)}), key=f"{db}: {question}")
+                       json.dumps({"db": db, "gold": gold}), key=f"{db}: {question}")
 
     def solve(self, problem: Problem) -> str:
         return f"<answer>{json.loads(problem.answer)['gold']}</answer>"

@@ -11,7 +11,8 @@ import time
 import urllib.error
 import urllib.request
 
-_SCORE = re.compile(r"score[\s:=*]*(?:is[\s*]+)?(-?\d+(?:\.\d+)?)(?:\s*/\s*(\d+))?", re.IGNORECASE)
+# "Score: 7", "score = 7", "score is 7/10", "**Score:** 7"; never "could score 10" nor "underscore 9"
+_SCORE = re.compile(r"\bscore(?:\s*\**\s*[:=]|\s+is)[\s*]*(-?\d+(?:\.\d+)?)(?:\s*/\s*(\d+))?", re.IGNORECASE)
 _BARE = re.compile(r"\s*(-?\d+(?:\.\d+)?)(?:\s*/\s*(\d+))?\s*\.?\s*")
 CACHE_ROWS = 4096  # scores kept: many steps of rows (a repeat is mostly within a group), MBs not GBs
 REPLY_BYTES = 1 << 20  # a scored reply is a few KB; a server streaming more is not a judge

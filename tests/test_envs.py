@@ -16,7 +16,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from envs import (TEXT_ENVS, CountdownEnv, PythonTask, PythonToolEnv, SQLEnv, SQLTask, TextEnv, SQL,
-                  format_rows, run_sql, sql_correct, sql_database)
+                  _gold_rows, format_rows, run_sql, sql_correct, sql_database)
 import train
 from exact import assert_sampled_ids_are_trained
 from model import LLMPolicy, Sample
@@ -393,6 +393,13 @@ def test_a_query_with_a_nul_byte_or_over_the_argv_limit_is_an_error_for_the_mode
     assert (reward, done) == (0.0, False)
     assert obs[0]["content"] == ("error: the query contains a null character" if "\x00" in query else "one\n1")
     assert sql_correct("", f"<answer>{query}</answer>", gold) == float("\x00" not in query)
+
+
+def test_no_sql_problem_has_an_empty_gold_result_that_a_query_returning_nothing_would_match():
+    task = SQLTask(seed=0, eval_size=100)
+    problems = task.eval_problems() + [task.train_problem(i) for i in range(400)]
+    assert all(_gold_rows(**json.loads(p.answer)) for p in problems)
+    assert sum(sql_correct("", "<answer>SELECT 1 WHERE 0</answer>", p.answer) for p in problems) == 0  # was 18
 
 
 def test_sql_env_returns_errors_and_rows_so_the_model_can_fix_its_query():

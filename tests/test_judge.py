@@ -18,6 +18,7 @@ from judge import Judge, JudgeUnavailable, parse_score
     ("**Score:** 7", 0.7), ("Score: **7/10**", 0.7), ("7", 0.7), (" 7/10. ", 0.7), ("7.5", 0.75), ("0", 0.0),
     ("Score: 2 ... on reflection, Score: 9", 0.9),  # the last one counts: a judge may revise
     ("Step 1 scores 3 of 5. Score: 8", 0.8),  # numbers outside the "score:" pattern are ignored
+    ("Score: 3. With sources it could score 10.", 0.3),  # a hypothetical after the verdict read as 1.0
 ])
 def test_parse_score_reads_the_last_score_and_scales_it(reply, score):
     assert parse_score(reply, 10) == pytest.approx(score)
@@ -25,7 +26,7 @@ def test_parse_score_reads_the_last_score_and_scales_it(reply, score):
 
 @pytest.mark.parametrize("reply", [
     "", "I cannot grade this.", "Score: 11", "Score: -1", "12", "Score: 7/5",  # 7/5 is not on the 0-10 scale
-    "7 and 8", "The response is good", "Score: high",
+    "7 and 8", "The response is good", "Score: high", "It fails to underscore 9 points.",  # that read as 0.9
 ])
 def test_parse_score_refuses_garbage_and_out_of_range_scores(reply):
     assert parse_score(reply, 10) is None

@@ -41,6 +41,8 @@ def mixed(bad_rows="skip", **kw):
     ("\\boxed{12.5\\%}", Fraction(25, 2)), ("72.", 72), ("1{,}000", 1000),
     ("abc", None), ("3 apples", None), ("1/0", None), ("", None), ("1,2345", None),
     ("9" * 5000, None), ("\\boxed{1", None),
+    # a mixed number, an interval, a product: they read as 21/4, 100 and 23 (parentheses were dropped)
+    ("\\boxed{2\\frac{1}{4}}", None), ("-2\\tfrac{1}{4}", None), ("\\boxed{(0,100)}", None), ("2(3)", None),
 ])
 def test_parse_number_is_exact_and_accepts_only_one_number(text, value):
     assert parse_number(text) == value
