@@ -185,9 +185,8 @@ class LLMPolicy(nn.Module):
         ends = [self.tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])]
         self.eos_ids = {int(i) for i in ends if i is not None}
         if not self.eos_ids:
-            raise utils.ConfigError(f"--model {cfg.model}: neither its tokenizer nor generation_config "
-                                    "names an eos token, so no completion could end; set eos_token in its "
-                                    "tokenizer_config.json or eos_token_id in its generation_config.json")
+            raise utils.ConfigError(f"--model {cfg.model}: no eos token ends a completion; set eos_token in "
+                                    "tokenizer_config.json or eos_token_id in generation_config.json")
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids)
         self.use_template = cfg.chat_template and self.tokenizer.chat_template is not None

@@ -134,7 +134,7 @@ def test_an_adapter_a_broken_chat_template_or_no_eos_token_fails_in_one_line_nam
     (silent / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": None}))
     for name in ("config.json", "generation_config.json"):
         (silent / name).write_text(json.dumps({**json.loads((silent / name).read_text()), "eos_token_id": None}))
-    with pytest.raises(utils.ConfigError, match="no completion could end; set eos_token in its tokenizer_config"):
+    with pytest.raises(utils.ConfigError, match="no eos token ends a completion; set eos_token in tokenizer_config.json or eos_token_id in"):
         LLMPolicy(train.Config(model=str(silent)))
 
 
