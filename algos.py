@@ -28,10 +28,11 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def next_policy_step(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """x at the row's next policy step after t, past an environment's tokens between two turns;
     0 where none follows. Of the mask itself: 1 where a policy step is still to come in the row."""
-    out = torch.zeros_like(x)
-    for t in reversed(range(x.shape[1] - 1)):
-        out[:, t] = torch.where(mask[:, t + 1] > 0, x[:, t + 1], out[:, t + 1])
-    return out  # [N, T]
+    T = x.shape[1]
+    at = torch.where(mask > 0, torch.arange(T), T)  # [N, T]: a policy step's own index, else T
+    first = at.flip(1).cummin(1).values.flip(1)  # [N, T]: the row's first policy step at or after t
+    after = torch.cat([first[:, 1:], torch.full_like(first[:, :1], T)], 1)  # [N, T]: ... after t
+    return torch.cat([x, torch.zeros_like(x[:, :1])], 1).gather(1, after)  # index T: none follows, 0
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:

@@ -31,6 +31,12 @@ def test_discounted_returns_stop_at_the_end_of_each_row():
     assert torch.equal(g, t([[1.75, 1.5, 1.0, 0.0], [2.0, 0, 0, 0]]))
 
 
+def test_next_policy_step_skips_the_environments_tokens_and_is_0_after_the_last():
+    x, m = t([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]), t([[1, 0, 0, 1, 0], [1, 1, 1, 1, 1]])
+    assert torch.equal(algos.next_policy_step(x, m), t([[4, 4, 4, 0, 0], [7, 8, 9, 10, 0]]))
+    assert torch.equal(algos.next_policy_step(m, m), t([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]]))  # a step to come
+
+
 def test_an_early_turn_of_a_multi_turn_row_earns_the_return_of_the_turns_after_it():
     # turn 1 (2 tokens), the environment's reply (2 tokens, mask 0), turn 2 (2 tokens) that solves it
     r, m = t([[0, 0, 0, 0, 0, 1, 0]]), t([[1, 1, 0, 0, 1, 1, 0]])
