@@ -124,7 +124,7 @@ def load_lm(path: str, cfg, device: torch.device) -> nn.Module:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn).to(device)
     except (ValueError, ImportError, OSError, SafetensorError) as e:
         why = str(e).splitlines()[0]
-        if isinstance(e, ImportError) or "attn" in why:  # an unknown or uninstalled attention kernel
+        if isinstance(e, ImportError) or "attn_implementation" in why:  # an unknown or uninstalled kernel
             raise utils.ConfigError(f"--attn {attn}: {why} (try --attn sdpa)") from None
         # the rest: a model that is not a causal LM, or weights missing or cut short (a copy, a full disk)
         cached = cache_root() in Path(path).parents
