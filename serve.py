@@ -57,20 +57,17 @@ class Inbox:
     def __init__(self, cfg, vocab: int, pad_id: int, max_len: int):
         self.cfg, self.vocab, self.pad_id, self.groups = cfg, vocab, pad_id, cfg.batch // cfg.group_size
         self.max_len, self.keys = max_len, None  # longest row; the key set of every batch (the first's)
-        # Groups. A batch ages a step while it is generated and one per batch ahead of it here, so a queue
-        # of max_staleness - 1 batches keeps most inside the bound (bench/async.py's workload: ~10% of the
-        # groups dropped as stale, against ~25% with max_staleness batches, at the same trained sequences/s).
+        # Groups. A batch ages a step while generated and one per batch queued ahead of it: max_staleness - 1
+        # batches keep most fresh (bench/async.py: ~10% of groups dropped stale, ~25% with max_staleness).
         self.capacity = max(1, cfg.max_staleness - 1) * self.groups
         self.cond = threading.Condition()
         self.queue: list[tuple[dict, list]] = []  # (tensors of one group, its rows' texts)
         self.version, self.payload, self.finished, self.next_worker = -1, b"", False, 0
         self.seen, self.told = {}, set()  # worker -> time of its last request; workers told "finished"
         self.counts, self.apply_s, self.publish_s, self.rollout_metrics = Counter(), [], 0.0, []
-        # "" (the usual case) binds an ephemeral loopback port
-        host, port = split_url(cfg.trainer_url) if cfg.trainer_url else ("127.0.0.1", 0)
-        routes = {("POST", "/hello"): self.hello, ("GET", "/adapter"): self.adapter,
-                  ("POST", "/batch"): self.receive}
-        self.server = Server(routes, host, port or 0)
+        host, port = split_url(cfg.trainer_url or "http://127.0.0.1:0")  # "": an ephemeral loopback port
+        self.server = Server({("POST", "/hello"): self.hello, ("GET", "/adapter"): self.adapter,
+                              ("POST", "/batch"): self.receive}, host, port or 0)
         alone = "" if os.environ.get("NANORL_TOKEN") else " (none is set: only --workers started here join)"
         utils.stderr(f"trainer listening on {self.server.url}; start workers with --role rollout "
                      f"--trainer-url {self.server.url} and the same NANORL_TOKEN{alone}")
@@ -109,9 +106,8 @@ class Inbox:
             return (200, self.payload) if self.version > have else (204, None)
 
     def check(self, t: dict, meta: dict) -> str | None:
-        """Why a worker's batch must not be trained on, or None: every key, dtype, shape and value the
-        loop relies on (rollouts.WIRE, and [N] float32 stats), before the model sees it. The run's first
-        accepted batch fixes the key set every batch repeats, so that groups collate and stats stay whole."""
+        """Why the loop cannot use a worker's batch (rollouts.WIRE's keys, dtypes and shapes, [N] float32
+        stats, values), or None. The first batch fixes the run's keys: groups collate, stats stay whole."""
         k, keys = self.cfg.group_size, self.keys or []
         missing = [n for n in WIRE if n not in t]
         extra = [n for n in t if n not in WIRE and not re.fullmatch(STATS, n)]
@@ -160,8 +156,7 @@ class Inbox:
             texts = meta.get("texts") or [["", "", ""]] * len(tensors["tokens"])
             rows = [(tensors["group"] == g).nonzero()[:, 0] for g in tensors["group"].unique()]  # [k] each
             groups = [({n: x[r] for n, x in tensors.items()}, [texts[i] for i in r.tolist()]) for r in rows]
-            # A full queue holds the request until the trainer takes groups (up to LONG_POLL): a worker
-            # told to come back later would sit idle while the trainer drains the queue.
+            # waits (up to LONG_POLL) for room: a worker told to retry later idles while the queue drains
             room = lambda: self.finished or not self.queue or len(self.queue) + len(groups) <= self.capacity
             if not self.cond.wait_for(room, timeout=LONG_POLL):
                 return 429, {"error": f"queue full ({len(self.queue)} groups); retry shortly"}
@@ -191,8 +186,7 @@ class Inbox:
         with self.cond:  # wait_for releases it while the HTTP threads fill the queue
             while len(got) < self.groups:
                 if not self.cond.wait_for(lambda: self.queue, timeout=60):
-                    utils.stderr(f"step {step}: waiting for rollout batches ({len(self.live())} live "
-                                 "workers)")
+                    utils.stderr(f"step {step}: waiting for batches ({len(self.live())} live workers)")
                 taken, self.queue = self.queue[: self.groups - len(got)], self.queue[self.groups - len(got):]
                 self.cond.notify_all()  # room for a worker whose POST is waiting
                 for g in taken:
@@ -209,8 +203,7 @@ class Inbox:
             for k in {k for m in self.rollout_metrics for k in m}:  # the workers' source.metrics(), averaged
                 meta[k] = statistics.mean(m[k] for m in self.rollout_metrics if k in m)
             self.apply_s, self.rollout_metrics = [], []
-        # rows of one version share micro-batches: fewer swaps
-        got.sort(key=lambda g: int(g[0]["version"].min()))
+        got.sort(key=lambda g: int(g[0]["version"].min()))  # by version: its rows share micro-batches
         return collate([g for g, _ in got], self.pad_id), {**meta, "texts": [t for _, ts in got for t in ts]}
 
     def fresh(self, group: dict, step: int) -> bool:
@@ -246,9 +239,8 @@ def spawn_workers(cfg, url: str, token: str) -> list[subprocess.Popen]:
 
 
 class AsyncRollouts(BatchSource):
-    """The trainer's batch source: groups from the workers (Inbox), a snapshot of every version
-    still inside max_staleness (prepare scores each row under its own version: `weights`), and a
-    local source for evaluation and the warm-start, with the trainer's live weights."""
+    """The trainer's batch source: the workers' groups (Inbox), a snapshot of each version within
+    max_staleness (`weights`: stage 2 scores a row under its own), a local source for eval and warm-start."""
 
     def __init__(self, cfg, policy, local: BatchSource):
         self.cfg, self.policy, self.local = cfg, policy, local
@@ -263,14 +255,12 @@ class AsyncRollouts(BatchSource):
     def next(self, step: int) -> Batch:
         if self.version < step:
             self.publish(step)  # the first call: after any resume or SFT warm-start, so v0 is what trains
-        k = self.cfg.group_size
-        share = self.cfg.batch // k // utils.world()  # this rank's groups
         rows, meta = self.inbox.take(step, set(self.snapshots)) if self.inbox else ({}, {})
         if utils.world() > 1:  # torchrun: rank 0's rows and meta on every rank, as a payload (never pickled)
             rows, meta = decode(utils.broadcast_bytes(encode(rows, meta) if self.inbox else None))
-        a = utils.rank() * share * k  # this rank's first row: each keeps its share of whole groups
-        batch = from_wire(rows, [tuple(t) for t in meta.pop("texts")]).select(slice(a, a + share * k))
-        batch.group = torch.arange(share).repeat_interleave(k)  # [N]
+        n, r = self.cfg.batch // utils.world(), utils.rank()  # this rank's rows: whole groups (see validate)
+        batch = from_wire(rows, [tuple(t) for t in meta.pop("texts")]).select(slice(r * n, r * n + n))
+        batch.group = torch.arange(n) // self.cfg.group_size  # [N]
         lag = step - batch.version.float()  # [N]
         self.last = {**meta, "staleness_mean": lag.mean().item(), "staleness_max": lag.max().item()}
         return batch
@@ -297,9 +287,9 @@ class AsyncRollouts(BatchSource):
             self.inbox.serve(step, payload, time.perf_counter() - t)
 
     def evaluate(self) -> dict:
-        metrics = self.local.evaluate()  # with the trainer's live weights, never a worker's
-        self.eval_batch = self.local.eval_batch
-        return metrics
+        return self.local.evaluate()  # with the trainer's live weights, never a worker's
+
+    eval_batch = property(lambda self: self.local.eval_batch)  # the rows of that evaluation
 
     def demonstrations(self, n: int) -> Batch:
         return self.local.demonstrations(n)  # the warm-start runs on the trainer
@@ -373,14 +363,13 @@ def hello(client: Client, cfg) -> int | None:
     """Registers with the trainer: this worker's id, or None when the run is already over."""
     body, since = json.dumps({"fingerprint": fingerprint(cfg)}).encode(), time.time()
     while True:
-        try:
+        with contextlib.suppress(ServeError):
             status, reply = client.post("/hello", body)
             break
-        except ServeError:
-            if time.time() - since > cfg.worker_patience:
-                raise utils.ConfigError(f"no trainer answered at {cfg.trainer_url} for "
-                                        f"{cfg.worker_patience:.0f} s") from None
-            time.sleep(1.0)
+        if time.time() - since > cfg.worker_patience:
+            raise utils.ConfigError(f"no trainer answered at {cfg.trainer_url} for "
+                                    f"{cfg.worker_patience:.0f} s")
+        time.sleep(1.0)
     if status not in (200, 410):
         why = json.loads(reply).get("error", reply[:200])
         raise utils.ConfigError(f"the trainer refused this worker ({status}): {why}")
@@ -388,8 +377,7 @@ def hello(client: Client, cfg) -> int | None:
 
 
 class _Sampler:
-    """The worker's policy as the rollouts see it: the tokenizer side is the policy's, and every
-    request samples through the worker's generator (vLLM or HF) with the newest adapter."""
+    """The policy the rollouts see: its tokenizer side, and the worker's generator (vLLM or HF) to sample."""
 
     def __init__(self, policy, gen, fetcher: AdapterFetcher):
         self.policy, self.gen, self.fetcher = policy, gen, fetcher
