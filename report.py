@@ -4,8 +4,6 @@ at each eval and at the end; to rebuild it from a run directory:
 
     python report.py runs/NAME
 """
-from __future__ import annotations
-
 import json
 import sys
 from pathlib import Path

@@ -3,9 +3,8 @@
     NANORL_TOKEN=... python train.py --config C --role trainer [--workers 2]   # prints its url
     NANORL_TOKEN=... python train.py --config C --role rollout --trainer-url http://HOST:PORT [--vllm]
 
-Routes: POST /hello (fingerprint check, worker id), GET /adapter?have=V (long-polls for a newer
-adapter), POST /batch (scored groups). HTTP, the token and the payload codec (never pickled) are
-transport.py's. A worker runs the trainer's own batch source (rollouts.py) over its sampler.
+Routes: POST /hello (fingerprint check, worker id), GET /adapter?have=V (long-polls a newer adapter),
+POST /batch (scored groups). HTTP, token and codec are transport.py's; workers run rollouts.py's sources.
 """
 import contextlib
 import json
@@ -21,7 +20,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import utils
 from model import LLMPolicy, VLLMGenerator
@@ -46,7 +44,7 @@ def fingerprint(cfg) -> dict:
 def collate(groups: list[dict], pad_id: int) -> dict:
     """Concatenates groups of rows, right-padding [n, L] tensors to the longest L."""
     L = max(g["tokens"].shape[1] for g in groups)
-    pad = lambda n, x: F.pad(x, (0, L - x.shape[1]), value=pad_id if n == "tokens" else 0)
+    pad = lambda n, x: torch.nn.functional.pad(x, (0, L - x.shape[1]), value=pad_id if n == "tokens" else 0)
     return {n: torch.cat([pad(n, g[n]) if g[n].ndim > 1 else g[n] for g in groups]) for n in groups[0]}
 
 
@@ -127,8 +125,7 @@ class Inbox:
         # --judge-down drop: a row no judge scored has NaN reward parts (logged by nanmean, never trained)
         unscored = t.get("judge_dropped_frac", torch.zeros(N)) == 1  # [N]
         for n, x in t.items():
-            ok = x.isfinite() | unscored & x.isnan() if n.startswith("reward_") else x.isfinite()
-            if not ok.all():
+            if not (x.isfinite() | unscored & x.isnan() if n.startswith("reward_") else x.isfinite()).all():
                 return f"{n} holds NaN or inf; expected finite values"
         if N == 0 or (t["group"].unique(return_counts=True)[1] != k).any():  # so N is a multiple of k
             return f"every group needs exactly group_size={k} rows"
