@@ -29,8 +29,7 @@ def read_samples(run: Path) -> list[dict]:
     return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]
 
 
-def write_report(run: str | Path) -> Path:
-    run = Path(run)
+def write_report(run: Path) -> Path:
     series = utils.read_metrics(run / "metrics.csv") if (run / "metrics.csv").exists() else {}
     data = {"run": run.name, "config": yaml.safe_load((run / "config.yaml").read_text()),
             "curves": {key: [[s, v] for s, _, v in thin(points)] for key, points in series.items()},
@@ -58,7 +57,7 @@ def main(argv: list[str]) -> int:
         utils.stderr("usage: python report.py RUN_DIR (a run directory of train.py, with its config.yaml)")
         return 2
     try:
-        print(write_report(argv[0]))
+        print(write_report(Path(argv[0])))
     except (ValueError, KeyError, TypeError, yaml.YAMLError) as e:  # a hand-edited file of the run
         utils.stderr(f"{argv[0]}: cannot read its config.yaml, metrics.csv or samples.jsonl ("
                      f"{type(e).__name__}: {' '.join(str(e).split())}); fix or delete the damaged line")

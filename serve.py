@@ -406,9 +406,8 @@ def run_worker(cfg) -> int:
     client = Client(cfg.trainer_url, timeout=30 + LONG_POLL, retries=1)
     if (me := hello(client, cfg)) is None:  # before loading a model: a mismatched worker fails in seconds
         return 0
-    policy = LLMPolicy(cfg)  # --vllm: the tokenizer side only, vLLM holds the weights
+    policy = LLMPolicy(cfg)  # --vllm: its tokenizer side only; HF: it samples too, each version loaded in
     torch.manual_seed(seed := cfg.seed * STRIDE + me)  # workers share cfg.seed, not their sampling noise
-    # HF samples with the policy's own weights, each adapter version loaded into it (LLMPolicy.load)
     gen = VLLMGenerator(policy.path, cfg, policy.eos_ids, seed) if cfg.vllm else policy
     fetcher = AdapterFetcher(client, me, cfg.worker_patience)
     fetcher.start()
