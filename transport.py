@@ -6,6 +6,7 @@ constant time. A loopback bind without one generates it (`Server.token`) for the
 spawns (a token-less server would let any local user push batches); any other bind refuses to start.
 """
 import contextlib
+import functools
 import hashlib
 import hmac
 import http.client
@@ -126,8 +127,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class Server(socketserver.ThreadingTCPServer):
-    """Authenticated HTTP server in a background thread; a context manager. routes: {(method, path): fn};
-    fn(Request) returns (status, body): bytes, JSON (dict or list) or None. token: None reads NANORL_TOKEN.
+    """Authenticated HTTP server in a background thread; a context manager. routes: {("GET" or "POST",
+    path): fn}, fn(Request) -> (status, body: bytes, JSON dict/list or None). token: None reads NANORL_TOKEN.
     Not http.server's HTTPServer: its server_bind calls socket.getfqdn(), which can stall on bad DNS."""
     daemon_threads = True  # a stuck worker connection must not keep the trainer process alive
     allow_reuse_address = True  # as HTTPServer: a restarted trainer binds its port again at once
@@ -135,8 +136,6 @@ class Server(socketserver.ThreadingTCPServer):
 
     def __init__(self, routes: dict, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                  max_body: int = DEFAULT_MAX_BODY):
-        if bad := [m for m, _ in routes if m not in ("GET", "POST")]:
-            raise ValueError(f"routes support GET and POST only; got {bad}")
         token = token or os.environ.get("NANORL_TOKEN")
         loopback = host == "localhost"
         with contextlib.suppress(ValueError):  # a host name other than localhost: treat as exposed
@@ -237,13 +236,7 @@ class Client:
         self.url, self.host, self.port = url.rstrip("/"), host, port or 80
         self.token, self.timeout, self.retries, self.backoff = _check_token(token), timeout, retries, backoff
 
-    def get(self, path: str) -> tuple[int, bytearray]:
-        return self._request("GET", path, None)
-
-    def post(self, path: str, body: bytes) -> tuple[int, bytearray]:
-        return self._request("POST", path, body)
-
-    def _request(self, method: str, path: str, body: bytes | None) -> tuple[int, bytearray]:
+    def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytearray]:
         for attempt in range(1, self.retries + 1):
             conn, sent = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout), False
             try:
@@ -269,6 +262,9 @@ class Client:
                 time.sleep(self.backoff * attempt)
             finally:
                 conn.close()
+
+    get = functools.partialmethod(request, "GET")  # get(path)
+    post = functools.partialmethod(request, "POST")  # post(path, body)
 
 
 # ---------------------------------------------------------------- payloads: tensors <-> bytes, never pickled
@@ -319,19 +315,23 @@ def encode(tensors: dict[str, torch.Tensor], meta: dict) -> bytearray:
     return out
 
 
-def _check_header(data: bytearray) -> tuple[object, dict, int]:
+def _check_header(data: bytearray) -> tuple[dict, dict, int]:
     """Checks the safetensors header ourselves: the tensors' bytes lie back to back, in order, and cover
-    the body exactly (as safetensors writes them). Returns (__metadata__, {name: entry}, data start)."""
+    the body exactly (as safetensors writes them). Returns (nanorl header, {name: entry}, data start)."""
     if len(data) < 8:
         raise PayloadError(f"payload is {len(data)} bytes; a safetensors blob has at least 8")
     if (n := struct.unpack("<Q", data[:8])[0]) > min(MAX_HEADER, len(data) - 8):
         raise PayloadError(f"header length {n} exceeds the payload ({len(data) - 8} bytes) or {MAX_HEADER}")
-    try:
+    try:  # ours is a JSON string in the safetensors header's __metadata__
         header = json.loads(data[8:8 + n].decode("utf-8"))
+        head = json.loads(header["__metadata__"]["nanorl"])
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise PayloadError(f"safetensors header is not valid JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise PayloadError("safetensors header is not a JSON object")
+        raise PayloadError(f"safetensors or nanorl header is not valid JSON: {e}") from None
+    except (KeyError, TypeError):  # not a dict, or no str at that place
+        raise PayloadError("not a nanorl payload: safetensors metadata has no 'nanorl' header") from None
+    if not (isinstance(head, dict) and head.get("format") == FORMAT and isinstance(head.get("sha256"), str)
+            and isinstance(head.get("meta"), dict)):
+        raise PayloadError(f"nanorl header must be an object with format={FORMAT!r}, sha256 and meta")
     entries = {name: info for name, info in header.items() if name != "__metadata__"}
     for name, info in entries.items():
         dtype = info.get("dtype") if isinstance(info, dict) else None
@@ -351,7 +351,7 @@ def _check_header(data: bytearray) -> tuple[object, dict, int]:
         end = e["data_offsets"][1]
     if end != len(data) - 8 - n:
         raise PayloadError(f"the tensors cover {end} bytes but the body holds {len(data) - 8 - n}")
-    return header.get("__metadata__", {}), entries, 8 + n
+    return head, entries, 8 + n
 
 
 def decode(data: bytes | bytearray, own: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
@@ -360,18 +360,8 @@ def decode(data: bytes | bytearray, own: bool = False) -> tuple[dict[str, torch.
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise PayloadError(f"decode needs bytes, got {type(data).__name__}")
     data = data if isinstance(data, bytearray) else bytearray(data)  # writable: tensors view it in place
-    meta_s, entries, start = _check_header(data)
-    if not isinstance(meta_s, dict) or not isinstance(meta_s.get("nanorl"), str):
-        raise PayloadError("not a nanorl payload: safetensors metadata has no 'nanorl' header")
-    try:
-        head = json.loads(meta_s["nanorl"])
-    except (ValueError, RecursionError) as e:
-        raise PayloadError(f"nanorl header is not valid JSON: {e}") from None
-    if not (isinstance(head, dict) and head.get("format") == FORMAT and isinstance(head.get("sha256"), str)
-            and isinstance(head.get("meta"), dict)):
-        raise PayloadError(f"nanorl header must be an object with format={FORMAT!r}, sha256 and meta")
-    # integrity, not a secret: == is fine
-    if not own and _digest(entries, memoryview(data)[start:]) != head["sha256"]:
+    head, entries, start = _check_header(data)
+    if not own and _digest(entries, memoryview(data)[start:]) != head["sha256"]:  # integrity: == is fine
         raise PayloadError("sha256 mismatch: tensor bytes were corrupted or tampered with in transit")
     flat, tensors = torch.frombuffer(data, dtype=torch.uint8), {}
     for name, e in entries.items():  # _check_header vouched for every offset
