@@ -316,8 +316,8 @@ def encode(tensors: dict[str, torch.Tensor], meta: dict) -> bytearray:
 
 
 def _check_header(data: bytearray) -> tuple[dict, dict, int]:
-    """Checks the safetensors header ourselves: the tensors' bytes lie back to back, in order, and cover
-    the body exactly (as safetensors writes them). Returns (nanorl header, {name: entry}, data start)."""
+    """Checks the safetensors header ourselves: the tensors' bytes lie back to back in header order (as encode
+    writes them) and cover the body exactly. Returns (nanorl header, {name: entry}, data start)."""
     if len(data) < 8:
         raise PayloadError(f"payload is {len(data)} bytes; a safetensors blob has at least 8")
     if (n := struct.unpack("<Q", data[:8])[0]) > min(MAX_HEADER, len(data) - 8):
@@ -332,7 +332,7 @@ def _check_header(data: bytearray) -> tuple[dict, dict, int]:
     if not (isinstance(head, dict) and head.get("format") == FORMAT and isinstance(head.get("sha256"), str)
             and isinstance(head.get("meta"), dict)):
         raise PayloadError(f"nanorl header must be an object with format={FORMAT!r}, sha256 and meta")
-    entries = {name: info for name, info in header.items() if name != "__metadata__"}
+    entries, end = {name: info for name, info in header.items() if name != "__metadata__"}, 0
     for name, info in entries.items():
         dtype = info.get("dtype") if isinstance(info, dict) else None
         if not isinstance(dtype, str) or dtype not in DTYPES:
@@ -341,14 +341,11 @@ def _check_header(data: bytearray) -> tuple[dict, dict, int]:
         if not (isinstance(shape, list) and len(shape) <= MAX_NDIM
                 and all(type(d) is int and d >= 0 for d in shape)):
             raise PayloadError(f"tensor {name!r}: shape {shape!r} is not a list of <= {MAX_NDIM} sizes")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
-                and offs[1] - offs[0] == math.prod(shape) * DTYPES[dtype].itemsize):
-            raise PayloadError(f"tensor {name!r}: shape {shape} {dtype} does not match data_offsets {offs!r}")
-    end = 0
-    for name, e in sorted(entries.items(), key=lambda item: item[1]["data_offsets"]):
-        if (a := e["data_offsets"][0]) != end:
-            raise PayloadError(f"tensor {name!r} starts at byte {a}, not {end}: tensors must be back to back")
-        end = e["data_offsets"][1]
+        if not (isinstance(offs, list) and all(type(o) is int for o in offs)
+                and offs == [end, end + math.prod(shape) * DTYPES[dtype].itemsize]):
+            raise PayloadError(f"tensor {name!r}: shape {shape} {dtype} does not match data_offsets "
+                               f"{offs!r}; tensors must be back to back, this one from byte {end}")
+        end = offs[1]
     if end != len(data) - 8 - n:
         raise PayloadError(f"the tensors cover {end} bytes but the body holds {len(data) - 8 - n}")
     return head, entries, 8 + n
