@@ -1,7 +1,5 @@
 """Running model-written code: Python in a throw-away sandboxed process tree, and SQL on a
 read-only SQLite connection. Nothing here runs model code inside the trainer's own process."""
-from __future__ import annotations
-
 import contextlib
 import functools
 import json

@@ -8,7 +8,6 @@ spawns (a token-less server would let any local user push batches); any other bi
 import contextlib
 import functools
 import hashlib
-import hmac
 import http.client
 import ipaddress
 import json
@@ -19,7 +18,6 @@ import re
 import secrets
 import socket
 import socketserver
-import struct
 import sys
 import time
 import threading
@@ -85,7 +83,7 @@ class _Handler(BaseHTTPRequestHandler):
         # Hashing both sides gives equal-length inputs (no length leak) and turns any header
         # text, non-ASCII included, into bytes that compare_digest accepts.
         sha = lambda text: hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
-        if not hmac.compare_digest(sha(self.headers.get("Authorization", "")), sha(f"Bearer {srv.token}")):
+        if not secrets.compare_digest(sha(self.headers.get("Authorization", "")), sha(f"Bearer {srv.token}")):
             return self.send_error(401, "missing or wrong token: send 'Authorization: Bearer $NANORL_TOKEN'")
         if all(path != url.path for _, path in srv.routes):
             return self.send_error(404, f"no route {url.path!r}")
@@ -306,7 +304,7 @@ def encode(tensors: dict[str, torch.Tensor], meta: dict) -> bytearray:
     header = json.dumps({"__metadata__": {"nanorl": head}, **entries}).encode()
     header += b" " * (-len(header) % 8)  # safetensors pads the header so the data starts 8-byte aligned
     out, start = bytearray(8 + len(header) + offset), 8 + len(header)
-    out[:start] = struct.pack("<Q", len(header)) + header
+    out[:start] = len(header).to_bytes(8, "little") + header
     body = torch.frombuffer(out, dtype=torch.uint8)[start:]
     for k, b in flat.items():
         body[slice(*entries[k]["data_offsets"])] = b
@@ -320,7 +318,7 @@ def _check_header(data: bytearray) -> tuple[dict, dict, int]:
     writes them) and cover the body exactly. Returns (nanorl header, {name: entry}, data start)."""
     if len(data) < 8:
         raise PayloadError(f"payload is {len(data)} bytes; a safetensors blob has at least 8")
-    if (n := struct.unpack("<Q", data[:8])[0]) > min(MAX_HEADER, len(data) - 8):
+    if (n := int.from_bytes(data[:8], "little")) > min(MAX_HEADER, len(data) - 8):
         raise PayloadError(f"header length {n} exceeds the payload ({len(data) - 8} bytes) or {MAX_HEADER}")
     try:  # ours is a JSON string in the safetensors header's __metadata__
         header = json.loads(data[8:8 + n].decode("utf-8"))
