@@ -1,10 +1,8 @@
 """Transport between a trainer and its rollout workers: an authenticated stdlib HTTP server, a
 retrying client, and the payload codec (tensors <-> safetensors bytes with a SHA-256, never pickled).
-
 Every request carries the shared secret NANORL_TOKEN as `Authorization: Bearer <token>`, checked in
 constant time. A loopback bind without one generates it (`Server.token`) for the workers the trainer
-spawns (a token-less server would let any local user push batches); any other bind refuses to start.
-"""
+spawns (a token-less server would let any local user push batches); any other bind refuses to start."""
 import contextlib
 import functools
 import hashlib
