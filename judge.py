@@ -23,9 +23,8 @@ class JudgeUnavailable(RuntimeError):
 
 
 def parse_score(text: str, high: int) -> float | None:
-    """The score scaled to [0, 1] (score / high), None for garbage. Read from the LAST "score: N"
-    ("Score = 7", "score is 7/10", "**Score:** 7"), else from a reply that is one number ("7", "7/10",
-    "7.5."). In "N/D", D must equal high; a score outside [0, high] is garbage, never clipped."""
+    """The score scaled to [0, 1] (score / high), None for garbage: the LAST _SCORE, else a reply that is one
+    number ("7", "7/10", "7.5."). In "N/D", D must equal high; outside [0, high] is garbage, never clipped."""
     found, bare = _SCORE.findall(text), _BARE.fullmatch(text)
     value, den = found[-1] if found else bare.groups() if bare else (None, None)
     if value is None or (den and int(den) != high) or not 0 <= float(value) <= high:
@@ -33,12 +32,9 @@ def parse_score(text: str, high: int) -> float | None:
     return float(value) / high
 
 
-class _Unfollowed(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, *args):  # the 3xx reaches ask(): following it would carry the key elsewhere
-        return None
-
-
-_OPENER = urllib.request.build_opener(_Unfollowed)
+_UNFOLLOWED = urllib.request.HTTPRedirectHandler()
+_UNFOLLOWED.redirect_request = lambda *args: None  # a 3xx reaches ask(): following it would send the key on
+_OPENER = urllib.request.build_opener(_UNFOLLOWED)
 
 
 class Judge:

@@ -1,7 +1,5 @@
 """Running model-written code: Python in a throw-away sandboxed process tree, and SQL on a
 read-only SQLite connection. Nothing here runs model code inside the trainer's own process."""
-from __future__ import annotations
-
 import contextlib
 import functools
 import json
@@ -112,14 +110,9 @@ if pid == 0:
     check(libc.prctl(38, 1, 0, 0, 0) == 0, "no_new_privs")
     sys.argv = ["main.py"]
     os.environ.clear()
-    try:
-        exec(compile(src, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-    except SystemExit:
-        raise
-    except BaseException as e:  # the usual traceback, minus this launcher's frame
-        import traceback
-        traceback.print_exception(e.with_traceback(e.__traceback__.tb_next))
-        sys.exit(1)
+    # an uncaught error prints the usual traceback, minus this launcher's frame
+    sys.excepthook = lambda kind, e, tb: sys.__excepthook__(kind, e.with_traceback(tb.tb_next), tb.tb_next)
+    exec(compile(src, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
     sys.exit(0)
 timed_out = not select.select([os.pidfd_open(pid)], [], [], float(sys.argv[10]))[0]
 os.kill(pid, signal.SIGKILL)  # as pid 1 of its namespace, its death kills every process in it

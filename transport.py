@@ -1,13 +1,11 @@
 """Transport between a trainer and its rollout workers: an authenticated stdlib HTTP server, a
 retrying client, and the payload codec (tensors <-> safetensors bytes with a SHA-256, never pickled).
-
 Every request carries the shared secret NANORL_TOKEN as `Authorization: Bearer <token>`, checked in
 constant time. A loopback bind without one generates it (`Server.token`) for the workers the trainer
-spawns (a token-less server would let any local user push batches); any other bind refuses to start.
-"""
+spawns (a token-less server would let any local user push batches); any other bind refuses to start."""
 import contextlib
+import functools
 import hashlib
-import hmac
 import http.client
 import ipaddress
 import json
@@ -18,7 +16,6 @@ import re
 import secrets
 import socket
 import socketserver
-import struct
 import sys
 import time
 import threading
@@ -84,7 +81,7 @@ class _Handler(BaseHTTPRequestHandler):
         # Hashing both sides gives equal-length inputs (no length leak) and turns any header
         # text, non-ASCII included, into bytes that compare_digest accepts.
         sha = lambda text: hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
-        if not hmac.compare_digest(sha(self.headers.get("Authorization", "")), sha(f"Bearer {srv.token}")):
+        if not secrets.compare_digest(sha(self.headers.get("Authorization", "")), sha(f"Bearer {srv.token}")):
             return self.send_error(401, "missing or wrong token: send 'Authorization: Bearer $NANORL_TOKEN'")
         if all(path != url.path for _, path in srv.routes):
             return self.send_error(404, f"no route {url.path!r}")
@@ -126,8 +123,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class Server(socketserver.ThreadingTCPServer):
-    """Authenticated HTTP server in a background thread; a context manager. routes: {(method, path): fn};
-    fn(Request) returns (status, body): bytes, JSON (dict or list) or None. token: None reads NANORL_TOKEN.
+    """Authenticated HTTP server in a background thread; a context manager. routes: {("GET" or "POST",
+    path): fn}, fn(Request) -> (status, body: bytes, JSON dict/list or None). token: None reads NANORL_TOKEN.
     Not http.server's HTTPServer: its server_bind calls socket.getfqdn(), which can stall on bad DNS."""
     daemon_threads = True  # a stuck worker connection must not keep the trainer process alive
     allow_reuse_address = True  # as HTTPServer: a restarted trainer binds its port again at once
@@ -135,8 +132,6 @@ class Server(socketserver.ThreadingTCPServer):
 
     def __init__(self, routes: dict, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                  max_body: int = DEFAULT_MAX_BODY):
-        if bad := [m for m, _ in routes if m not in ("GET", "POST")]:
-            raise ValueError(f"routes support GET and POST only; got {bad}")
         token = token or os.environ.get("NANORL_TOKEN")
         loopback = host == "localhost"
         with contextlib.suppress(ValueError):  # a host name other than localhost: treat as exposed
@@ -237,13 +232,7 @@ class Client:
         self.url, self.host, self.port = url.rstrip("/"), host, port or 80
         self.token, self.timeout, self.retries, self.backoff = _check_token(token), timeout, retries, backoff
 
-    def get(self, path: str) -> tuple[int, bytearray]:
-        return self._request("GET", path, None)
-
-    def post(self, path: str, body: bytes) -> tuple[int, bytearray]:
-        return self._request("POST", path, body)
-
-    def _request(self, method: str, path: str, body: bytes | None) -> tuple[int, bytearray]:
+    def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytearray]:
         for attempt in range(1, self.retries + 1):
             conn, sent = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout), False
             try:
@@ -269,6 +258,9 @@ class Client:
                 time.sleep(self.backoff * attempt)
             finally:
                 conn.close()
+
+    get = functools.partialmethod(request, "GET")  # get(path)
+    post = functools.partialmethod(request, "POST")  # post(path, body)
 
 
 # ---------------------------------------------------------------- payloads: tensors <-> bytes, never pickled
@@ -310,7 +302,7 @@ def encode(tensors: dict[str, torch.Tensor], meta: dict) -> bytearray:
     header = json.dumps({"__metadata__": {"nanorl": head}, **entries}).encode()
     header += b" " * (-len(header) % 8)  # safetensors pads the header so the data starts 8-byte aligned
     out, start = bytearray(8 + len(header) + offset), 8 + len(header)
-    out[:start] = struct.pack("<Q", len(header)) + header
+    out[:start] = len(header).to_bytes(8, "little") + header
     body = torch.frombuffer(out, dtype=torch.uint8)[start:]
     for k, b in flat.items():
         body[slice(*entries[k]["data_offsets"])] = b
@@ -319,20 +311,24 @@ def encode(tensors: dict[str, torch.Tensor], meta: dict) -> bytearray:
     return out
 
 
-def _check_header(data: bytearray) -> tuple[object, dict, int]:
-    """Checks the safetensors header ourselves: the tensors' bytes lie back to back, in order, and cover
-    the body exactly (as safetensors writes them). Returns (__metadata__, {name: entry}, data start)."""
+def _check_header(data: bytearray) -> tuple[dict, dict, int]:
+    """Checks the safetensors header ourselves: the tensors' bytes lie back to back in header order (as encode
+    writes them) and cover the body exactly. Returns (nanorl header, {name: entry}, data start)."""
     if len(data) < 8:
         raise PayloadError(f"payload is {len(data)} bytes; a safetensors blob has at least 8")
-    if (n := struct.unpack("<Q", data[:8])[0]) > min(MAX_HEADER, len(data) - 8):
+    if (n := int.from_bytes(data[:8], "little")) > min(MAX_HEADER, len(data) - 8):
         raise PayloadError(f"header length {n} exceeds the payload ({len(data) - 8} bytes) or {MAX_HEADER}")
-    try:
+    try:  # ours is a JSON string in the safetensors header's __metadata__
         header = json.loads(data[8:8 + n].decode("utf-8"))
+        head = json.loads(header["__metadata__"]["nanorl"])
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise PayloadError(f"safetensors header is not valid JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise PayloadError("safetensors header is not a JSON object")
-    entries = {name: info for name, info in header.items() if name != "__metadata__"}
+        raise PayloadError(f"safetensors or nanorl header is not valid JSON: {e}") from None
+    except (KeyError, TypeError):  # not a dict, or no str at that place
+        raise PayloadError("not a nanorl payload: safetensors metadata has no 'nanorl' header") from None
+    if not (isinstance(head, dict) and head.get("format") == FORMAT and isinstance(head.get("sha256"), str)
+            and isinstance(head.get("meta"), dict)):
+        raise PayloadError(f"nanorl header must be an object with format={FORMAT!r}, sha256 and meta")
+    entries, end = {name: info for name, info in header.items() if name != "__metadata__"}, 0
     for name, info in entries.items():
         dtype = info.get("dtype") if isinstance(info, dict) else None
         if not isinstance(dtype, str) or dtype not in DTYPES:
@@ -341,17 +337,14 @@ def _check_header(data: bytearray) -> tuple[object, dict, int]:
         if not (isinstance(shape, list) and len(shape) <= MAX_NDIM
                 and all(type(d) is int and d >= 0 for d in shape)):
             raise PayloadError(f"tensor {name!r}: shape {shape!r} is not a list of <= {MAX_NDIM} sizes")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
-                and offs[1] - offs[0] == math.prod(shape) * DTYPES[dtype].itemsize):
-            raise PayloadError(f"tensor {name!r}: shape {shape} {dtype} does not match data_offsets {offs!r}")
-    end = 0
-    for name, e in sorted(entries.items(), key=lambda item: item[1]["data_offsets"]):
-        if (a := e["data_offsets"][0]) != end:
-            raise PayloadError(f"tensor {name!r} starts at byte {a}, not {end}: tensors must be back to back")
-        end = e["data_offsets"][1]
+        if not (isinstance(offs, list) and all(type(o) is int for o in offs)
+                and offs == [end, end + math.prod(shape) * DTYPES[dtype].itemsize]):
+            raise PayloadError(f"tensor {name!r}: shape {shape} {dtype} does not match data_offsets "
+                               f"{offs!r}; tensors must be back to back, this one from byte {end}")
+        end = offs[1]
     if end != len(data) - 8 - n:
         raise PayloadError(f"the tensors cover {end} bytes but the body holds {len(data) - 8 - n}")
-    return header.get("__metadata__", {}), entries, 8 + n
+    return head, entries, 8 + n
 
 
 def decode(data: bytes | bytearray, own: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
@@ -360,18 +353,8 @@ def decode(data: bytes | bytearray, own: bool = False) -> tuple[dict[str, torch.
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise PayloadError(f"decode needs bytes, got {type(data).__name__}")
     data = data if isinstance(data, bytearray) else bytearray(data)  # writable: tensors view it in place
-    meta_s, entries, start = _check_header(data)
-    if not isinstance(meta_s, dict) or not isinstance(meta_s.get("nanorl"), str):
-        raise PayloadError("not a nanorl payload: safetensors metadata has no 'nanorl' header")
-    try:
-        head = json.loads(meta_s["nanorl"])
-    except (ValueError, RecursionError) as e:
-        raise PayloadError(f"nanorl header is not valid JSON: {e}") from None
-    if not (isinstance(head, dict) and head.get("format") == FORMAT and isinstance(head.get("sha256"), str)
-            and isinstance(head.get("meta"), dict)):
-        raise PayloadError(f"nanorl header must be an object with format={FORMAT!r}, sha256 and meta")
-    # integrity, not a secret: == is fine
-    if not own and _digest(entries, memoryview(data)[start:]) != head["sha256"]:
+    head, entries, start = _check_header(data)
+    if not own and _digest(entries, memoryview(data)[start:]) != head["sha256"]:  # integrity: == is fine
         raise PayloadError("sha256 mismatch: tensor bytes were corrupted or tampered with in transit")
     flat, tensors = torch.frombuffer(data, dtype=torch.uint8), {}
     for name, e in entries.items():  # _check_header vouched for every offset
