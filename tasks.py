@@ -451,7 +451,7 @@ class GSM8K(DatasetTask):
 
 
 class MATH(DatasetTask):
-    r"""Problems whose final \boxed{} answer is a number; others ("\sqrt{2}") are skipped as malformed."""
+    r"""Only numeric final \boxed{} answers; others ("\sqrt{2}") are malformed rows: keep --bad-rows skip."""
 
     name, hub = "math", ("DigitalLearningGmbH/MATH-lighteval", "default", "train")
 
