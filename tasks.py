@@ -1,10 +1,9 @@
 """Tasks: problems, prompts and reward functions `fn(prompt, completion, answer) -> float`.
 
-`Task.rewards` lists (fn, weight); `rewards[0]` is the correctness reward (1.0 = right). `eval_problems()`
-is fixed by (seed, eval_size); `train_problem(index)` depends only on (seed, index) and never returns a
-problem whose `key` is in the eval split, so rank r of W shards by asking for indices r, r+W, r+2W, ...
-Answers go in one `<answer>...</answer>` pair, except in `arith` and `add`, whose completion is exactly
-the number. Adding a task is one class and one registry entry:
+`Task.rewards` lists (fn, weight), the correctness reward (1.0 = right) first. `eval_problems()` is fixed
+by (seed, eval_size); `train_problem(index)` depends only on (seed, index) and never returns an eval `key`,
+so rank r of W shards by asking for indices r, r+W, ... Answers go in one `<answer>...</answer>` pair,
+except in `arith` and `add` (the bare number). Adding a task is one class and one registry entry:
 
     class Parity(ProceduralTask):
         name, rewards = "parity", [(int_correct, 1.0)]
@@ -110,9 +109,8 @@ _EXPR_CHARS = frozenset("0123456789+-*/() \t")
 
 def safe_eval(src: str, *, max_chars: int = 200, max_nodes: int = 100, max_depth: int = 32,
               max_bits: int = 64) -> tuple[Fraction, list[int]]:
-    """Exact value of an integer expression over + - * / ( ) and unary minus, and the literals it uses;
-    anything else raises ExprError. Each limit comes before the work it bounds: 10,000 nested
-    parentheses never reach the parser, `9**9**9` is refused, never computed."""
+    """Exact value and literals of an integer expression over + - * / ( ) and unary minus, else ExprError.
+    Each limit comes before the work it bounds: 10,000 nested parentheses never parse, 9**9**9 never runs."""
     src = src.replace("×", "*").replace("÷", "/").strip()
     if len(src) > max_chars:
         raise ExprError(f"expression longer than {max_chars} characters")
@@ -314,9 +312,8 @@ class Arith(ProceduralTask):
 
 
 class ArithChain(Arith):
-    """"3+5-2=" -> "6". In 1-digit a+b (200 facts) a held-out problem is a fact never seen; a held-out
-    chain is new only as a combination (4,000 chains), as each signed digit adds the same wherever it
-    stands: the tiny model learns that rule from training chains and carries it to held-out ones."""
+    """"3+5-2=" -> "6". A held-out a+b is a fact never seen; a held-out chain (of 4,000) is new only as a
+    combination, each signed digit adding the same wherever it stands: a rule the tiny model carries over."""
 
     name = "arith_chain"
 
@@ -325,8 +322,7 @@ class ArithChain(Arith):
 
 
 class Countdown(ProceduralTask):
-    """Reach a target from 3-4 numbers with + - * / and parentheses, each number used once.
-    The target is made by combining the numbers at random, so every problem is solvable."""
+    """Reach a target from 3-4 numbers with + - * / ( ), each once; the target combines them: solvable."""
 
     name, rewards = "countdown", [(countdown_correct, 1.0), (format_reward, 0.1)]
     min_numbers, max_numbers, max_number, max_target = 3, 4, 25, 1000  # solve() is exhaustive: <= 5 numbers
@@ -373,10 +369,6 @@ def solve_countdown(numbers: Sequence[int], target: int) -> str | None:
     return search([(Fraction(n), str(n)) for n in numbers])
 
 
-class BadRow(ValueError):
-    """A data row that cannot become a Problem (the message says why)."""
-
-
 class DatasetTask(Task):
     """Numeric-answer problems from a JSONL file (`data=path`, rows {"question", "answer"} or {"problem",
     "solution"}) or else the hub; the reference (after the last "####", or in the last \\boxed{}) must be
@@ -396,7 +388,7 @@ class DatasetTask(Task):
             try:
                 problem = self._problem(row)
                 found.setdefault(problem.key, problem)
-            except BadRow as e:
+            except ValueError as e:  # _problem's message says why the row is malformed
                 if bad_rows == "error":
                     raise ValueError(f"{where}: malformed row ({e}); fix or delete that line, or "
                                      "pass --bad-rows skip to drop such rows") from None
@@ -420,8 +412,7 @@ class DatasetTask(Task):
         try:
             import datasets  # optional heavy dependency: only needed without a local --data file
             ds = datasets.load_dataset(path, config, split=split)
-        # Broad on purpose, and re-raised with the cause attached: offline, the hub client fails
-        # with OSError, requests/httpx or datasets errors depending on its version.
+        # Broad on purpose (the cause is attached): offline, the hub raises OSError, httpx or datasets errors
         except Exception as e:
             install = "pip install datasets, or " if isinstance(e, ImportError) else ""
             raise ValueError(f"could not load {path!r} from the Hugging Face hub "
@@ -430,25 +421,24 @@ class DatasetTask(Task):
         return ((f"{path}[{split}]:row {i}", row) for i, row in enumerate(ds))
 
     def _problem(self, row: Any) -> Problem:
-        """The row (a hub record or a JSONL line) as a Problem; BadRow says why it is malformed."""
         if isinstance(row, bytes):
             try:
                 row = json.loads(row.decode("utf-8-sig"))  # -sig: an editor's BOM
             except UnicodeDecodeError:
-                raise BadRow("not UTF-8 text; save the file as UTF-8") from None
+                raise ValueError("not UTF-8 text; save the file as UTF-8") from None
             except json.JSONDecodeError as e:
-                raise BadRow(f"invalid JSON: {e.msg}") from None
+                raise ValueError(f"invalid JSON: {e.msg}") from None
         if not isinstance(row, dict):
-            raise BadRow("not a JSON object")
+            raise ValueError("not a JSON object")
         question = row.get("question", row.get("problem"))
         answer = row.get("answer", row.get("solution"))
         if not isinstance(question, str) or not question.strip():
-            raise BadRow("field 'question' is missing, empty or not text")
+            raise ValueError("field 'question' is missing, empty or not text")
         if answer is None:  # any other value must read as a number below
-            raise BadRow("missing field 'answer'")
+            raise ValueError("missing field 'answer'")
         text = str(answer).split("####")[-1]
         if (value := parse_number(text)) is None:
-            raise BadRow(f"answer {text.strip()[-40:]!r} is not a number")
+            raise ValueError(f"answer {text.strip()[-40:]!r} is not a number")
         key = " ".join(question.split())  # whitespace variants of a question are one problem
         return Problem(f"{question.strip()}\n{self.instruction}", str(value), key)  # "72", "1/2"
 
@@ -461,16 +451,14 @@ class GSM8K(DatasetTask):
 
 
 class MATH(DatasetTask):
-    r"""MATH problems whose final \boxed{} answer is a number; others (e.g. "\sqrt{2}") count
-    as malformed rows, so the hub default needs bad_rows="skip"."""
+    r"""Only numeric final \boxed{} answers; others ("\sqrt{2}") are malformed rows: keep --bad-rows skip."""
 
     name, hub = "math", ("DigitalLearningGmbH/MATH-lighteval", "default", "train")
 
 
 class Add(Arith):
-    """a + b for a pretrained chat model, the format stated by two examples (FORMAT). SmolLM2-135M-Instruct
-    mostly answers "13 + 8 = 21" or explains, so its strict score (the bare number) starts low while the
-    lenient one (the sum anywhere) shows how often it adds right: RL must learn the format, keep the sums."""
+    """a + b for a pretrained chat model, the format shown by two examples. SmolLM2-135M-Instruct mostly
+    answers "13 + 8 = 21": the strict score (bare sum) starts low, the lenient one (sum anywhere) does not."""
 
     # Only a bare right sum pays: a bonus for the bare form (right or wrong) was learnt in 4 steps, every
     # answer "2". The prompt's examples make the untrained model sample it (9 of 128) for GRPO to see spread.
