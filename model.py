@@ -25,20 +25,17 @@ import utils
 from modeldir import LOAD_HINT, cache_root, resolve_model
 
 
-def mlp(inputs: int, hidden: int, outputs: int) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(inputs, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
-                         nn.Linear(hidden, outputs))
-
-
 class MLPPolicy(nn.Module):
     """Categorical policy for control tasks; PPO gets a critic with its own trunk, because a
     shared trunk lets the value loss (returns of ~100) drown the policy gradient."""
 
     def __init__(self, obs_dim: int, n_actions: int, hidden: int = 64, critic: bool = False):
         super().__init__()
-        self.pi = mlp(obs_dim, hidden, n_actions)
-        self.v = mlp(obs_dim, hidden, 1) if critic else None
-        self.has_critic = critic
+
+        def mlp(outputs: int) -> nn.Sequential:
+            return nn.Sequential(nn.Linear(obs_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+                                 nn.Linear(hidden, outputs))
+        self.pi, self.v, self.has_critic = mlp(n_actions), (mlp(1) if critic else None), critic
 
     @torch.no_grad()
     def act(self, obs: torch.Tensor, greedy: bool = False):
