@@ -1,8 +1,7 @@
 """Policies: nn.Modules whose score(batch, rows) -> (logp [n, T], entropy [n, T], values [n, T] or None)
-recomputes, with grad, the log-probability of the actions in a rollouts.Batch's `rows`, so the loop
-never knows whether it pushes a cart or writes an answer. MLPPolicy acts in control tasks; LLMPolicy (a
-Hugging Face causal LM, LoRA or full) also samples completions with their log-probs, as VLLMGenerator
-does for rollout workers (serve.py) with the same generate and load."""
+recomputes, with grad, the log-probs of a rollouts.Batch's `rows`: the loop never knows whether it pushes a
+cart or writes an answer. MLPPolicy acts in control tasks; LLMPolicy (a Hugging Face causal LM, LoRA or full)
+also samples completions with log-probs, as VLLMGenerator (same generate/load) does in serve.py's workers."""
 from __future__ import annotations
 
 import contextlib
@@ -26,20 +25,17 @@ import utils
 from modeldir import LOAD_HINT, cache_root, resolve_model
 
 
-def mlp(inputs: int, hidden: int, outputs: int) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(inputs, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
-                         nn.Linear(hidden, outputs))
-
-
 class MLPPolicy(nn.Module):
     """Categorical policy for control tasks; PPO gets a critic with its own trunk, because a
     shared trunk lets the value loss (returns of ~100) drown the policy gradient."""
 
     def __init__(self, obs_dim: int, n_actions: int, hidden: int = 64, critic: bool = False):
         super().__init__()
-        self.pi = mlp(obs_dim, hidden, n_actions)
-        self.v = mlp(obs_dim, hidden, 1) if critic else None
-        self.has_critic = critic
+
+        def mlp(outputs: int) -> nn.Sequential:
+            return nn.Sequential(nn.Linear(obs_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+                                 nn.Linear(hidden, outputs))
+        self.pi, self.v, self.has_critic = mlp(n_actions), (mlp(1) if critic else None), critic
 
     @torch.no_grad()
     def act(self, obs: torch.Tensor, greedy: bool = False):
@@ -133,10 +129,9 @@ def load_lm(path: str, cfg, device: torch.device) -> nn.Module:
 
 
 class LLMPolicy(nn.Module):
-    """A causal LM as a policy over tokens. Sampling is exactly softmax(logits / temperature):
-    the loop below applies no other warper, so whatever the model's generation_config.json
-    switches on (top_k, repetition_penalty, min_p, ...) never reaches the samples. The policy
-    stays in eval mode (no dropout) so that sampling and scoring see the same network."""
+    """A causal LM as a policy over tokens. Sampling is exactly softmax(logits / temperature): no other
+    warper, so whatever the model's generation_config.json switches on (top_k, repetition_penalty, min_p,
+    ...) never reaches the samples. Eval mode (no dropout) always: sampling and scoring see one network."""
 
     def __init__(self, cfg, device: str | None = None):
         """cfg: a train.Config, of which the LM's fields are read (algo ppo adds the critic)."""
@@ -165,11 +160,10 @@ class LLMPolicy(nn.Module):
                                     f"({str(e).splitlines()[0]}); {LOAD_HINT}") from None
         lm = load_lm(self.path, cfg, self.device)
         self.model = add_lora(lm, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha) if self.lora else lm
-        if self.lora and self.bf16:  # autocast feeds the adapter bf16 already: PEFT's cast of every input to
-            # the fp32 adapter dtype is a copy autocast undoes (~8% of a step)
-            for m in self.model.modules():
-                if hasattr(m, "cast_input_dtype_enabled"):
-                    m.cast_input_dtype_enabled = False
+        # autocast feeds LoRA bf16 already: PEFT's cast of each input to fp32 is a copy autocast undoes (~8%)
+        for m in self.model.modules() if self.bf16 else []:
+            if hasattr(m, "cast_input_dtype_enabled"):  # a LoRA layer
+                m.cast_input_dtype_enabled = False
         # PPO's critic: a linear head on the last hidden state, trained through the same adapter (or
         # weights); zero-initialised so the first values are 0 rather than noise of the reward's scale.
         self.has_critic = critic = cfg.algo == "ppo"
@@ -275,13 +269,11 @@ class LLMPolicy(nn.Module):
 
     # ------------------------------------------------------------ scoring
     def score(self, batch, rows, lm: nn.Module | None = None):
-        """(logp [n, L], entropy [n, L], values [n, L] or None) at temperature, with grad, filled where
-        mask == 1 (0 elsewhere: the loss weights are 0 there, so the LM head is not run on prompts).
-        values[:, t] is the critic's estimate before token t, read where the logits for token t are.
-        `lm`: scores under that network instead (the KL reference), without the critic."""
+        """(logp [n, L], entropy [n, L], values [n, L] or None) at temperature, with grad, filled where mask
+        == 1 (0 elsewhere: the loss weights are 0 there, so the LM head is not run on prompts); values[:, t]:
+        the critic's estimate before token t. `lm`: scores under that net (the KL reference), no critic."""
         lm, head = (self.model, self.v) if lm is None else (lm, None)
         dev = self.device
-
         mask = batch.mask[rows].to(dev)  # [n, L]
         n, L = mask.shape
         end = int(batch.attn[rows].sum(1).max())  # the micro-batch trimmed to its longest row
@@ -312,8 +304,7 @@ class LLMPolicy(nn.Module):
     def ref_logp(self, batch, rows) -> torch.Tensor:
         """[n, L] under the KL reference: LoRA's adapter switched off, or full fine-tuning's frozen copy."""
         if not self.lora and self.ref_model is None:
-            raise utils.ConfigError("ref_logp under full fine-tuning needs the frozen copy made only when "
-                                    "kl_coef > 0")
+            raise utils.ConfigError("ref_logp under full fine-tuning needs kl_coef > 0 (its frozen copy)")
         with self.model.disable_adapter() if self.lora else contextlib.nullcontext():
             return self.score(batch, rows, self.model if self.lora else self.ref_model)[0]
 
@@ -413,9 +404,8 @@ class LLMPolicy(nn.Module):
 
 # ================================================================ generation for rollout workers
 class VLLMGenerator:
-    """vLLM with LoRA: each adapter version is a directory of the trainer's bytes and a LoRARequest.
-    Sampling is plain softmax(logits / T); logprobs_mode='processed_logprobs' returns log-probs after
-    the temperature: what LLMPolicy.generate records and score() recomputes."""
+    """vLLM with LoRA, each adapter version a directory of the trainer's bytes and a LoRARequest. Sampling is
+    softmax(logits / T); 'processed_logprobs' are after the temperature, as LLMPolicy's generate and score."""
 
     def __init__(self, model: str, cfg, eos_ids: set[int], seed: int):
         try:  # vLLM is optional and slow to import (~13 s); only --vllm workers need it

