@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 from gymnasium.envs.classic_control.cartpole import CartPoleVectorEnv
 
+from modeldir import cache_root
 from sandbox import run_python, run_sql
 from tasks import (Countdown, ExprError, Problem, ProceduralTask, countdown_correct, extract_answer,
                    format_reward, safe_eval)
@@ -142,8 +143,7 @@ def sql_database(db: str) -> str:
     edited data file never reads a stale database."""
     tables = SQL[db]["tables"]
     digest = hashlib.sha256(json.dumps(tables, sort_keys=True).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("NANORL_CACHE") or Path.home() / ".cache" / "nanorl")
-    path = cache / "sql" / f"{db}-{digest}.db"
+    path = cache_root() / "sql" / f"{db}-{digest}.db"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")  # one per builder, threads included
@@ -226,10 +226,8 @@ class ToolEnv(TextEnv):
             reward = self.task.rewards[0][0](self.problem.prompt, completion, self.problem.answer)
             return None, reward, reward >= 1.0
         blocks = re.findall(rf"```{self.lang}[ \t]*\n(.*?)```", completion, re.S)
-        if not blocks:
-            hint = f"Run code in a ```{self.lang} block, or give the answer in <answer></answer> tags."
-            return hint, 0.0, False
-        return self.run(blocks[-1]), 0.0, False
+        hint = f"Run code in a ```{self.lang} block, or give the answer in <answer></answer> tags."
+        return (self.run(blocks[-1]) if blocks else hint), 0.0, False
 
 
 class PythonToolEnv(ToolEnv):

@@ -1,7 +1,6 @@
-"""Where batches come from: the typed Batch, what a batch source promises the loop (stage 1
-`next(step) -> Batch`, stage 4 `publish`), and the three rollouts: control episodes, single-turn
-completions, multi-turn episodes. Async rollout workers (`--role rollout`) run these very sources,
-so every rollout option behaves the same in sync and async runs."""
+"""Where batches come from: the typed Batch, what a batch source promises the loop (stage 1 `next(step)
+-> Batch`, stage 4 `publish`) and the three rollouts (control, single-turn, multi-turn). Async rollout
+workers (`--role rollout`) run these very sources, so every option behaves alike in sync and async runs."""
 from __future__ import annotations
 
 import contextlib
@@ -215,8 +214,7 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
     with ThreadPoolExecutor(8) as pool:
         while live := [e for e in eps if not e.done]:  # each ends by max_turns at the latest
             room = [min(max_new_tokens, max_len - len(e.prompt) - len(e.ids)) for e in live]
-            prefixes = [e.prompt + e.ids for e in live]
-            samples = policy.generate(prefixes, max(room), gen_batch=gen_batch, greedy=greedy)
+            samples = policy.generate([e.prompt + e.ids for e in live], max(room), gen_batch, greedy=greedy)
             for e, s, r in zip(live, samples, room):  # a smaller budget cuts the sample: still token-exact
                 e.ids, e.logps = e.ids + s.ids[:r], e.logps + s.logps[:r]
                 e.mask += [1] * len(s.ids[:r])
@@ -406,8 +404,7 @@ class EnvRollouts(TaskRollouts):
         return self.episodes(self.draw(self.cfg.batch // k), k, version=step)
 
     def evaluate(self) -> dict:
-        """Rank r plays eval problems r, r + W, ...; per-rank sums are added over ranks. --pass-k:
-        k sampled episodes per problem besides the greedy one, as for single-turn tasks."""
+        """As for single-turn tasks: rank r plays eval problems r, r + W, ..., greedy (and --pass-k)."""
         problems, k = self.task.eval_problems()[utils.rank() :: utils.world()], self.cfg.pass_k
         self.eval_batch = self.episodes(problems, 1, greedy=True) if problems else None
         if self.cfg.debug_samples and problems:
