@@ -214,7 +214,8 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
     with ThreadPoolExecutor(8) as pool:
         while live := [e for e in eps if not e.done]:  # each ends by max_turns at the latest
             room = [min(max_new_tokens, max_len - len(e.prompt) - len(e.ids)) for e in live]
-            samples = policy.generate([e.prompt + e.ids for e in live], max(room), gen_batch, greedy=greedy)
+            prefixes = [e.prompt + e.ids for e in live]
+            samples = policy.generate(prefixes, max(room), gen_batch=gen_batch, greedy=greedy)
             for e, s, r in zip(live, samples, room):  # a smaller budget cuts the sample: still token-exact
                 e.ids, e.logps = e.ids + s.ids[:r], e.logps + s.logps[:r]
                 e.mask += [1] * len(s.ids[:r])
