@@ -189,7 +189,7 @@ def encode_reply(policy, messages: list[dict], eos_id: int) -> list[int]:
         mark, eos = "NANORL-TURN-MARK", policy.tokenizer.decode([eos_id])
         stand_in = [{"role": "user", "content": "?"}, {"role": "assistant", "content": mark}]
         after = _chat(policy, stand_in + messages).split(mark, 1)[1]
-        text = after[after.find(eos) + len(eos) :] if eos in after else after
+        text = after.split(eos, 1)[-1]  # all of it if the template writes no end token there
     return policy.tokenizer.encode(text, add_special_tokens=False)
 
 
