@@ -3,6 +3,7 @@ advances with one policy forward per time step (that batching, not the algorithm
 then multi-turn text environments for rollouts.py: calculator countdown, sandboxed Python, read-only SQL."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -14,11 +15,13 @@ import sqlite3
 import sys
 import tempfile
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from gymnasium.envs.classic_control.cartpole import CartPoleVectorEnv
 
+from modeldir import cache_root
 from sandbox import run_python, run_sql
 from tasks import (Countdown, ExprError, Problem, ProceduralTask, countdown_correct, extract_answer,
                    format_reward, safe_eval)
@@ -26,13 +29,12 @@ from tasks import (Countdown, ExprError, Problem, ProceduralTask, countdown_corr
 EVAL_SEED = 1_000_000_000  # eval seeds live above this; training seeds stay below it
 
 
+@dataclass
 class CartPole:
-    """CartPole-v1: +1 per step, terminal when the pole falls, truncated (not terminal) at 500."""
+    """CartPole-v1: +1 per step, terminal when the pole falls, truncated (not terminal) at max_steps."""
 
     obs_dim, n_actions = 4, 2
-
-    def __init__(self, max_steps: int = 500):
-        self.max_steps = max_steps
+    max_steps: int = 500
 
     def reset(self, n: int, seed: int, group_size: int = 1) -> CartPoleVectorEnv:
         """n episodes from `seed`; each group of `group_size` starts from one state, as GRPO/RLOO need."""
@@ -105,11 +107,8 @@ def _normal(rows: list[tuple]) -> list[tuple]:  # 2.0 == 2, and float noise belo
 
 @functools.lru_cache(maxsize=4096)
 def _gold_rows(db: str, gold: str) -> list[tuple]:  # our own query: read here, not in run_sql's child
-    con = sqlite3.connect(Path(sql_database(db)).as_uri() + "?mode=ro", uri=True)
-    try:
+    with contextlib.closing(sqlite3.connect(Path(sql_database(db)).as_uri() + "?mode=ro", uri=True)) as con:
         return _normal(con.execute(gold).fetchall())
-    finally:
-        con.close()
 
 
 def sql_correct(prompt: str, completion: str, answer: str) -> float:
@@ -144,8 +143,7 @@ def sql_database(db: str) -> str:
     edited data file never reads a stale database."""
     tables = SQL[db]["tables"]
     digest = hashlib.sha256(json.dumps(tables, sort_keys=True).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("NANORL_CACHE") or Path.home() / ".cache" / "nanorl")
-    path = cache / "sql" / f"{db}-{digest}.db"
+    path = cache_root() / "sql" / f"{db}-{digest}.db"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")  # one per builder, threads included
@@ -228,10 +226,8 @@ class ToolEnv(TextEnv):
             reward = self.task.rewards[0][0](self.problem.prompt, completion, self.problem.answer)
             return None, reward, reward >= 1.0
         blocks = re.findall(rf"```{self.lang}[ \t]*\n(.*?)```", completion, re.S)
-        if not blocks:
-            hint = f"Run code in a ```{self.lang} block, or give the answer in <answer></answer> tags."
-            return hint, 0.0, False
-        return self.run(blocks[-1]), 0.0, False
+        hint = f"Run code in a ```{self.lang} block, or give the answer in <answer></answer> tags."
+        return (self.run(blocks[-1]) if blocks else hint), 0.0, False
 
 
 class PythonToolEnv(ToolEnv):

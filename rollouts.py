@@ -1,14 +1,12 @@
-"""Where batches come from: the typed Batch, what a batch source promises the loop (stage 1
-`next(step) -> Batch`, stage 4 `publish`), and the three rollouts: control episodes, single-turn
-completions, multi-turn episodes. Async rollout workers (`--role rollout`) run these very sources,
-so every rollout option behaves the same in sync and async runs."""
+"""Where batches come from: the typed Batch, what a batch source promises the loop (stage 1 `next(step)
+-> Batch`, stage 4 `publish`) and the three rollouts (control, single-turn, multi-turn). Async rollout
+workers (`--role rollout`) run these very sources, so every option behaves alike in sync and async runs."""
 from __future__ import annotations
 
 import contextlib
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import astuple, dataclass, field, fields
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -124,18 +122,28 @@ def rollout_control(env: CartPole, policy, n: int, seed: int, group_size: int = 
                  leader, torch.full((n,), version), {}, [("", "", "")] * n)
 
 
-class Row(NamedTuple):
-    """One scored completion of a single-turn task, before collation."""
+@dataclass
+class Episode:
+    """One rollout as ONE token sequence after the prompt: a single-turn completion, or a conversation's
+    model turns and environment replies in order. Has the `ids`, `logps` and `truncated` make_batch reads."""
+
     problem: Problem
-    prefix: list[int]
-    sample: Sample
-    text: str
-    reward: float  # the task's weighted total
-    parts: dict[str, float]  # each reward function's unweighted value
+    prompt: list[int]
+    env: TextEnv | None = None  # multi-turn only
+    ids: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)  # 0.0 on environment tokens
+    mask: list[int] = field(default_factory=list)  # 1 on the model's own tokens
+    reward: float = 0.0  # the task's weighted total, or the sum of the per-turn rewards
+    parts: dict[str, float] = field(default_factory=dict)  # single-turn: each reward fn's unweighted value
+    turns: int = 0
+    solved_at_turn: int = 0  # 0: never
+    truncated: bool = False  # a turn hit its token budget, or max_len ended the episode
+    done: bool = False
+    text: str = ""  # the completion; multi-turn: model turns and replies, as the model saw them
 
 
 def rollout_single(policy, task: tasks.Task, problems: list[Problem], group_size: int, cfg,
-                   greedy: bool = False) -> list[list[Row]]:
+                   greedy: bool = False) -> list[list[Episode]]:
     """group_size completions per problem, a group each, scored by the task's reward functions all at
     once, `concurrency` at a time, so a judge's round trips overlap (--judge-down drop: Task.score)."""
     prefixes = [policy.encode_prompt(p.prompt) for p in problems]
@@ -146,42 +154,23 @@ def rollout_single(policy, task: tasks.Task, problems: list[Problem], group_size
     drop = cfg.judge_down == "drop"
     with ThreadPoolExecutor(width) as pool:
         scores = list(pool.map(lambda r, t: task.score(r[0].prompt, t, r[0].answer, drop), rows, texts))
-    out = [Row(p, x, s, t, *score) for (p, x), s, t, score in zip(rows, samples, texts, scores)]
+    out = [Episode(p, x, None, s.ids, s.logps, [1] * len(s.ids), *score, truncated=s.truncated, text=t)
+           for (p, x), s, t, score in zip(rows, samples, texts, scores)]
     return [out[i : i + group_size] for i in range(0, len(out), group_size)]
 
 
-def collate_groups(groups: list[list[Row]], pad_id: int, version: int, drop: bool = False) -> Batch:
-    rows = [r for g in groups for r in g]
+def collate(groups: list[list[Episode]], pad_id: int, version: int, drop: bool = False, **stats) -> Batch:
+    eps = [e for g in groups for e in g]
     # A group with an unscored sample (reward NaN: --judge-down drop) keeps its rows, masked out: no
     # advantage, no loss, no tokens. NaN stays in the logged parts, whose means skip it.
-    lost = [math.isnan(sum(r.reward for r in g)) for g in groups for _ in g]
-    stats = {f"reward_{n}": torch.tensor([r.parts[n] for r in rows]) for n in rows[0].parts}
+    lost = [math.isnan(sum(e.reward for e in g)) for g in groups for _ in g]
+    stats |= {f"reward_{n}": torch.tensor([e.parts[n] for e in eps]) for n in eps[0].parts}
     if drop:
         stats["judge_dropped_frac"] = torch.tensor(lost, dtype=torch.float)
-    return make_batch([r.prefix for r in rows], [r.sample for r in rows],
-                      [0.0 if x else r.reward for x, r in zip(lost, rows)], pad_id,
-                      [[int(not x)] * len(r.sample.ids) for x, r in zip(lost, rows)],
+    return make_batch([e.prompt for e in eps], eps, [0.0 if x else e.reward for x, e in zip(lost, eps)],
+                      pad_id, [[0] * len(e.ids) if x else e.mask for x, e in zip(lost, eps)],
                       group_size=len(groups[0]), version=version, stats=stats,
-                      texts=[(r.problem.prompt, r.text, r.problem.answer) for r in rows])
-
-
-@dataclass
-class Episode:
-    """One conversation as ONE token sequence after the prompt: model turns and environment
-    replies in order. Has the `ids`, `logps` and `truncated` that make_batch reads."""
-
-    env: TextEnv
-    problem: Problem
-    prompt: list[int]
-    ids: list[int] = field(default_factory=list)
-    logps: list[float] = field(default_factory=list)  # 0.0 on environment tokens
-    mask: list[int] = field(default_factory=list)  # 1 on the model's own tokens
-    reward: float = 0.0  # sum of the per-turn rewards
-    turns: int = 0
-    solved_at_turn: int = 0  # 0: never
-    truncated: bool = False  # a turn hit its token budget, or max_len ended the episode
-    done: bool = False
-    text: str = ""  # the model's turns, decoded
+                      texts=[(e.problem.prompt, e.text, e.problem.answer) for e in eps])
 
 
 def _chat(policy, messages: list[dict]) -> str:
@@ -200,7 +189,7 @@ def encode_reply(policy, messages: list[dict], eos_id: int) -> list[int]:
         mark, eos = "NANORL-TURN-MARK", policy.tokenizer.decode([eos_id])
         stand_in = [{"role": "user", "content": "?"}, {"role": "assistant", "content": mark}]
         after = _chat(policy, stand_in + messages).split(mark, 1)[1]
-        text = after[after.find(eos) + len(eos) :] if eos in after else after
+        text = after.split(eos, 1)[-1]  # all of it if the template writes no end token there
     return policy.tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -208,8 +197,8 @@ def _start(policy, env_factory, problem: Problem) -> Episode:
     env = env_factory()
     messages, _ = env.reset(problem)
     if len(messages) == 1 or not policy.use_template:  # as single-turn tasks encode their prompts
-        return Episode(env, problem, policy.encode_prompt("\n\n".join(m["content"] for m in messages)))
-    return Episode(env, problem, policy.tokenizer.encode(_chat(policy, messages), add_special_tokens=False))
+        return Episode(problem, policy.encode_prompt("\n\n".join(m["content"] for m in messages)), env)
+    return Episode(problem, policy.tokenizer.encode(_chat(policy, messages), add_special_tokens=False), env)
 
 
 def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: int, max_turns: int,
@@ -248,11 +237,9 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
                         e.mask += [0] * len(reply)
                         e.text += policy.decode(reply)
     at = torch.tensor([float(e.solved_at_turn) for e in eps])  # [N], 0 = never
-    stats = {"solved": (at > 0).float(), "solved_first_turn": (at == 1).float(),
-             "turns": torch.tensor([float(e.turns) for e in eps])}
-    return make_batch([e.prompt for e in eps], eps, [e.reward for e in eps], policy.pad_id,
-                      [e.mask for e in eps], group_size=group_size, version=version, stats=stats,
-                      texts=[(e.problem.prompt, e.text, e.problem.answer) for e in eps])
+    groups = [eps[i : i + group_size] for i in range(0, len(eps), group_size)]
+    return collate(groups, policy.pad_id, version, solved=(at > 0).float(),
+                   solved_first_turn=(at == 1).float(), turns=torch.tensor([float(e.turns) for e in eps]))
 
 
 # ================================================================ batch sources
@@ -275,16 +262,9 @@ class BatchSource:
         """Held-out greedy metrics with the live weights, summed or averaged over ranks."""
         raise NotImplementedError
 
-    def metrics(self) -> dict[str, float]:
-        return self.last
-
     def weights(self, version: int) -> contextlib.AbstractContextManager:
         """A context in which the policy holds the weights that sampled `version`, for stage 2."""
         return live_weights(version)
-
-    def demonstrations(self, n: int) -> Batch:
-        """n solver-written (prompt, answer) rows for the supervised warm-start (--sft-steps)."""
-        raise utils.ConfigError(f"{type(self).__name__} has no demonstrations to warm-start on")
 
     def publish(self, step: int) -> None:
         """Stage 4: hand the weights of version `step` to whoever generates."""
@@ -367,7 +347,7 @@ class TaskRollouts(BatchSource):
         if cfg.dynamic_sampling:
             self.last = {"gen_rounds": rounds, "gen_frac_zero_std": len(flat) / (len(flat) + len(kept))}
         # Nothing informative within the bound: train on what there is (no GRPO/RLOO gradient).
-        return collate_groups(kept[:need] or flat[:need], self.policy.pad_id, step, cfg.judge_down == "drop")
+        return collate(kept[:need] or flat[:need], self.policy.pad_id, step, cfg.judge_down == "drop")
 
     def evaluate(self) -> dict:
         """Rank r of W scores eval problems r, r + W, ...; summed over ranks, as one process would."""
@@ -382,12 +362,13 @@ class TaskRollouts(BatchSource):
             c = [sum(task.correct(r.problem, r.text) for r in g) for g in groups]
             sums |= {"eval_pass@1": sum(c) / k, f"eval_pass@{k}": sum(tasks.pass_at_k(k, ci, k) for ci in c)}
         sums = utils.reduce_dict(sums)
-        self.eval_batch = collate_groups(greedy, self.policy.pad_id, 0) if greedy else None
+        self.eval_batch = collate(greedy, self.policy.pad_id, 0) if greedy else None
         if cfg.debug_samples and greedy:
             show_samples(self.eval_batch, "eval", cfg.debug_samples)
         return {k: v / sums["n"] for k, v in sums.items() if k != "n"}
 
     def demonstrations(self, n: int) -> Batch:
+        """n solver-written (prompt, answer) rows for the supervised warm-start (--sft-steps)."""
         problems, tok = self.draw(n), self.policy.tokenizer
         ids = [tok.encode(self.task.solve(p), add_special_tokens=False) + [tok.eos_token_id]
                for p in problems]
@@ -424,8 +405,7 @@ class EnvRollouts(TaskRollouts):
         return self.episodes(self.draw(self.cfg.batch // k), k, version=step)
 
     def evaluate(self) -> dict:
-        """Rank r plays eval problems r, r + W, ...; per-rank sums are added over ranks. --pass-k:
-        k sampled episodes per problem besides the greedy one, as for single-turn tasks."""
+        """As for single-turn tasks: rank r plays eval problems r, r + W, ..., greedy (and --pass-k)."""
         problems, k = self.task.eval_problems()[utils.rank() :: utils.world()], self.cfg.pass_k
         self.eval_batch = self.episodes(problems, 1, greedy=True) if problems else None
         if self.cfg.debug_samples and problems:

@@ -197,7 +197,7 @@ class Inbox:
                         sync_bytes=len(self.payload), sync_publish_s=self.publish_s,
                         sync_apply_s=statistics.median(self.apply_s or [0.0]), **self.counts,
                         **self.server.counts)  # refused requests (http_401, ...) and dropped connections
-            for k in {k for m in self.rollout_metrics for k in m}:  # the workers' source.metrics(), averaged
+            for k in {k for m in self.rollout_metrics for k in m}:  # the workers' source.last, averaged
                 meta[k] = statistics.mean(m[k] for m in self.rollout_metrics if k in m)
             self.apply_s, self.rollout_metrics = [], []
         got.sort(key=lambda g: int(g[0]["version"].min()))  # by version: its rows share micro-batches
@@ -417,7 +417,7 @@ def run_worker(cfg) -> int:
     utils.stderr(f"worker {me}: generating for {cfg.trainer_url} with {'vLLM' if cfg.vllm else 'HF'}")
     while sampler.newest():  # the newest adapter, waiting for the first
         batch = source.next(sampler.version)  # --debug-samples: the trainer prints these rows' texts
-        meta = {"worker": me, "apply_s": sampler.apply_s, "texts": batch.texts, "metrics": source.metrics()}
+        meta = {"worker": me, "apply_s": sampler.apply_s, "texts": batch.texts, "metrics": source.last}
         post(client, fetcher, encode(batch.wire(), meta))
     return 0
 

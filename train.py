@@ -460,7 +460,7 @@ def train(cfg: Config) -> Path:
             batch = prepare(policy, batch, cfg, source.weights, teacher)  # 2. advantage
             stats = update(policy, opt, batch, cfg)  # 3. update
             source.publish(step + 1)  # 4. publish
-            stats.update(utils.reduce_dict(source.metrics(), mean=True))  # 5. log, evaluate, checkpoint
+            stats.update(utils.reduce_dict(source.last, mean=True))  # 5. log, evaluate, checkpoint
             log.log(step + 1, stats)
             log.samples(step + 1, sample_rows(batch, cfg.samples, "train", step + 1))
             if step % cfg.eval_every == 0 and cfg.debug_samples and utils.rank() == 0:

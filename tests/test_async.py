@@ -164,7 +164,7 @@ def test_old_logp_is_scored_under_the_exact_version_that_sampled_each_row(policy
             torch.testing.assert_close(batch.old_logp[rows], want, rtol=0, atol=1e-5)
         policy.load_trainable(v1)  # prepare() must have left the live (v1) weights in place
         assert all(torch.equal(a, v1[n]) for n, a in policy.trainable_state().items())
-        assert batch.metrics["logp_gap"] < 1e-4 and src.metrics()["staleness_max"] == 1
+        assert batch.metrics["logp_gap"] < 1e-4 and src.last["staleness_max"] == 1
     finally:
         src.close()
 

@@ -146,7 +146,7 @@ def test_dynamic_sampling_returns_only_groups_with_reward_spread(llm_policy, mon
     batch = source.next(0)
     score = (batch.rewards * batch.mask).sum(1)
     assert len(score) == 8 and (group_baseline(score, batch.group)[1] > 0).all()
-    assert len(calls) == 3 and source.metrics()["gen_rounds"] == 3 and source.metrics()["gen_frac_zero_std"] == 4 / 6
+    assert len(calls) == 3 and source.last["gen_rounds"] == 3 and source.last["gen_frac_zero_std"] == 4 / 6
 
 
 def test_dynamic_sampling_stops_at_its_generation_bound(llm_policy, monkeypatch):
