@@ -1,4 +1,4 @@
-"""Plumbing shared by the loop: config parsing, metrics and their sinks, checkpoints, torchrun helpers."""
+"""Plumbing shared by the loop: config parsing, metrics and their loggers, checkpoints, torchrun helpers."""
 from __future__ import annotations
 
 import argparse
@@ -231,8 +231,7 @@ class WandB:
         self.run.log({"step": step, **values})
 
     def samples(self, step: int, rows: list[dict]) -> None:
-        """One table per eval: its rows and the training rows since the last (a table a step would make a
-        10,000-step run 10,000 artifacts)."""
+        """A table per eval, with the training rows since the last (a table a step: 10,000 artifacts)."""
         self.pending += [{"step": step, **row} for row in rows]
         if rows and rows[0]["kind"] == "eval":
             columns = sorted({k for row in self.pending for k in row})
@@ -475,7 +474,6 @@ def broadcast_weights(module: torch.nn.Module) -> None:
 
 
 def split_rng() -> None:
-    """Rank r > 0 forks its own torch RNG stream off the shared one, so ranks sample different
-    actions and tokens; rank 0 keeps the stream a single process would have."""
+    """Rank r > 0 forks its own torch RNG stream off the shared one (rank 0 keeps a single process's)."""
     if rank():
         torch.manual_seed(int(torch.randint(2**62, ())) + rank())
