@@ -1,4 +1,4 @@
-"""Plumbing shared by the loop: config parsing, metrics and their sinks, checkpoints, torchrun helpers."""
+"""Plumbing shared by the loop: config parsing, metrics and their loggers, checkpoints, torchrun helpers."""
 from __future__ import annotations
 
 import argparse
@@ -42,9 +42,8 @@ def closest(name: str, valid) -> str:
 
 
 def coerce(field: dataclasses.Field, value, source: str):
-    """YAML/CLI value -> the field's declared type (bool, int, float or str), or a ConfigError naming
-    the key. YAML's true is no number and 1 no bool; an int takes 3.0 but not 3.5; a float is finite
-    (a NaN learning rate or clip would pass every range check and train on NaN)."""
+    """YAML/CLI value -> the field's type, or a ConfigError naming the key. YAML's true is no number and 1
+    no bool; an int takes 3.0 but not 3.5; a float is finite (a NaN lr would pass every range check)."""
     kind = field.type if isinstance(field.type, str) else field.type.__name__
     try:
         if kind == "str" or isinstance(value, bool) == (kind == "bool"):
@@ -107,12 +106,8 @@ def load_config(cls, argv: list[str], choices: dict | None = None, base: Path | 
                 raise ConfigError(f"{source}: unknown key '{key}'{closest(key, fields)}")
             values[key] = coerce(fields[key], value, source)
     for name, f in fields.items():
-        if (raw := getattr(args, name)) is not None:  # a flag's text is YAML, unless the field is a str
-            value = raw
-            if not isinstance(raw, bool) and f.type not in ("str", str):
-                with contextlib.suppress(yaml.YAMLError):  # "[": coerce names the flag and its type
-                    value = yaml.safe_load(raw)
-            values[name] = coerce(f, value, "--" + name.replace("_", "-"))
+        if (raw := getattr(args, name)) is not None:  # coerce reads a flag's text as int("3"), float("5e-3")
+            values[name] = coerce(f, raw, "--" + name.replace("_", "-"))
     return cls(**{**defaults(values), **values})
 
 
@@ -122,70 +117,60 @@ def dump_config(cfg) -> str:
 
 # ---------------------------------------------------------------- metrics
 class Metrics:
-    """Hands the loop's numbers and samples to each sink: the run's files, then cfg.log's loggers. Without
-    `out`, and on ranks other than 0 (rank 0 logs the all-reduced numbers), there is none."""
+    """The loop's numbers and samples, written to the run's files, then to cfg.log's loggers: config.yaml,
+    metrics.csv in long format (step, wall_s, key, value: any tool reads any metric) and samples.jsonl. A
+    resumed run first drops the lines after its checkpoint's step, which it writes again. Without `out`, and
+    on ranks other than 0 (rank 0 logs the all-reduced numbers), nothing is written."""
 
     def __init__(self, out: Path | None = None, cfg=None, wall_offset: float = 0.0, resumed_at=None):
-        self.t0, self.sinks = time.perf_counter() - wall_offset, []
-        if out and rank() == 0:
-            self.sinks = [RunFiles(out, cfg, resumed_at, self.wall)]
-            self.sinks += [LOGGERS[name](out, cfg, resumed_at) for name in filter(None, cfg.log.split(","))]
-
-    def wall(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def log(self, step: int, values: dict[str, float]) -> None:
-        for sink in self.sinks:
-            sink.log(step, values)
-
-    def samples(self, step: int, rows: list[dict]) -> None:
-        for sink in self.sinks:
-            sink.samples(step, rows)
-
-    def close(self) -> None:
-        for sink in self.sinks:
-            sink.close()
-
-
-class RunFiles:
-    """config.yaml, metrics.csv in long format (step, wall_s, key, value: any tool reads any metric) and
-    samples.jsonl. A resumed run first drops the lines after its checkpoint's step, which it writes again."""
-
-    def __init__(self, out: Path, cfg, resumed_at: float | None, wall):
+        self.t0, self.out, self.loggers = time.perf_counter() - wall_offset, out if rank() == 0 else None, []
+        if not self.out:
+            return
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"--out {out}: cannot create the run directory ({e}); pick another") from None
         (out / "config.yaml").write_text(dump_config(cfg))
-        self.path, self.samples_path, self.wall = out / "metrics.csv", out / "samples.jsonl", wall
         if resumed_at is not None:
-            for path in (self.path, self.samples_path, out / "samples.1.jsonl"):
-                truncate_log(path, resumed_at)
-        self.file = open(self.path, "a", newline="")
-        self.writer = csv.writer(self.file)
-        if self.file.tell() == 0:  # a new file
+            for name in ("metrics.csv", "samples.jsonl", "samples.1.jsonl"):
+                truncate_log(out / name, resumed_at)
+        self.csv_file = open(out / "metrics.csv", "a", newline="")
+        self.writer = csv.writer(self.csv_file)
+        if self.csv_file.tell() == 0:  # a new file
             self.writer.writerow(["step", "wall_s", "key", "value"])
-        self.samples_file = open(self.samples_path, "a")
+        self.samples_file = open(out / "samples.jsonl", "a")
+        self.loggers = [LOGGERS[name](out, cfg, resumed_at) for name in filter(None, cfg.log.split(","))]
+
+    def wall(self) -> float:
+        return time.perf_counter() - self.t0
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        wall = round(self.wall(), 3)
-        for key, value in values.items():
-            self.writer.writerow([step, wall, key, f"{float(value):.6g}"])
-        self.file.flush()
+        if self.out:
+            wall = round(self.wall(), 3)
+            self.writer.writerows([step, wall, key, f"{float(value):.6g}"] for key, value in values.items())
+            self.csv_file.flush()
+        for logger in self.loggers:
+            logger.log(step, values)
 
     def samples(self, step: int, rows: list[dict]) -> None:
         """One JSON line per rollout. Past SAMPLES_MAX_BYTES the file becomes samples.1.jsonl (replacing
         the one before), so a long run keeps at most about twice that on disk."""
-        self.samples_file.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
-        self.samples_file.flush()
-        if self.samples_file.tell() > SAMPLES_MAX_BYTES:
-            self.samples_file.close()
-            os.replace(self.samples_path, self.samples_path.with_suffix(".1.jsonl"))
-            self.samples_file = open(self.samples_path, "a")
+        if self.out:
+            self.samples_file.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+            self.samples_file.flush()
+            if self.samples_file.tell() > SAMPLES_MAX_BYTES:
+                self.samples_file.close()
+                os.replace(self.out / "samples.jsonl", self.out / "samples.1.jsonl")
+                self.samples_file = open(self.out / "samples.jsonl", "a")
+        for logger in self.loggers:
+            logger.samples(step, rows)
 
     def close(self) -> None:
-        self.file.close()
-        self.samples_file.close()
+        if self.out:
+            self.csv_file.close()
+            self.samples_file.close()
+        for logger in self.loggers:
+            logger.close()
 
 
 SAMPLES_MAX_BYTES = 32 << 20  # ~100k short completions: the report loads them in a browser in about a second
@@ -246,8 +231,7 @@ class WandB:
         self.run.log({"step": step, **values})
 
     def samples(self, step: int, rows: list[dict]) -> None:
-        """One table per eval: its rows and the training rows since the last (a table a step would make a
-        10,000-step run 10,000 artifacts)."""
+        """A table per eval, with the training rows since the last (a table a step: 10,000 artifacts)."""
         self.pending += [{"step": step, **row} for row in rows]
         if rows and rows[0]["kind"] == "eval":
             columns = sorted({k for row in self.pending for k in row})
@@ -356,8 +340,7 @@ def checkpoints(run: Path) -> list[Path]:
 
 
 def holds_run(run: Path) -> bool:
-    """A checkpoint or a logged metric: what a new run there would mix with or replace. A start that
-    failed before both (e.g. a prompt over --max-len at the first eval) leaves nothing to keep."""
+    """A checkpoint or a logged metric, which a new run would mix with (a failed start may leave none)."""
     metrics = run / "metrics.csv"
     return bool(checkpoints(run)) or (metrics.exists() and metrics.read_bytes().count(b"\n") > 1)
 
@@ -382,16 +365,14 @@ def load_checkpoint(ckpt: Path, policy: torch.nn.Module, opt: torch.optim.Optimi
 
 def resume_checkpoint(run: Path, policy: torch.nn.Module, opt: torch.optim.Optimizer,
                       required: bool = False) -> dict | None:
-    """The newest checkpoint of a run that loads, or the one named (None: none does), naming each damaged
-    one it skips and why (a write cut short: the atomic rename makes that rare; a full disk or a copy not).
-    A named one, or any when `required` (--eval-only), must load: else the untrained model would stand in."""
+    """The newest checkpoint of a run that loads (None: none does), or the one named, which must load, as
+    must one when `required` (--eval-only): else the untrained model would stand in. Names each skipped."""
     named = run.name.startswith("ckpt-")
     for ckpt in [run] if named else reversed(checkpoints(run)):
         try:
             return load_checkpoint(ckpt, policy, opt)
-        # RuntimeError, EOFError, UnpicklingError: torch.load's (an empty or foreign state.pt); KeyError:
-        # load_checkpoint's, for a checkpoint nanorl did not write
-        except (SafetensorError, json.JSONDecodeError, KeyError, RuntimeError, OSError, EOFError,
+        # a copy or a full disk cut it short; torch.load raises the last 3 on an empty or a foreign state.pt
+        except (SafetensorError, json.JSONDecodeError, KeyError, OSError, RuntimeError, EOFError,
                 pickle.UnpicklingError) as e:
             stderr(f"skipping {ckpt}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'empty'}")
     if named or required:
@@ -405,9 +386,8 @@ def stderr(msg: str) -> None:
 
 
 # ---------------------------------------------------------------- distributed
-# Data parallelism the plain way: torchrun starts one process per GPU (or CPU slot), each rank rolls out
-# its share of the batch, and the only traffic is all-reduced sums (gradients, loss denominators, stats).
-# A no-op in a plain `python train.py`; under torchrun a collective that all ranks call in the same order.
+# Data parallelism the plain way: torchrun starts a process per GPU or CPU slot, each rolls out its share
+# of the batch, and the only traffic is all-reduced sums (no-ops in one process; all ranks call them alike).
 def init_distributed(timeout_s: float) -> None:
     """Joins torchrun's group; a rank stuck in a collective for timeout_s raises rather than hangs."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or dist.is_initialized():
@@ -475,8 +455,7 @@ def sum_grads(module: torch.nn.Module) -> None:
 
 
 def broadcast_bytes(data: bytearray | None) -> bytearray:
-    """Rank 0's bytes on every rank, sent as a uint8 tensor: never pickled (receivers decode them
-    as they would network bytes). A bytearray, which decode views without a copy."""
+    """Rank 0's bytes on every rank, as a uint8 tensor, never pickled: a bytearray decode views uncopied."""
     if world() == 1:
         return data
     n = torch.tensor([len(data) if rank() == 0 else 0])
@@ -495,7 +474,6 @@ def broadcast_weights(module: torch.nn.Module) -> None:
 
 
 def split_rng() -> None:
-    """Rank r > 0 forks its own torch RNG stream off the shared one, so ranks sample different
-    actions and tokens; rank 0 keeps the stream a single process would have."""
+    """Rank r > 0 forks its own torch RNG stream off the shared one (rank 0 keeps a single process's)."""
     if rank():
         torch.manual_seed(int(torch.randint(2**62, ())) + rank())
