@@ -358,7 +358,7 @@ def prepare(policy, batch: Batch, cfg: Config, weights=live_weights, teacher=Non
         batch.is_weight, kept, s = importance_correction(batch.old_logp, batch.logp, mask, cfg.tis,
                                                          cfg.tis_cap, cfg.mis, cfg.mis_low, cfg.mis_high)
         batch.loss_mask, metrics = keep * kept, {**metrics, **s}
-    batch.weights = loss_weights(batch.loss_mask, cfg.loss_agg, **utils.batch_totals(batch.loss_mask),
+    batch.weights = loss_weights(batch.loss_mask, cfg.loss_agg,
                                  constant=cfg.loss_agg_constant or cfg.max_new_tokens)
     # Means over ranks (equal rows per rank): exact for means and fractions; std and max: per-rank averages.
     batch.metrics = utils.reduce_dict({**rollout_metrics(batch, rewards, cfg), **metrics}, mean=True)
