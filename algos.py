@@ -176,8 +176,7 @@ def importance_correction(old_logp, sampler_logp, mask, tis, tis_cap, mis, mis_l
              "sequence": log_r.sum(1, keepdim=True).expand_as(log_r)}
     r_tis, r_mis, raw = level[tis].exp(), level[mis].exp(), log_r.exp() * mask  # [N, T]
     keep = mask * ((r_mis >= mis_low) & (r_mis <= mis_high)).float()
-    tokens = mask.sum().clamp(min=1)
-    stats = {"is_ratio_mean": raw.sum() / tokens, "is_ratio_max": raw.max(),
-             "is_capped_frac": ((r_tis > tis_cap) * mask).sum() / tokens,
-             "is_masked_frac": (mask - keep).sum() / tokens}
+    stats = {"is_ratio_mean": masked_mean(raw, mask), "is_ratio_max": raw.max(),
+             "is_capped_frac": masked_mean((r_tis > tis_cap).float(), mask),
+             "is_masked_frac": masked_mean(mask - keep, mask)}
     return r_tis.clamp(max=tis_cap), keep, {k: float(v) for k, v in stats.items()}
