@@ -111,26 +111,26 @@ def opd(batch, cfg):
 ALGOS = {fn.__name__: fn for fn in (reinforce, reinforce_baseline, reinforce_pp, ppo, grpo, rloo, opd)}
 GROUPED = {"grpo", "rloo"}  # estimators that need group_size >= 2
 AGGREGATIONS = ("token_mean", "seq_mean", "constant")
+LOSSES = ("ppo", "gspo", "cispo")
+IS_LEVELS = ("off", "token", "sequence")  # sampler/trainer mismatch corrections
+# KL(policy || ref) per token from samples of the policy (Schulman's k1, k2, k3; --kl-estimator's trade-offs)
+KL = {"k1": lambda logp, ref_logp: logp - ref_logp,
+      "k2": lambda logp, ref_logp: 0.5 * (logp - ref_logp) ** 2,
+      "k3": lambda logp, ref_logp: torch.exp(ref_logp - logp) - (ref_logp - logp) - 1}
 
 
-def loss_weights(mask: torch.Tensor, mode: str = "token_mean", total_tokens=None, total_rows=None,
-                 constant=None) -> torch.Tensor:
+def loss_weights(mask, mode="token_mean", total_tokens=None, total_rows=None, constant=None) -> torch.Tensor:
     """Per-token loss weights [N, T]: token_mean mask / tokens (DAPO), seq_mean mask / (len_i * rows) (the
-    GRPO paper), constant mask / (rows * constant) (Dr. GRPO). The denominators span the whole batch (a
-    torchrun rank passes the all-reduced totals), so the micro-batch gradients sum to one big backward's."""
-    tokens = max(float(mask.sum() if total_tokens is None else total_tokens), 1.0)
-    rows = max(float((mask.sum(1) > 0).sum() if total_rows is None else total_rows), 1.0)  # not fully masked
+    GRPO paper), constant mask / (rows * constant) (Dr. GRPO). Tokens and rows (not fully masked) are the
+    whole batch's, all ranks' unless given, so the micro-batch gradients sum to one big backward's."""
+    tokens = max(float(utils.all_sum(mask.sum()) if total_tokens is None else total_tokens), 1.0)
+    rows = max(float(utils.all_sum((mask.sum(1) > 0).sum()) if total_rows is None else total_rows), 1.0)
     if mode == "seq_mean":  # a row's length is its own: no collective needed
         return mask / (mask.sum(1, keepdim=True).clamp(min=1) * rows)
     return mask / (rows * constant if mode == "constant" else tokens)
 
 
-LOSSES = ("ppo", "gspo", "cispo")
-IS_LEVELS = ("off", "token", "sequence")  # sampler/trainer mismatch corrections
-
-
-def policy_loss(logp, old_logp, adv, weights, mask, loss: str = "ppo", eps_low: float = 0.2,
-                eps_high: float = 0.2, dual_clip: float = 0.0):
+def policy_loss(logp, old_logp, adv, weights, mask, loss="ppo", eps_low=0.2, eps_high=0.2, dual_clip=0.0):
     """The one policy loss, summed with `weights`, and per-token stats [n, T] for the caller to average.
     Inputs [n, T], only logp carries grad; with old_logp == logp.detach() each is the plain policy gradient.
       ppo:   max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), r = exp(logp - old_logp); dual_clip c > 1
@@ -157,7 +157,7 @@ def policy_loss(logp, old_logp, adv, weights, mask, loss: str = "ppo", eps_low: 
     return (surr * weights).sum(), stats
 
 
-def value_loss(values, returns, weights, old_values=None, clip: float = 0.0):
+def value_loss(values, returns, weights, old_values=None, clip=0.0):
     """Half squared error; with clip > 0 the pessimistic max with the error of a value kept within
     `clip` of the pre-update one (PPO's value clipping)."""
     err = (values - returns) ** 2
@@ -166,14 +166,7 @@ def value_loss(values, returns, weights, old_values=None, clip: float = 0.0):
     return 0.5 * (err * weights).sum()
 
 
-# KL(policy || ref) per token from samples of the policy (Schulman's k1, k2, k3; --kl-estimator's trade-offs)
-KL = {"k1": lambda logp, ref_logp: logp - ref_logp,
-      "k2": lambda logp, ref_logp: 0.5 * (logp - ref_logp) ** 2,
-      "k3": lambda logp, ref_logp: torch.exp(ref_logp - logp) - (ref_logp - logp) - 1}
-
-
-def importance_correction(old_logp, sampler_logp, mask, tis: str, tis_cap: float, mis: str, mis_low: float,
-                          mis_high: float):
+def importance_correction(old_logp, sampler_logp, mask, tis, tis_cap, mis, mis_low, mis_high):
     """Sampler/trainer mismatch (e.g. vLLM vs the trainer's kernels), r = p_trainer / p_sampler per token or
     its product over the row: truncated IS weights the policy loss by min(r, tis_cap); masked IS drops tokens
     (rows) whose r leaves [mis_low, mis_high], ends kept. Returns (weight [N, T], keep [N, T], stats of r)."""
@@ -183,8 +176,7 @@ def importance_correction(old_logp, sampler_logp, mask, tis: str, tis_cap: float
              "sequence": log_r.sum(1, keepdim=True).expand_as(log_r)}
     r_tis, r_mis, raw = level[tis].exp(), level[mis].exp(), log_r.exp() * mask  # [N, T]
     keep = mask * ((r_mis >= mis_low) & (r_mis <= mis_high)).float()
-    tokens = mask.sum().clamp(min=1)
-    stats = {"is_ratio_mean": raw.sum() / tokens, "is_ratio_max": raw.max(),
-             "is_capped_frac": ((r_tis > tis_cap) * mask).sum() / tokens,
-             "is_masked_frac": (mask - keep).sum() / tokens}
+    stats = {"is_ratio_mean": masked_mean(raw, mask), "is_ratio_max": raw.max(),
+             "is_capped_frac": masked_mean((r_tis > tis_cap).float(), mask),
+             "is_masked_frac": masked_mean(mask - keep, mask)}
     return r_tis.clamp(max=tis_cap), keep, {k: float(v) for k, v in stats.items()}

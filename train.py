@@ -294,8 +294,7 @@ def micro_slices(rows: torch.Tensor, size: int):
 
 
 def on_policy(policy, cfg: Config) -> bool:
-    """The update's own forward is the old policy (ratio exactly 1: the plain policy gradient), so stage 2
-    skips one: one pass over rows the live weights just sampled, no critic, IS correction or teacher."""
+    """The update's own forward is the old policy (ratio exactly 1), so stage 2 need not run one."""
     return (cfg.role == "sync" and cfg.inner_epochs == 1 and cfg.minibatches == 1 and not policy.has_critic
             and cfg.tis == "off" and cfg.mis == "off" and cfg.algo != "opd")
 
@@ -317,8 +316,7 @@ def old_scores(policy, batch: Batch, cfg: Config, weights) -> tuple[torch.Tensor
 
 
 def rollout_metrics(batch: Batch, rewards: torch.Tensor, cfg: Config) -> dict:
-    """What the batch looked like, before any update: logged every step. `reward` and
-    `reward_mean` are both the task's reward, before any KL penalty (--kl-in-reward)."""
+    """The batch as sampled, logged every step; reward (= reward_mean) is before any --kl-in-reward."""
     mask, adv = batch.mask, batch.adv
     score, length = (rewards * mask).sum(1), mask.sum(1)  # [N] task reward, [N] steps
     adv_mean = masked_mean(adv, mask)
@@ -358,7 +356,7 @@ def prepare(policy, batch: Batch, cfg: Config, weights=live_weights, teacher=Non
         batch.is_weight, kept, s = importance_correction(batch.old_logp, batch.logp, mask, cfg.tis,
                                                          cfg.tis_cap, cfg.mis, cfg.mis_low, cfg.mis_high)
         batch.loss_mask, metrics = keep * kept, {**metrics, **s}
-    batch.weights = loss_weights(batch.loss_mask, cfg.loss_agg, **utils.batch_totals(batch.loss_mask),
+    batch.weights = loss_weights(batch.loss_mask, cfg.loss_agg,
                                  constant=cfg.loss_agg_constant or cfg.max_new_tokens)
     # Means over ranks (equal rows per rank): exact for means and fractions; std and max: per-rank averages.
     batch.metrics = utils.reduce_dict({**rollout_metrics(batch, rewards, cfg), **metrics}, mean=True)
@@ -367,8 +365,7 @@ def prepare(policy, batch: Batch, cfg: Config, weights=live_weights, teacher=Non
 
 # ---------------------------------------------------------------- stage 3: update
 def update(policy, opt, batch: Batch, cfg: Config) -> dict:
-    """Stage 3: inner epochs x minibatches of the policy loss, each minibatch accumulated over
-    micro-batches whose loss weights share one global denominator."""
+    """Stage 3: inner epochs x minibatches of the loss, each summed over micro-batches (one denominator)."""
     n, fresh = len(batch), on_policy(policy, cfg)
     critic = list(policy.v.parameters()) if cfg.critic_max_grad_norm else []  # validate(): PPO's only
     actor = [p for p in policy.parameters() if p.requires_grad and all(p is not c for c in critic)]
@@ -506,9 +503,8 @@ def start_run(cfg: Config, out: Path, policy, opt, source: BatchSource, meta: di
     log = utils.Metrics(out, cfg, meta["wall_s"] if meta else 0.0, resumed_at)  # rank 0 alone writes
     if cfg.sft_steps and not meta:
         evaluate(source, log, -cfg.sft_steps, out, "_before_sft")
-    if start < 0 and warm_start(policy, opt, source, cfg, log, start, stop):
-        return log, 0
-    if start <= 0:
+    stopped = start < 0 and warm_start(policy, opt, source, cfg, log, start, stop)
+    if start <= 0 and not stopped:
         evaluate(source, log, 0, out)  # the starting point of the RL curve
     return log, max(start, 0)
 
