@@ -436,12 +436,6 @@ def reduce_dict(values: dict[str, float], mean: bool = False) -> dict[str, float
     return dict(zip(values, (total / world() if mean else total).tolist()))
 
 
-def batch_totals(mask: torch.Tensor) -> dict[str, float]:
-    """The whole batch's token and row counts (a row masked out entirely is none) for loss_weights: with
-    one denominator on every rank, the ranks' summed gradients are one backward's on the whole batch."""
-    return reduce_dict({"total_tokens": mask.sum().item(), "total_rows": (mask.sum(1) > 0).sum().item()})
-
-
 def sum_grads(module: torch.nn.Module) -> None:
     """Every rank's .grad becomes the sum over ranks. All reduces are queued before the first wait,
     so hundreds of small LoRA tensors cost about one round trip, and no flat copy is needed."""

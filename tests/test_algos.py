@@ -307,6 +307,6 @@ def test_a_ratio_exactly_on_the_bound_is_kept_and_uncapped_and_one_just_past_it_
 def test_two_ranks_with_all_reduced_totals_weigh_like_one_process(mode):
     mask = t([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0]])  # row 2 masked out entirely (not counted)
     whole = algos.loss_weights(mask, mode, constant=4)
-    totals = {"total_tokens": mask.sum().item(), "total_rows": 3}  # what utils.batch_totals all-reduces
+    totals = {"total_tokens": mask.sum().item(), "total_rows": 3}  # what loss_weights sums over ranks
     halves = [algos.loss_weights(mask[r], mode, **totals, constant=4) for r in (slice(0, 2), slice(2, 4))]
     assert torch.allclose(torch.cat(halves), whole)
