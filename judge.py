@@ -32,9 +32,12 @@ def parse_score(text: str, high: int) -> float | None:
     return float(value) / high
 
 
-_UNFOLLOWED = urllib.request.HTTPRedirectHandler()
-_UNFOLLOWED.redirect_request = lambda *args: None  # a 3xx reaches ask(): following it would send the key on
-_OPENER = urllib.request.build_opener(_UNFOLLOWED)
+class _Unfollowed(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args):  # the 3xx reaches ask(): following it would carry the key elsewhere
+        return None
+
+
+_OPENER = urllib.request.build_opener(_Unfollowed)
 
 
 class Judge:

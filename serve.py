@@ -125,7 +125,8 @@ class Inbox:
         # --judge-down drop: a row no judge scored has NaN reward parts (logged by nanmean, never trained)
         unscored = t.get("judge_dropped_frac", torch.zeros(N)) == 1  # [N]
         for n, x in t.items():
-            if not (x.isfinite() | unscored & x.isnan() if n.startswith("reward_") else x.isfinite()).all():
+            ok = x.isfinite() | unscored & x.isnan() if n.startswith("reward_") else x.isfinite()
+            if not ok.all():
                 return f"{n} holds NaN or inf; expected finite values"
         if N == 0 or (t["group"].unique(return_counts=True)[1] != k).any():  # so N is a multiple of k
             return f"every group needs exactly group_size={k} rows"

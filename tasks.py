@@ -322,7 +322,8 @@ class ArithChain(Arith):
 
 
 class Countdown(ProceduralTask):
-    """Reach a target from 3-4 numbers with + - * / ( ), each once; the target combines them: solvable."""
+    """Reach a target from 3-4 numbers with + - * / and parentheses, each number used once.
+    The target is made by combining the numbers at random, so every problem is solvable."""
 
     name, rewards = "countdown", [(countdown_correct, 1.0), (format_reward, 0.1)]
     min_numbers, max_numbers, max_number, max_target = 3, 4, 25, 1000  # solve() is exhaustive: <= 5 numbers
