@@ -294,7 +294,7 @@ def micro_slices(rows: torch.Tensor, size: int):
 
 
 def on_policy(policy, cfg: Config) -> bool:
-    """The update's forward is the old policy (ratio exactly 1: the plain policy gradient); stage 2 skips one."""
+    """The update's forward is the old policy (ratio 1: the plain policy gradient); stage 2 skips one."""
     return (cfg.role == "sync" and cfg.inner_epochs == 1 and cfg.minibatches == 1 and not policy.has_critic
             and cfg.tis == "off" and cfg.mis == "off" and cfg.algo != "opd")
 
