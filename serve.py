@@ -357,17 +357,22 @@ class AdapterFetcher(threading.Thread):
         return new
 
 
+def post(client: Client, path: str, body: bytes, gone) -> tuple[int, bytearray] | None:
+    """POSTs until the trainer answers (429 and 503 mean: again shortly), or None once gone() says to stop."""
+    while not gone():
+        with contextlib.suppress(ServeError):  # trainer unreachable: gone() says when that is final
+            if (answer := client.post(path, body))[0] not in (429, 503):
+                return answer
+        time.sleep(0.3)
+    return None
+
+
 def hello(client: Client, cfg) -> int | None:
     """Registers with the trainer: this worker's id, or None when the run is already over."""
-    body, since = json.dumps({"fingerprint": fingerprint(cfg)}).encode(), time.time()
-    while True:
-        with contextlib.suppress(ServeError):
-            status, reply = client.post("/hello", body)
-            break
-        if time.time() - since > cfg.worker_patience:
-            raise utils.ConfigError(f"no trainer answered at {cfg.trainer_url} for "
-                                    f"{cfg.worker_patience:.0f} s")
-        time.sleep(1.0)
+    body, deadline = json.dumps({"fingerprint": fingerprint(cfg)}).encode(), time.time() + cfg.worker_patience
+    if (answer := post(client, "/hello", body, lambda: time.time() > deadline)) is None:
+        raise utils.ConfigError(f"no trainer answered at {cfg.trainer_url} for {cfg.worker_patience:.0f} s")
+    status, reply = answer
     if status not in (200, 410):
         why = json.loads(reply).get("error", reply[:200])
         raise utils.ConfigError(f"the trainer refused this worker ({status}): {why}")
@@ -419,21 +424,10 @@ def run_worker(cfg) -> int:
     while sampler.newest():  # the newest adapter, waiting for the first
         batch = source.next(sampler.version)  # --debug-samples: the trainer prints these rows' texts
         meta = {"worker": me, "apply_s": sampler.apply_s, "texts": batch.texts, "metrics": source.last}
-        post(client, fetcher, encode(batch.wire(), meta))
-    return 0
-
-
-def post(client: Client, fetcher: AdapterFetcher, body: bytearray) -> None:
-    """POST /batch until the trainer takes it, refuses it (logged) or is gone."""
-    while not fetcher.done.is_set():
-        try:
-            status, reply = client.post("/batch", body)
-        except ServeError:  # the fetcher decides when the trainer is gone for good
-            status, reply = 503, b""
-        if status == 410:
+        if (answer := post(client, "/batch", encode(batch.wire(), meta), fetcher.done.is_set)) is None:
+            break
+        if answer[0] == 410:
             fetcher.done.set()
-        elif status not in (429, 503):
-            if status != 200:
-                utils.stderr(f"worker {fetcher.worker}: batch refused ({status}): {bytes(reply[:300])!r}")
-            return
-        time.sleep(0.3)
+        elif answer[0] != 200:
+            utils.stderr(f"worker {me}: batch refused ({answer[0]}): {bytes(answer[1][:300])!r}")
+    return 0
