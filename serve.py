@@ -29,8 +29,8 @@ from transport import Client, PayloadError, Request, ServeError, Server, decode,
 FINGERPRINT = ("task", "seed", "eval_size", "data", "model", "lora", "lora_rank", "lora_alpha",
                "lora_targets", "max_new_tokens", "group_size", "temperature", "top_p", "chat_template",
                "thinking", "overlong_buffer")
-STATS = r"reward_\w{1,64}|solved|solved_first_turn|turns|judge_dropped_frac"  # [N] float32 (Batch.stats)
 MULTITURN = {"solved", "solved_first_turn", "turns"}  # a multi-turn source sends all of these
+STATS = "|".join([r"reward_\w{1,64}", "judge_dropped_frac", *MULTITURN])  # [N] float32 (Batch.stats)
 STRIDE = 1_000_000  # worker w samples train problems w*STRIDE, w*STRIDE+1, ...: workers never share a prompt
 LONG_POLL = 2.0  # seconds GET /adapter waits for a newer version; also the workers' heartbeat period
 HEARTBEAT = 10.0  # a worker silent for longer is not counted as live
