@@ -243,9 +243,6 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
 
 
 # ================================================================ batch sources
-live_weights = contextlib.nullcontext  # weights(version) in sync mode: the live weights sampled every row
-
-
 class BatchSource:
     """What the loop asks of wherever batches come from. Sync sources generate with the live
     policy, so `weights` and `publish` have nothing to do there."""
@@ -264,7 +261,7 @@ class BatchSource:
 
     def weights(self, version: int) -> contextlib.AbstractContextManager:
         """A context in which the policy holds the weights that sampled `version`, for stage 2."""
-        return live_weights(version)
+        return contextlib.nullcontext()
 
     def publish(self, step: int) -> None:
         """Stage 4: hand the weights of version `step` to whoever generates."""
