@@ -338,7 +338,6 @@ def prepare(policy, batch: Batch, cfg: Config, weights=contextlib.nullcontext, t
     if not on_policy(policy, cfg):
         batch.old_logp, batch.values = old_scores(policy, batch, cfg, weights)
         metrics["logp_gap"] = masked_mean((batch.old_logp - batch.logp).abs(), mask).item()
-    batch.last_value = policy.last_value(batch) if policy.has_critic else None
     if cfg.kl_coef:
         batch.ref_logp = torch.cat([policy.ref_logp(batch, r) for r in rows])
     if teacher is not None:  # on-policy distillation: the teacher scores the student's tokens
