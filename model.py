@@ -46,9 +46,10 @@ class MLPPolicy(nn.Module):
         actions = (logp_all + noise).argmax(-1)  # [B]
         return actions, logp_all.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
 
-    def last_value(self, batch) -> torch.Tensor:
-        """[N] the critic's value of the state after each episode's last step (bootstraps a truncation)."""
-        return self.v(batch.last_obs).squeeze(-1)
+    @torch.no_grad()
+    def last_value(self, last_obs: torch.Tensor) -> torch.Tensor:
+        """last_obs [N, D] -> [N]: the critic's value of each episode's final state (PPO's bootstrap)."""
+        return self.v(last_obs).squeeze(-1)
 
     def score(self, batch, rows: slice):
         obs = batch.obs[rows]  # [n, T, D]
@@ -327,10 +328,6 @@ class LLMPolicy(nn.Module):
                   past_key_values=cache, use_cache=True)
         logits = torch.cat([first[:, None], body.logits[:, :-1]], 1)  # [n, S, V]: position j predicts token j
         return logits[suf_mask]
-
-    def last_value(self, batch) -> torch.Tensor:
-        """[N] zeros: a completion ends with its end token or its budget, and no state follows either."""
-        return torch.zeros(len(batch))
 
     # ------------------------------------------------------------ weights
     @functools.cached_property

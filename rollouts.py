@@ -28,7 +28,7 @@ class Batch:
     tokens: Tensor  # [N, T] int64: prompt + completion ids (LLM); the action taken at each step (control)
     attn: Tensor  # [N, T] float32: 1 on real positions (prompt and completion); control: the mask
     obs: Tensor  # [N, T, D] float32: the state before each step (control); LLM: [N, 0, 0]
-    last_obs: Tensor  # [N, D] float32: the state after the last step, to bootstrap from; LLM: [N, 0]
+    last_value: Tensor  # [N] float32: the critic's value of the episode's final state (control PPO); else 0
     mask: Tensor  # [N, T] float32: 1 on the policy's own steps (never prompt or environment tokens)
     logp: Tensor  # [N, T] float32: the sampler's log-prob of each masked step, 0 elsewhere
     rewards: Tensor  # [N, T] float32: per-step reward; a completion's sits on its last sampled token
@@ -40,7 +40,6 @@ class Batch:
     # ---- stage 2 (train.prepare)
     old_logp: Tensor | None = None  # [N, T] under the weights that sampled each row; None if train.on_policy
     values: Tensor | None = None  # [N, T] the critic's, before the update (PPO only)
-    last_value: Tensor | None = None  # [N] the critic's value of last_obs (PPO only)
     ref_logp: Tensor | None = None  # [N, T] under the KL reference (kl_coef > 0 only)
     teacher_logp: Tensor | None = None  # [N, T] under --teacher (--algo opd only)
     adv: Tensor | None = None  # [N, T] ALGOS[cfg.algo]
@@ -73,7 +72,7 @@ WIRE = {"tokens": (2, torch.int64), "attn": (2, torch.float32), "mask": (2, torc
 def from_wire(t: dict[str, Tensor], texts: list[tuple[str, str, str]]) -> Batch:
     """The inverse of Batch.wire, for rows already checked (serve.Inbox.check)."""
     n = len(t["tokens"])
-    return Batch(**{k: t[k] for k in WIRE}, obs=torch.zeros(n, 0, 0), last_obs=torch.zeros(n, 0),
+    return Batch(**{k: t[k] for k in WIRE}, obs=torch.zeros(n, 0, 0), last_value=torch.zeros(n),
                  stats={k: v.float() for k, v in t.items() if k not in WIRE}, texts=texts)
 
 
@@ -94,7 +93,7 @@ def make_batch(prefixes: list[list[int]], samples: list, rewards: list[float], p
         logp[r, a:e] = torch.tensor(s.logps) * m
         reward[r, a + int(m.nonzero().max()) if m.any() else e - 1] = rewards[r]
     truncated = torch.tensor([s.truncated for s in samples], dtype=torch.bool)  # [N]
-    return Batch(tokens, attn, torch.zeros(N, 0, 0), torch.zeros(N, 0), mask, logp, reward, truncated,
+    return Batch(tokens, attn, torch.zeros(N, 0, 0), torch.zeros(N), mask, logp, reward, truncated,
                  torch.arange(N) // group_size, torch.full((N,), version), stats or {},
                  texts or [("", "", "")] * N)
 
@@ -103,7 +102,8 @@ def make_batch(prefixes: list[list[int]], samples: list, rewards: list[float], p
 def rollout_control(env: CartPole, policy, n: int, seed: int, group_size: int = 1,
                     greedy: bool = False, version: int = 0) -> Batch:
     """n episodes in lockstep from `seed` (a group of `group_size` from one start state), one policy
-    forward per time step for all. The time limit truncates (PPO bootstraps); a fallen pole terminates."""
+    forward per time step for all. The time limit truncates (PPO bootstraps from the critic's value of
+    the final state: PPO runs sync, so these are stage 2's weights); a fallen pole terminates."""
     vec = env.reset(n, seed, group_size)
     obs = vec.state.T.astype("float32")
     alive, truncated = torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)
@@ -118,7 +118,8 @@ def rollout_control(env: CartPole, policy, n: int, seed: int, group_size: int = 
         alive &= ~ended
     states, actions, logp, mask = (torch.stack(x, 1) for x in zip(*steps))  # [N, T, D], then [N, T] each
     leader = torch.arange(n) // group_size * group_size  # [N]
-    return Batch(actions, mask, states, last_obs, mask, logp * mask, mask.clone(), truncated,  # reward: +1
+    bootstrap = policy.last_value(last_obs) if policy.has_critic else torch.zeros(n)  # [N]
+    return Batch(actions, mask, states, bootstrap, mask, logp * mask, mask.clone(), truncated,  # reward: +1
                  leader, torch.full((n,), version), {}, [("", "", "")] * n)
 
 
@@ -243,9 +244,6 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
 
 
 # ================================================================ batch sources
-live_weights = contextlib.nullcontext  # weights(version) in sync mode: the live weights sampled every row
-
-
 class BatchSource:
     """What the loop asks of wherever batches come from. Sync sources generate with the live
     policy, so `weights` and `publish` have nothing to do there."""
@@ -264,7 +262,7 @@ class BatchSource:
 
     def weights(self, version: int) -> contextlib.AbstractContextManager:
         """A context in which the policy holds the weights that sampled `version`, for stage 2."""
-        return live_weights(version)
+        return contextlib.nullcontext()
 
     def publish(self, step: int) -> None:
         """Stage 4: hand the weights of version `step` to whoever generates."""

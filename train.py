@@ -10,6 +10,7 @@ log / evaluate / checkpoint. Sync and async differ only in the batch source, nev
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import signal
@@ -31,8 +32,7 @@ from algos import (AGGREGATIONS, ALGOS, EPS, GROUPED, IS_LEVELS, KL, LOSSES, gro
 from envs import TEXT_ENVS, CartPole
 from judge import JudgeUnavailable
 from model import DTYPES, LLMPolicy, MLPPolicy
-from rollouts import (CONTROL, Batch, BatchSource, TaskRollouts, live_weights, sample_rows, show_samples,
-                      sources)
+from rollouts import CONTROL, Batch, BatchSource, TaskRollouts, sample_rows, show_samples, sources
 
 
 @dataclasses.dataclass
@@ -331,14 +331,13 @@ def rollout_metrics(batch: Batch, rewards: torch.Tensor, cfg: Config) -> dict:
 
 
 @torch.no_grad()
-def prepare(policy, batch: Batch, cfg: Config, weights=live_weights, teacher=None) -> Batch:
+def prepare(policy, batch: Batch, cfg: Config, weights=contextlib.nullcontext, teacher=None) -> Batch:
     """Stage 2: old log-probs and values, advantages, loss weights, batch.metrics. The sampler's own
     log-probs (batch.logp) are never the old ones: only tis / mis and the logged logp_gap read them."""
     mask, metrics, rows = batch.mask, {}, micro_slices(torch.arange(len(batch)), cfg.micro_batch)
     if not on_policy(policy, cfg):
         batch.old_logp, batch.values = old_scores(policy, batch, cfg, weights)
         metrics["logp_gap"] = masked_mean((batch.old_logp - batch.logp).abs(), mask).item()
-    batch.last_value = policy.last_value(batch) if policy.has_critic else None
     if cfg.kl_coef:
         batch.ref_logp = torch.cat([policy.ref_logp(batch, r) for r in rows])
     if teacher is not None:  # on-policy distillation: the teacher scores the student's tokens

@@ -38,7 +38,7 @@ import transport  # noqa: E402
 import train  # noqa: E402
 import utils  # noqa: E402
 from model import LLMPolicy, VLLMGenerator  # noqa: E402
-from rollouts import live_weights, make_batch  # noqa: E402
+from rollouts import make_batch  # noqa: E402
 
 TOKEN = "bench-token-0123456789"
 
@@ -87,7 +87,7 @@ def one_core_phases(args) -> dict:
         t0 = time.perf_counter()
         batch = source.next(step)
         t1 = time.perf_counter()
-        train.old_scores(policy, batch, cfg, live_weights)  # what an async trainer's prepare() adds: one version
+        train.old_scores(policy, batch, cfg, source.weights)  # what an async trainer's prepare() adds: one version
         t2 = time.perf_counter()
         train.update(policy, opt, train.prepare(policy, batch, cfg), cfg)
         if step >= 2:
