@@ -430,4 +430,7 @@ def run_worker(cfg) -> int:
             fetcher.done.set()
         elif answer[0] != 200:
             utils.stderr(f"worker {me}: batch refused ({answer[0]}): {bytes(answer[1][:300])!r}")
+    # A daemon thread still inside torch when the interpreter exits aborts the process (SIGABRT, not 0)
+    fetcher.done.set()
+    fetcher.join(client.timeout)
     return 0

@@ -288,6 +288,23 @@ def test_workers_exit_cleanly_when_the_trainer_is_killed(tiny, lone):
     assert "trainer unreachable for 8 s" in log
 
 
+def test_a_worker_returns_only_after_its_adapter_fetcher_has_stopped(tiny, tmp_path, monkeypatch):
+    """A daemon thread still inside torch when the interpreter exits aborts the process (SIGABRT, seen
+    once as a worker's exit code -6): the worker stops and joins its fetcher before it returns."""
+    proc, url = trainer(tiny, tmp_path, "--steps", "2")
+    real_get = transport.Client.get
+
+    def busy_get(client, path):  # every GET leaves the fetcher busy a while, as decoding an adapter does
+        answer = real_get(client, path)
+        time.sleep(1.0)
+        return answer
+    monkeypatch.setattr(transport.Client, "get", busy_get)
+    monkeypatch.setenv("NANORL_TOKEN", TOKEN)
+    assert train.main(flags(tiny, tmp_path / "unused", "--role", "rollout", "--trainer-url", url)) == 0
+    assert [t for t in threading.enumerate() if isinstance(t, serve.AdapterFetcher)] == []
+    finish(proc, tmp_path / "trainer.log")
+
+
 def test_workers_dying_stalling_and_rejoining_never_stop_training_and_stale_batches_are_dropped(tiny, tmp_path):
     steps = 10
     proc, url = trainer(tiny, tmp_path, "--steps", str(steps), "--max-staleness", "1")
