@@ -123,8 +123,10 @@ def loss_weights(mask, mode="token_mean", total_tokens=None, total_rows=None, co
     """Per-token loss weights [N, T]: token_mean mask / tokens (DAPO), seq_mean mask / (len_i * rows) (the
     GRPO paper), constant mask / (rows * constant) (Dr. GRPO). Tokens and rows (not fully masked) are the
     whole batch's, all ranks' unless given, so the micro-batch gradients sum to one big backward's."""
-    tokens = max(float(utils.all_sum(mask.sum()) if total_tokens is None else total_tokens), 1.0)
-    rows = max(float(utils.all_sum((mask.sum(1) > 0).sum()) if total_rows is None else total_rows), 1.0)
+    counts = torch.stack([mask.sum(), (mask.sum(1) > 0).float().sum()])  # tokens, rows not fully masked
+    tokens, rows = utils.all_sum(counts).tolist()  # the whole batch's: one collective for both
+    tokens = max(float(tokens if total_tokens is None else total_tokens), 1.0)
+    rows = max(float(rows if total_rows is None else total_rows), 1.0)
     if mode == "seq_mean":  # a row's length is its own: no collective needed
         return mask / (mask.sum(1, keepdim=True).clamp(min=1) * rows)
     return mask / (rows * constant if mode == "constant" else tokens)

@@ -42,8 +42,9 @@ def closest(name: str, valid) -> str:
 
 
 def coerce(field: dataclasses.Field, value, source: str):
-    """YAML/CLI value -> the field's type, or a ConfigError naming the key. YAML's true is no number and 1
-    no bool; an int takes 3.0 but not 3.5; a float is finite (a NaN lr would pass every range check)."""
+    """YAML/CLI value -> the field's type, or a ConfigError naming the key. YAML's true is no number and 1 no
+    bool; an int takes YAML's 3.0 (not 3.5, nor "3.0" on the CLI); a float is finite (a NaN lr would pass
+    every range check)."""
     kind = field.type if isinstance(field.type, str) else field.type.__name__
     try:
         if kind == "str" or isinstance(value, bool) == (kind == "bool"):
