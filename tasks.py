@@ -72,7 +72,8 @@ def last_boxed(text: str) -> str | None:
 
 def _plain(text: str) -> str:  # the last \boxed{}'s content or the text; \frac{a}{b} -> a/b, 1{,}000 -> 1,000
     text = text if (boxed := last_boxed(text)) is None else boxed
-    text = text.replace("\\$", "$").replace("\\%", "%").replace("{,}", ",").replace("\\!", "")
+    for tex, plain in (("\\$", "$"), ("\\%", "%"), ("{,}", ","), ("\\!", ""), ("\u2212", "-")):  # U+2212: −
+        text = text.replace(tex, plain)
     return _FRAC.sub(r" \1/\2", text)  # 2\frac{1}{4} -> "2 1/4": two numbers, never 21/4
 
 

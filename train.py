@@ -15,7 +15,6 @@ import dataclasses
 import math
 import signal
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -193,8 +192,8 @@ def validate(cfg: Config) -> None:
         raise err(f"--log {cfg.log}: choose from {', '.join(utils.LOGGERS)} (metrics.csv is always written)")
     if cfg.resume and not Path(cfg.resume).is_dir():
         raise err(f"--resume {cfg.resume}: no such run directory")
-    if not cfg.resume and cfg.role != "rollout" and utils.holds_run(run := run_dir(cfg)):
-        raise err(f"{run} holds a run: --resume {run} continues it, or pick another --out")
+    if cfg.out and not cfg.resume and cfg.role != "rollout" and utils.holds_run(Path(cfg.out)):
+        raise err(f"{cfg.out} holds a run: --resume {cfg.out} continues it, or pick another --out")
     if cfg.export and (why := utils.export_blocker(Path(cfg.export))):
         raise err(f"--export {cfg.export}: {why}; pick a new or empty directory")
     validate_modes(cfg)
@@ -257,7 +256,10 @@ def build(cfg: Config) -> tuple[torch.nn.Module, torch.optim.Optimizer, BatchSou
 
 def load_teacher(cfg: Config, student):
     """--algo opd: the frozen teacher, after checking that it reads the student's token ids alike."""
-    teacher = LLMPolicy(dataclasses.replace(cfg, model=cfg.teacher, lora=False, kl_coef=0.0))
+    try:
+        teacher = LLMPolicy(dataclasses.replace(cfg, model=cfg.teacher, lora=False, kl_coef=0.0))
+    except utils.ConfigError as e:  # a model's messages name the flag they usually serve
+        raise utils.ConfigError(str(e).replace("--model", "--teacher", 1)) from None
     a, b = student.tokenizer, teacher.tokenizer
     if a.get_vocab() != b.get_vocab() or student.eos_ids != teacher.eos_ids:
         raise utils.ConfigError(f"--teacher {cfg.teacher}: its tokenizer differs from the student's "
@@ -556,6 +558,8 @@ def parse(argv: list[str]) -> Config:
         raise utils.ConfigError(f"--resume {cfg.resume}: no config.yaml in {saved.parent}: not a run")
     old, cfg = (utils.load_config(Config, flags, choices(), base=saved, defaults=task_defaults)
                 for flags in ([], argv))
+    if cfg.out and cfg.out != old.out and Path(cfg.out).resolve() != run_dir(cfg).resolve():
+        raise utils.ConfigError(f"--out {cfg.out}: a resumed run goes on in {run_dir(cfg)}; drop --out")
     for name in ("task", "data", "model", "lora", "lora_rank", "lora_targets", "algo", "loss"):  # what trains
         if getattr(cfg, name) != getattr(old, name):
             utils.stderr(f"warning: {name} {getattr(cfg, name)!r} replaces the run's {getattr(old, name)!r}")
@@ -565,7 +569,7 @@ def parse(argv: list[str]) -> Config:
 def run_dir(cfg: Config) -> Path:
     if cfg.resume:
         return Path(cfg.resume).parent if Path(cfg.resume).name.startswith("ckpt-") else Path(cfg.resume)
-    return Path(cfg.out or f"runs/{cfg.task}-{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return Path(cfg.out) if cfg.out else utils.fresh_dir(f"runs/{cfg.task}-{cfg.algo}")
 
 
 def main(argv: list[str]) -> int:

@@ -8,6 +8,7 @@ import dataclasses
 import datetime
 import difflib
 import inspect
+import itertools
 import json
 import math
 import os
@@ -304,6 +305,23 @@ def export_blocker(path: Path) -> str | None:
     if any(p.is_file() for p in (path, *path.parents)):
         return "a file is in the way of that directory"
     return "that directory is not empty" if path.is_dir() and any(path.iterdir()) else None
+
+
+def fresh_dir(prefix: str) -> Path:
+    """A new directory <prefix>-<time>, or <prefix>-<time>-2, -3, ... where taken: mkdir is atomic, so runs
+    started in the same second (a sweep's) never share one. Made by rank 0, which alone writes there."""
+    base = f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if rank() > 0:
+        return Path(base)  # the other ranks never write there: they name it in messages only
+    for n in itertools.count(1):
+        path = Path(base if n == 1 else f"{base}-{n}")
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise ConfigError(f"cannot create the run directory {path} ({e}); pass --out DIR") from None
 
 
 def atomic_write(path: Path, data: bytes) -> None:

@@ -156,6 +156,38 @@ def test_a_new_run_never_writes_into_another_runs_directory(capsys, tmp_path):
                                 "--out", str(out)]))
 
 
+def test_a_resume_refuses_an_out_elsewhere_and_takes_its_own(capsys, tmp_path):
+    """--resume RUN --out OTHER silently went on in RUN, leaving OTHER empty. Now it is one line; the run's own
+    directory as --out, as a script that names both passes it, still resumes."""
+    run, quick = tmp_path / "run", ["--steps", "1", "--batch", "4", "--eval-episodes", "1", "--no-progress"]
+    assert train.main(["--out", str(run), *quick]) == 0
+    capsys.readouterr()
+    other = tmp_path / "other"
+    err = one_line_error(capsys, ["--resume", str(run), "--out", str(other), "--steps", "2"])
+    assert err == f"error: --out {other}: a resumed run goes on in {run}; drop --out" and not other.exists()
+    assert train.main(["--resume", str(run), "--out", str(run), "--steps", "2", "--no-progress"]) == 0
+    assert sorted(p.name for p in run.glob("ckpt-*")) == ["ckpt-0000001", "ckpt-0000002"]
+
+
+def test_runs_started_in_the_same_second_without_out_each_get_a_directory(capsys, tmp_path, monkeypatch):
+    """The default runs/<task>-<algo>-<time> was shared by a sweep's runs started in one second: the
+    second appended to the first's metrics, or was refused once the first had logged a step."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(utils.time, "strftime", lambda fmt: "20261202-000000")  # one second for all
+    quick = ["--steps", "1", "--batch", "4", "--eval-episodes", "1", "--no-progress"]
+    for seed in "12":
+        assert train.main([*quick, "--seed", seed]) == 0
+    first = tmp_path / "runs/cartpole-reinforce-20261202-000000"
+    second = first.with_name(first.name + "-2")
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [first.name, second.name]
+    for run, seed in ((first, 1), (second, 2)):  # each run's own files, each logged once
+        assert train.parse(["--resume", str(run)]).seed == seed
+        assert [line.split(",")[2] for line in (run / "metrics.csv").read_text().splitlines()].count("reward") == 1
+    (tmp_path / "runs").rename(tmp_path / "moved")
+    (tmp_path / "runs").write_text("a file where the runs directory goes")
+    assert one_line_error(capsys, quick).startswith("error: cannot create the run directory runs/cartpole-")
+
+
 def test_a_start_that_failed_before_logging_a_step_leaves_its_directory_to_the_fixed_command(capsys, tmp_path):
     """A prompt over --max-len fails at the first eval, after config.yaml is written: the command that
     the error names (--max-len raised, the same --out) must run there, not be told the run exists."""

@@ -120,6 +120,14 @@ def test_teacher_with_another_tokenizer_is_refused_in_one_line(models, tmp_path)
     assert "\n" not in str(e.value)
 
 
+def test_a_teacher_that_cannot_load_is_named_by_its_own_flag(models, tmp_path):
+    """The model loader's messages name --model: a missing teacher was reported as the student's flag."""
+    student, _ = models
+    with pytest.raises(utils.ConfigError) as e:
+        setup(student, str(tmp_path / "nowhere"))
+    assert str(e.value).startswith(f"--teacher {tmp_path / 'nowhere'}: no such directory") and "\n" not in str(e.value)
+
+
 # ---------------------------------------------------------------- async: the trainer's teacher scores
 def test_async_opd_advantage_is_teacher_minus_each_rows_sampling_version_for_rows_from_the_wire(models):
     """Rows of two versions POSTed over real HTTP: the advantage is the teacher's log-prob minus the

@@ -59,6 +59,14 @@ def test_completion_number_takes_the_last_and_respects_separators_and_signs():
     assert completion_number("12 + 7 = <answer>19</answer>, not 20") == 19  # the answer tags win
 
 
+def test_a_typeset_minus_sign_is_a_minus():
+    """Models that learned from LaTeX-rendered text write U+2212 for minus: a right negative answer scored 0."""
+    assert parse_number("\u221272") == -72 and parse_number("\\boxed{\u2212\\frac{1}{2}}") == Fraction(-1, 2)
+    assert completion_number("so x = \u22123") == -3 and completion_number("5\u22123") == 3  # still subtraction
+    assert numeric_correct("p", "<answer>\u221272</answer>", "-72") == 1.0
+    assert numeric_correct("p", "<answer>\u221272</answer>", "72") == 0.0
+
+
 def test_last_boxed_balances_braces_and_last_wins():
     assert last_boxed("\\boxed{\\frac{1}{2}} or \\boxed{\\dfrac{3}{4}}") == "\\dfrac{3}{4}"
     assert last_boxed("\\boxed{1") is None and last_boxed("none") is None
