@@ -41,7 +41,9 @@ def judge_url():
     log = tempfile.NamedTemporaryFile("w", prefix="nanorl-judge-vllm-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
                              "--served-model-name", "judge", "--host", "127.0.0.1", "--port", str(port),
-                             "--gpu-memory-utilization", "0.1", "--max-model-len", "1024",
+                             # 1 GiB of KV cache, as VLLMGenerator takes: a share of the NUMA node
+                             # (--gpu-memory-utilization 0.1) is less than the model on a 10 GB node
+                             "--kv-cache-memory-bytes", str(1 << 30), "--max-model-len", "1024",
                              "--enforce-eager",  # no compilation: the engine starts in a fraction of the time
                              "--distributed-executor-backend", "uni"],  # the model runner in the engine's process
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
