@@ -99,6 +99,14 @@ def add_lora(lm: nn.Module, targets: str, rank: int, alpha: int) -> nn.Module:
     return get_peft_model(lm, config)
 
 
+def learned_positions(lm: nn.Module) -> int | None:
+    """Where a model's learned absolute positions end (GPT-2's wpe, OPT's), past which a forward fails;
+    None for rotary or relative ones, which run on past max_position_embeddings."""
+    limit, tokens = getattr(lm.config, "max_position_embeddings", None), lm.get_input_embeddings()
+    tables = [m for m in lm.modules() if isinstance(m, nn.Embedding) and m is not tokens]
+    return limit if limit and any(t.num_embeddings >= limit for t in tables) else None
+
+
 def load_lm(path: str, cfg, device: torch.device) -> nn.Module:
     """The causal LM at `path` on `device`; on the meta device without weights (no memory)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -161,6 +169,7 @@ class LLMPolicy(nn.Module):
                                     f"({str(e).splitlines()[0]}); {LOAD_HINT}") from None
         lm = load_lm(self.path, cfg, self.device)
         self.model = add_lora(lm, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha) if self.lora else lm
+        self.positions = learned_positions(lm)  # None: no end
         # autocast feeds LoRA bf16 already: PEFT's cast of each input to fp32 is a copy autocast undoes (~8%)
         for m in self.model.modules() if self.bf16 else []:
             if hasattr(m, "cast_input_dtype_enabled"):  # a LoRA layer
@@ -213,9 +222,15 @@ class LLMPolicy(nn.Module):
     @torch.inference_mode()
     def generate(self, prefixes: list[list[int]], max_new_tokens: int, gen_batch: int = 64,
                  greedy: bool = False) -> list[Sample]:
-        """One completion per prefix. Rows are sorted by length first so a chunk pads little."""
+        """One completion per prefix. Rows are sorted by length first so a chunk pads little. Where learned
+        positions end (self.positions) completions end too, truncated, as at the token budget."""
         if max_new_tokens < 1 or not all(prefixes):
             raise ValueError(f"generate needs max_new_tokens >= 1 (got {max_new_tokens}), non-empty prefixes")
+        if self.positions and (room := self.positions - max(map(len, prefixes))) < max_new_tokens:
+            if room < 1:
+                raise utils.ConfigError(f"a prompt of {self.positions - room} tokens fills all "
+                                        f"{self.positions} learned positions of the model; shorten it")
+            max_new_tokens = room
         order, out = sorted(range(len(prefixes)), key=lambda i: len(prefixes[i])), {}
         for s in range(0, len(order), gen_batch):
             chunk = order[s : s + gen_batch]

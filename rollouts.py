@@ -395,8 +395,9 @@ class EnvRollouts(TaskRollouts):
 
     def episodes(self, problems: list[Problem], k: int, greedy: bool = False, version: int = 0) -> Batch:
         cfg = self.cfg
+        max_len = min(cfg.max_len, self.policy.positions or cfg.max_len)  # GPT-2's positions end an episode
         return rollout_multiturn(self.policy, self.env, problems, k, cfg.max_turns, cfg.max_new_tokens,
-                                 cfg.max_len, greedy, version, cfg.gen_batch)
+                                 max_len, greedy, version, cfg.gen_batch)
 
     def next(self, step: int) -> Batch:
         k = self.cfg.group_size

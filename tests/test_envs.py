@@ -79,7 +79,7 @@ class ScriptedPolicy:
     def __init__(self, tokenizer, script):
         self.tokenizer, self.script, self.sampled = tokenizer, script, []
         self.use_template, self.thinking, self.bos = tokenizer.chat_template is not None, False, []
-        self.eos_ids, self.pad_id = {tokenizer.eos_token_id}, tokenizer.pad_token_id
+        self.eos_ids, self.pad_id, self.positions = {tokenizer.eos_token_id}, tokenizer.pad_token_id, None
 
     def generate(self, prefixes, max_new_tokens, gen_batch=64, greedy=False):
         out = []

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import rollouts
 import train
 import utils
 from algos import loss_weights, policy_loss
@@ -497,6 +498,30 @@ def test_gpt2_grpo_update_changes_only_the_adapters(gpt2):
     opt.step()
     assert all(torch.equal(p, base[k]) for k, p in pol.named_parameters() if not p.requires_grad)
     assert all(not torch.equal(p, before[k]) for k, p in pol.trained.items())  # every A and B moved
+
+
+def test_gpt2_completions_and_episodes_end_where_its_learned_positions_do(gpt2, tiny):
+    """Past GPT-2's n_positions (256 here) a forward raised IndexError: a long prompt plus --max-new-tokens
+    crashed the run, and a multi-turn episode under --max-len 2048 too. Now completions stop at the last
+    position, truncated, and rescore exactly; a prompt that fills every position is one line. Rotary
+    models (the tiny Llama) have no such end."""
+    pol = policy(gpt2)
+    assert pol.positions == 256 and policy(tiny).positions is None
+    prefixes = [[1] + [5] * 247, [1] + [6] * 100]  # 248 and 101 tokens: room for 8 more in one call
+    torch.manual_seed(0)
+    samples = pol.generate(prefixes, 40)
+    assert all(len(s.ids) == 8 and s.truncated or s.ids[-1] in pol.eos_ids for s in samples)
+    assert max(len(p) + len(s.ids) for p, s in zip(prefixes, samples)) <= 256
+    batch = make_batch(prefixes, samples, [0.0, 0.0], pol.pad_id)
+    mask = batch.mask > 0
+    torch.testing.assert_close(pol.score(batch, slice(None))[0][mask], batch.logp[mask], rtol=0, atol=1e-5)
+    with pytest.raises(utils.ConfigError, match="^a prompt of 256 tokens fills all 256 learned positions"):
+        pol.generate([[5] * 256], 4)
+    cfg = train.Config(task="countdown_multiturn", model=gpt2, algo="grpo", batch=2, group_size=2, eval_size=1,
+                       max_new_tokens=64, max_turns=4)  # max_len 2048: an episode would run past 256
+    torch.manual_seed(0)
+    episodes = rollouts.EnvRollouts(cfg, pol).next(0)
+    assert int(episodes.attn.sum(1).max()) <= 256 and episodes.truncated.all()
 
 
 def test_lora_target_errors_list_what_the_model_has(gpt2):
