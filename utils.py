@@ -349,6 +349,8 @@ def save_checkpoint(out: Path, step: int, policy: torch.nn.Module, opt: torch.op
                 os.fsync(f.fileno())
     for old in checkpoints(out)[:-keep]:
         shutil.rmtree(old)
+    for stale in out.glob(".tmp-ckpt-*"):  # a write that a kill (preemption, OOM) cut short: GBs of nothing
+        shutil.rmtree(stale, ignore_errors=True)
     return final
 
 

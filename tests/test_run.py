@@ -83,6 +83,28 @@ def test_an_empty_or_foreign_state_file_is_skipped_and_a_stray_copy_is_no_checkp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000001.bak", "ckpt-0000004"]
 
 
+def test_a_checkpoint_write_cut_short_by_a_kill_is_swept_by_the_next_save(tmp_path):
+    """A SIGKILL (a preemption, the OOM killer) mid-write left its .tmp-ckpt-* directory beside the run's
+    checkpoints for good: with full fine-tuning, the weights and Adam's state each time."""
+    policy = MLPPolicy(4, 2)
+    opt, meta = torch.optim.Adam(policy.parameters()), {"wall_s": 0.0, "source": {}}
+
+    def killed_mid_write():
+        torch.save = lambda *args, **kw: time.sleep(600)  # in the forked child only: the weights are written
+        utils.save_checkpoint(tmp_path, 1, policy, opt, meta, keep=3)
+
+    child = multiprocessing.get_context("fork").Process(target=killed_mid_write)
+    child.start()
+    deadline = time.time() + 60
+    while not list(tmp_path.glob(".tmp-ckpt-0000001-*/weights.safetensors")) and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    assert len(list(tmp_path.glob(".tmp-ckpt-*"))) == 1 and utils.checkpoints(tmp_path) == []
+    utils.save_checkpoint(tmp_path, 1, policy, opt, meta, keep=3)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt-0000001"]
+
+
 def test_a_named_checkpoint_or_an_eval_only_must_load_instead_of_the_untrained_model_standing_in(tmp_path, capsys):
     out = tmp_path / "run"
     assert train.main(cartpole(out, "--steps", "2", "--ckpt-every", "1", "--target", "0")[2:]) == 0
