@@ -248,6 +248,8 @@ class LLMPolicy(nn.Module):
         pos = (attn.cumsum(1) - 1).clamp(min=0)  # [U, P]: every row's first real token is at 0
         rows = torch.tensor([index[tuple(p)] for p in prefixes], device=dev)  # [B]: row -> prefix
         out = lm(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
+        if out.past_key_values is None:  # e.g. BERT, which AutoModelForCausalLM loads: it also looks ahead
+            raise utils.ConfigError(f"--model {self.path} gives no KV cache: not a causal LM; pick one")
         out.past_key_values.reorder_cache(rows)
         return out.past_key_values, out.logits[rows, -1], attn[rows], pos[rows]
 

@@ -96,6 +96,23 @@ def test_bad_model_id_fails_at_start_up_naming_the_fix(tmp_path):
         LLMPolicy(train.Config(model=str(tmp_path), dtype="fp16"))
 
 
+def test_an_encoder_that_loads_as_a_causal_lm_stops_in_one_line_at_its_first_rollout(tmp_path):
+    """AutoModelForCausalLM loads a BERT (as BertLMHeadModel, with a warning), which returns no KV cache
+    and attends ahead: the first rollout died in an AttributeError traceback."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from modeldir import char_tokenizer
+
+    tok = char_tokenizer(64)
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    BertForMaskedLM(BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=1,
+                               intermediate_size=32, **ids)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    pol = policy(str(tmp_path))
+    with pytest.raises(utils.ConfigError, match=rf"^--model {tmp_path} gives no KV cache: not a causal LM; pick"):
+        pol.generate([pol.encode_prompt("1+1=")], 4)
+
+
 def test_a_model_directory_without_usable_weights_or_not_a_causal_lm_fails_in_one_line(tiny, tmp_path, monkeypatch):
     from transformers import T5Config
 
