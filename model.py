@@ -168,8 +168,8 @@ class LLMPolicy(nn.Module):
             raise utils.ConfigError(f"--model {cfg.model}: cannot load its tokenizer "
                                     f"({str(e).splitlines()[0]}); {LOAD_HINT}") from None
         lm = load_lm(self.path, cfg, self.device)
+        self.positions = learned_positions(lm)  # None: no end (before LoRA wraps an embedding, if named)
         self.model = add_lora(lm, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha) if self.lora else lm
-        self.positions = learned_positions(lm)  # None: no end
         # autocast feeds LoRA bf16 already: PEFT's cast of each input to fp32 is a copy autocast undoes (~8%)
         for m in self.model.modules() if self.bf16 else []:
             if hasattr(m, "cast_input_dtype_enabled"):  # a LoRA layer
