@@ -209,6 +209,7 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
     per turn for all live episodes; env steps run in 8 threads (the sandbox and SQLite release the GIL).
     Only the model's tokens have mask 1. An episode whose next turn would pass max_len ends, truncated."""
     eps = [_start(policy, env_factory, p) for p in problems for _ in range(group_size)]
+    max_len = min(max_len, policy.positions or max_len)  # learned positions (GPT-2's) end an episode too
     if (longest := max(len(e.prompt) for e in eps)) >= max_len:
         raise utils.ConfigError(f"a prompt has {longest} tokens, not fewer than max_len={max_len}; "
                                 "raise max_len (--max-len)")
@@ -395,9 +396,8 @@ class EnvRollouts(TaskRollouts):
 
     def episodes(self, problems: list[Problem], k: int, greedy: bool = False, version: int = 0) -> Batch:
         cfg = self.cfg
-        max_len = min(cfg.max_len, self.policy.positions or cfg.max_len)  # GPT-2's positions end an episode
         return rollout_multiturn(self.policy, self.env, problems, k, cfg.max_turns, cfg.max_new_tokens,
-                                 max_len, greedy, version, cfg.gen_batch)
+                                 cfg.max_len, greedy, version, cfg.gen_batch)
 
     def next(self, step: int) -> Batch:
         k = self.cfg.group_size
