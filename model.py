@@ -238,7 +238,7 @@ class LLMPolicy(nn.Module):
         return [out[i] for i in range(len(prefixes))]
 
     def _prefill(self, lm: nn.Module, prefixes: list[list[int]]):
-        """-> (cache, logits [B, V] of each row's next token, attn [B, P], positions [B, P]), each distinct
+        """-> (cache, logits [B, V] of each row's next token, attn [B, P], last pos [B, 1]), each distinct
         prefix run once, left-padded, its K/V cache indexed out to every row that shares it (beam search's
         index_select; its backward sums a prompt's gradient over its rows, as separate forwards would)."""
         index = {p: u for u, p in enumerate(dict.fromkeys(map(tuple, prefixes)))}
@@ -251,7 +251,7 @@ class LLMPolicy(nn.Module):
         if out.past_key_values is None:  # e.g. BERT, which AutoModelForCausalLM loads: it also looks ahead
             raise utils.ConfigError(f"--model {self.path} gives no KV cache: not a causal LM; pick one")
         out.past_key_values.reorder_cache(rows)
-        return out.past_key_values, out.logits[rows, -1], attn[rows], pos[rows]
+        return out.past_key_values, out.logits[rows, -1], attn[rows], pos[rows, -1:]
 
     def _generate_chunk(self, prefixes: list[list[int]], max_new: int, greedy: bool) -> list[Sample]:
         B, dev = len(prefixes), self.device
@@ -262,8 +262,7 @@ class LLMPolicy(nn.Module):
         done = torch.zeros(B, dtype=torch.bool, device=dev)  # [B]
         # once per chunk: full fine-tuning's fp32 weights are cast to bf16 once, not per token
         with self.autocast():
-            cache, logits, attn, pos = self._prefill(self.model, prefixes)  # [B, V], [B, P], [B, P]
-            pos = pos[:, -1:]  # [B, 1]
+            cache, logits, attn, pos = self._prefill(self.model, prefixes)  # [B, V], [B, P], [B, 1]
             for t in range(max_new):
                 logp_all = F.log_softmax(logits.float() / self.temperature, -1)  # [B, V], fp32 like score()
                 probs = logp_all.exp()  # [B, V]: what is sampled; the logp recorded is the full softmax's
