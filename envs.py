@@ -1,8 +1,6 @@
 """Environments: CartPole from gymnasium, stepped as one vectorised env so that a whole batch of episodes
 advances with one policy forward per time step (that batching, not the algorithm, trains it in seconds);
 then multi-turn text environments for rollouts.py: calculator countdown, sandboxed Python, read-only SQL."""
-from __future__ import annotations
-
 import contextlib
 import functools
 import hashlib
