@@ -1,6 +1,4 @@
 """Plumbing shared by the loop: config parsing, metrics and their loggers, checkpoints, torchrun helpers."""
-from __future__ import annotations
-
 import argparse
 import contextlib
 import csv
