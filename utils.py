@@ -121,6 +121,7 @@ class Metrics:
     metrics.csv in long format (step, wall_s, key, value: any tool reads any metric) and samples.jsonl. A
     resumed run first drops the lines after its checkpoint's step, which it writes again. Without `out`, and
     on ranks other than 0 (rank 0 logs the all-reduced numbers), nothing is written."""
+    SAMPLES_MAX_BYTES = 32 << 20  # ~100k short completions: report.html opens them in about a second
 
     def __init__(self, out: Path | None = None, cfg=None, wall_offset: float = 0.0, resumed_at=None):
         self.t0, self.out, self.loggers = time.perf_counter() - wall_offset, out if rank() == 0 else None, []
@@ -158,7 +159,7 @@ class Metrics:
         if self.out:
             self.samples_file.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
             self.samples_file.flush()
-            if self.samples_file.tell() > SAMPLES_MAX_BYTES:
+            if self.samples_file.tell() > self.SAMPLES_MAX_BYTES:
                 self.samples_file.close()
                 os.replace(self.out / "samples.jsonl", self.out / "samples.1.jsonl")
                 self.samples_file = open(self.out / "samples.jsonl", "a")
@@ -171,9 +172,6 @@ class Metrics:
             self.samples_file.close()
         for logger in self.loggers:
             logger.close()
-
-
-SAMPLES_MAX_BYTES = 32 << 20  # ~100k short completions: the report loads them in a browser in about a second
 
 
 def truncate_log(path: Path, last_step: float) -> None:
