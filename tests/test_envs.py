@@ -247,6 +247,29 @@ def test_mask_covers_exactly_the_model_turns_and_the_reward_sits_on_the_last_one
     assert batch.truncated.tolist() == [False, False] and batch.group.tolist() == [0, 0]
 
 
+class WithSystem(CountdownEnv):
+    """An env of the user's own that opens with a system message, then the task's prompt."""
+
+    def reset(self, problem):
+        messages, info = super().reset(problem)
+        return [{"role": "system", "content": "Be brief."}, *messages], info
+
+
+@pytest.mark.parametrize("template", [True, False])
+def test_an_env_that_opens_with_a_system_message_is_sampled_after_both_messages(template):
+    tok = chat_tokenizer()
+    tok.chat_template = TEMPLATE if template else None
+    policy = ScriptedPolicy(tok, think_then_answer)
+    problem = countdown_problem([3, 5], 15)
+    batch = rollout_multiturn(policy, WithSystem, [problem], 1, max_turns=1, max_new_tokens=64, max_len=512)
+    (prefix, turn), = policy.sampled[0]
+    opening = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n" + problem.prompt
+               + "<|im_end|>\n<|im_start|>assistant\n") if template else "Be brief.\n\n" + problem.prompt
+    assert tok.decode(prefix) == opening  # the system message is in the prompt, as the template renders it
+    n = len(prefix) + len(turn.ids)
+    assert batch.tokens[0, :n].tolist() == prefix + turn.ids and batch.mask[0].sum() == len(turn.ids)
+
+
 def test_episode_that_would_pass_max_len_ends_early_and_truncated():
     policy = ScriptedPolicy(chat_tokenizer(), think_then_answer)
     problem = countdown_problem([3, 5], 15)

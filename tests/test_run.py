@@ -19,6 +19,7 @@ import torch._dynamo  # noqa: F401 (torch.optim imports it on first use, seconds
 import yaml
 from safetensors.torch import load_file
 
+import report
 import train
 import utils
 from model import MLPPolicy
@@ -228,6 +229,24 @@ def wandb_records(path: Path):
             body = getattr(record, which)
             items = body.config.update if which == "run" else getattr(body, "item", [])  # a run record holds the config
             yield which, {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items}
+
+
+def test_samples_rotate_past_their_byte_limit_and_a_resume_trims_both_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(utils.Metrics, "SAMPLES_MAX_BYTES", 100)
+    line = len(json.dumps({"step": 1, "text": "x" * 40}) + "\n")  # 64 bytes: every second step rotates
+    metrics, on_disk = utils.Metrics(tmp_path, train.Config()), []
+    for step in range(1, 8):
+        metrics.samples(step, [{"text": "x" * 40}])
+        on_disk.append(sum(p.stat().st_size for p in tmp_path.glob("samples*.jsonl")) // line)
+    metrics.close()
+    assert on_disk == [1, 2, 3, 2, 3, 2, 3]  # lines kept: the rotated file's 2, then 1 new, never more
+    steps = lambda name: [json.loads(x)["step"] for x in (tmp_path / name).read_text().splitlines()]
+    assert (steps("samples.1.jsonl"), steps("samples.jsonl")) == ([5, 6], [7])  # 1-4 rotated away
+    assert [r["step"] for r in report.read_samples(tmp_path)] == [5, 6, 7]
+    metrics = utils.Metrics(tmp_path, train.Config(), resumed_at=5)  # a resume from step 5's checkpoint
+    metrics.samples(6, [{"text": "again"}])
+    metrics.close()
+    assert [(r["step"], r["text"][:5]) for r in report.read_samples(tmp_path)] == [(5, "xxxxx"), (6, "again")]
 
 
 def test_ctrl_c_in_the_warm_start_finishes_its_step_and_resume_alone_continues_it_bitwise(tmp_path, monkeypatch):

@@ -7,6 +7,8 @@ import tasks
 import train
 import utils
 from modeldir import build_tiny_model
+from model import Sample
+from rollouts import TaskRollouts
 from tasks import Problem, bare_int_correct, make_task
 
 P = Problem("Compute 23 + 58. Write only the result, as digits.", "81", key="23+58")
@@ -76,3 +78,33 @@ def test_only_a_bare_right_sum_pays():  # a bonus for the bare form alone was le
     assert task.score(P.prompt, "81", P.answer) == (1.0, {"bare_int_correct": 1.0})
     for completion in ("80", "23 + 58 = 81", "2", ""):
         assert task.score(P.prompt, completion, P.answer)[0] == 0.0, completion
+
+
+class Answers:
+    """A stand-in policy whose greedy answer to eval problem i is the bare sum (i % 3 == 0), the sum
+    written out as "a + b = s" (i % 3 == 1: right, wrong format) or a wrong bare number (i % 3 == 2)."""
+
+    pad_id = 0
+
+    def __init__(self, task):
+        self.problems = task.eval_problems()
+        self.index = {p.prompt: i for i, p in enumerate(self.problems)}
+
+    def encode_prompt(self, prompt):
+        return [self.index[prompt]]
+
+    def generate(self, prefixes, max_new_tokens, gen_batch, greedy=False):
+        return [Sample([p[0]], [0.0], False) for p in prefixes]
+
+    def decode(self, ids):
+        p = self.problems[ids[0]]
+        return [p.answer, f"{p.key.replace('+', ' + ')} = {p.answer}", str(int(p.answer) + 1)][ids[0] % 3]
+
+
+def test_every_add_eval_logs_the_strict_and_the_lenient_accuracy():
+    source = TaskRollouts(train.parse(["--task", "add", "--eval-size", "12"]), policy=None)
+    source.policy = Answers(source.task)
+    assert source.evaluate() == {"eval_accuracy": 4 / 12, "eval_accuracy_lenient": 8 / 12}
+    arith = TaskRollouts(train.parse(["--task", "arith", "--eval-size", "12"]), policy=None)
+    arith.policy = Answers(arith.task)
+    assert set(arith.evaluate()) == {"eval_accuracy"}  # a task without a lenient score logs none
