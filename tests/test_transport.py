@@ -3,6 +3,7 @@ import contextlib
 import io
 import json
 import pickle
+import re
 import resource
 import socket
 import struct
@@ -128,6 +129,29 @@ def test_decode_rejects_bool_bytes_other_than_0_and_1_even_with_valid_sha():
     odd = torch.tensor([0, 1, 2], dtype=torch.uint8).view(torch.bool)
     with pytest.raises(PayloadError, match="other than 0 and 1"):
         decode(encode({"done": odd}, {}))
+
+
+def test_encode_refuses_a_meta_that_decode_would_refuse():
+    for meta in ([1, 2], "v7", None):  # the sender fails, naming the type, not the trainer that decodes it
+        with pytest.raises(PayloadError, match=f"meta must be a JSON-able dict, got {type(meta).__name__}$"):
+            encode({"x": torch.zeros(2)}, meta)
+
+
+@pytest.mark.parametrize("head", [[1], None, {"format": "nanorl/2", "sha256": "0" * 64, "meta": {}},
+                                  {"format": transport.FORMAT, "meta": {}},
+                                  {"format": transport.FORMAT, "sha256": 0, "meta": {}},
+                                  {"format": transport.FORMAT, "sha256": "0" * 64, "meta": [1]}])
+def test_decode_refuses_a_nanorl_header_without_format_sha256_and_meta_object(head):
+    blob = raw_safetensors({"__metadata__": {"nanorl": json.dumps(head)}}, b"")
+    with pytest.raises(PayloadError, match=r"nanorl header must be an object with format='nanorl/1', sha256 and meta"):
+        decode(blob)
+
+
+def test_decode_of_a_non_bytes_object_raises_payload_error_and_a_memoryview_decodes():
+    for obj in ("not bytes", None, 12, [1, 2]):  # bytearray() of these raises TypeError or invents bytes
+        with pytest.raises(PayloadError, match=f"decode needs bytes, got {type(obj).__name__}$"):
+            decode(obj)
+    assert decode(memoryview(bytes(VALID)))[1] == META
 
 
 @settings(max_examples=300, deadline=None)
@@ -340,6 +364,14 @@ def test_unknown_path_404_wrong_method_405_unsupported_method_501_all_json(serve
     assert_still_serves_valid_batch(server)
 
 
+def test_a_payload_of_another_format_version_gets_400_naming_the_expected_format(server):
+    head = json.dumps({"format": "nanorl/2", "sha256": "0" * 64, "meta": {}})  # from a newer worker
+    status, body = Client(server.url, TOKEN).post("/batch", raw_safetensors({"__metadata__": {"nanorl": head}}, b""))
+    assert (status, json.loads(body)) == (400, {"error": "bad payload: nanorl header must be an object with "
+                                                         "format='nanorl/1', sha256 and meta"})
+    assert_still_serves_valid_batch(server)
+
+
 # ---------------------------------------------------------------- binding and tokens
 
 def test_non_loopback_bind_without_token_refuses_before_opening_socket(monkeypatch):
@@ -429,6 +461,49 @@ def test_client_retries_get_but_never_resends_a_delivered_post(method, attempts)
     assert len(seen) == attempts
 
 
+@contextlib.contextmanager
+def bare_peer(reply: bytes):
+    """An HTTP peer on 127.0.0.1 that reads each request whole, sends the raw bytes `reply` and hangs up;
+    yields (its url, the requests it read)."""
+    with socket.socket() as lis:
+        lis.bind(("127.0.0.1", 0))
+        lis.listen(8)
+        lis.settimeout(0.05)
+        seen, stop = [], threading.Event()
+
+        def serve():
+            while not stop.is_set():
+                try:
+                    conn, _ = lis.accept()
+                except TimeoutError:
+                    continue
+                with conn:
+                    req = b""
+                    while b"\r\n\r\n" not in req and (chunk := conn.recv(65536)):
+                        req += chunk
+                    head, _, body = req.partition(b"\r\n\r\n")
+                    n = int(m[1]) if (m := re.search(rb"(?im)^content-length:\s*(\d+)", head)) else 0
+                    while len(body) < n and (chunk := conn.recv(65536)):
+                        body += chunk
+                    seen.append(head + b"\r\n\r\n" + body)
+                    conn.sendall(reply)
+
+        t = threading.Thread(target=serve)
+        t.start()
+        try:
+            yield f"http://127.0.0.1:{lis.getsockname()[1]}", seen
+        finally:
+            stop.set()
+            t.join()
+
+
+def test_client_reads_a_reply_without_content_length_to_the_end():
+    # e.g. a proxy's error page in front of the trainer: HTTP/1.0, no Content-Length, ended by the close
+    with bare_peer(b"HTTP/1.0 502 Bad Gateway\r\nContent-Type: text/html\r\n\r\n<h1>bad gateway</h1>") as (url, seen):
+        assert Client(url, TOKEN, retries=1).get("/hello") == (502, b"<h1>bad gateway</h1>")
+    assert len(seen) == 1 and seen[0].startswith(b"GET /hello HTTP/1.1\r\n")
+
+
 # ---------------------------------------------------------------- whatever clients do, the server keeps serving
 def rss_mb() -> int:
     return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) >> 10
@@ -463,6 +538,33 @@ def test_slow_connection_flood_at_the_cap_leaves_a_real_client_served_with_bound
     assert failed == 0 and flooded >= 0.1 * undisturbed
     assert threads <= 3 + 2 * transport.MAX_CONNS  # the server's handlers, this flood's thread, pytest's
     assert server.counts["connections_evicted"] - before >= opened[0] - transport.MAX_CONNS - 10
+
+
+def test_at_the_cap_with_every_connection_admitted_a_new_one_is_refused_and_counted(monkeypatch):
+    monkeypatch.setattr(transport, "MAX_CONNS", 2)
+    with Server({("POST", "/batch"): lambda req: (200, {"bytes": len(req.body)})}, token=TOKEN) as srv:
+        u = urlsplit(srv.url)
+        uploads = [socket.create_connection((u.hostname, u.port), timeout=10) for _ in range(2)]
+        try:
+            for s in uploads:  # authenticated, so admitted: past their headers, mid-body
+                s.sendall(post_head("1000") + b"x" * 10)
+            for _ in range(500):
+                if [a for _, a in srv.conns.values()] == [True, True]:
+                    break
+                time.sleep(0.01)
+            with socket.create_connection((u.hostname, u.port), timeout=10) as late:
+                assert late.recv(100) == b""  # closed unanswered: an admitted upload is never evicted for it
+            assert (srv.counts["connections_refused"], srv.counts["connections_evicted"]) == (1, 0)
+            for s in uploads:  # both uploads still finish
+                s.sendall(b"x" * 990)
+                s.shutdown(socket.SHUT_WR)
+                reply = b""
+                while chunk := s.recv(65536):
+                    reply += chunk
+                assert reply.startswith(b"HTTP/1.0 200 ") and reply.endswith(b'{"bytes": 1000}')
+        finally:
+            for s in uploads:
+                s.close()
 
 
 def test_headers_and_bodies_have_overall_deadlines(server, monkeypatch):
