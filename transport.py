@@ -246,7 +246,7 @@ class Client:
                     return resp.status, resp.read()
                 out = bytearray(resp.length)  # read in place: decode views these bytes, no copy
                 if (got := resp.readinto(out)) < len(out):  # short only if the peer hung up
-                    raise http.client.IncompleteRead(b"", len(out) - got)
+                    raise http.client.IncompleteRead(memoryview(out)[:got], len(out) - got)  # no copy
                 return resp.status, out
             except (OSError, http.client.HTTPException) as e:
                 if attempt == self.retries or (sent and method != "GET"):

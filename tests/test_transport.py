@@ -504,6 +504,16 @@ def test_client_reads_a_reply_without_content_length_to_the_end():
     assert len(seen) == 1 and seen[0].startswith(b"GET /hello HTTP/1.1\r\n")
 
 
+@pytest.mark.parametrize("method,attempts", [("GET", 3), ("POST", 1)])
+def test_a_peer_hanging_up_mid_body_is_an_incomplete_read_retried_for_get_only(method, attempts):
+    with bare_peer(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 10) as (url, seen):
+        c = Client(url, TOKEN, retries=3, backoff=0)
+        with pytest.raises(ServeError, match=rf"^{method} {url}/p failed during the request after {attempts} "
+                                             r"tries: IncompleteRead: IncompleteRead\(10 bytes read, 90 more"):
+            c.get("/p") if method == "GET" else c.post("/p", b"body")
+    assert len(seen) == attempts and all(r.endswith(b"\r\n\r\n" + b"body" * (method == "POST")) for r in seen)
+
+
 # ---------------------------------------------------------------- whatever clients do, the server keeps serving
 def rss_mb() -> int:
     return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) >> 10
