@@ -143,7 +143,7 @@ def test_encode_refuses_a_meta_that_decode_would_refuse():
                                   {"format": transport.FORMAT, "sha256": "0" * 64, "meta": [1]}])
 def test_decode_refuses_a_nanorl_header_without_format_sha256_and_meta_object(head):
     blob = raw_safetensors({"__metadata__": {"nanorl": json.dumps(head)}}, b"")
-    with pytest.raises(PayloadError, match=r"nanorl header must be an object with format='nanorl/1', sha256 and meta"):
+    with pytest.raises(PayloadError, match="nanorl header must be an object with format='nanorl/1', sha256"):
         decode(blob)
 
 
@@ -366,7 +366,8 @@ def test_unknown_path_404_wrong_method_405_unsupported_method_501_all_json(serve
 
 def test_a_payload_of_another_format_version_gets_400_naming_the_expected_format(server):
     head = json.dumps({"format": "nanorl/2", "sha256": "0" * 64, "meta": {}})  # from a newer worker
-    status, body = Client(server.url, TOKEN).post("/batch", raw_safetensors({"__metadata__": {"nanorl": head}}, b""))
+    blob = raw_safetensors({"__metadata__": {"nanorl": head}}, b"")
+    status, body = Client(server.url, TOKEN).post("/batch", blob)
     assert (status, json.loads(body)) == (400, {"error": "bad payload: nanorl header must be an object with "
                                                          "format='nanorl/1', sha256 and meta"})
     assert_still_serves_valid_batch(server)
@@ -499,7 +500,8 @@ def bare_peer(reply: bytes):
 
 def test_client_reads_a_reply_without_content_length_to_the_end():
     # e.g. a proxy's error page in front of the trainer: HTTP/1.0, no Content-Length, ended by the close
-    with bare_peer(b"HTTP/1.0 502 Bad Gateway\r\nContent-Type: text/html\r\n\r\n<h1>bad gateway</h1>") as (url, seen):
+    page = b"HTTP/1.0 502 Bad Gateway\r\nContent-Type: text/html\r\n\r\n<h1>bad gateway</h1>"
+    with bare_peer(page) as (url, seen):
         assert Client(url, TOKEN, retries=1).get("/hello") == (502, b"<h1>bad gateway</h1>")
     assert len(seen) == 1 and seen[0].startswith(b"GET /hello HTTP/1.1\r\n")
 
@@ -508,10 +510,11 @@ def test_client_reads_a_reply_without_content_length_to_the_end():
 def test_a_peer_hanging_up_mid_body_is_an_incomplete_read_retried_for_get_only(method, attempts):
     with bare_peer(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 10) as (url, seen):
         c = Client(url, TOKEN, retries=3, backoff=0)
-        with pytest.raises(ServeError, match=rf"^{method} {url}/p failed during the request after {attempts} "
-                                             r"tries: IncompleteRead: IncompleteRead\(10 bytes read, 90 more"):
+        said = rf"^{method} {url}/p failed during the request after {attempts} tries: IncompleteRead: "
+        with pytest.raises(ServeError, match=said + r"IncompleteRead\(10 bytes read, 90 more expected\)"):
             c.get("/p") if method == "GET" else c.post("/p", b"body")
-    assert len(seen) == attempts and all(r.endswith(b"\r\n\r\n" + b"body" * (method == "POST")) for r in seen)
+    assert len(seen) == attempts and all(r.endswith(b"\r\n\r\n" + b"body" * (method == "POST"))
+                                         for r in seen)
 
 
 # ---------------------------------------------------------------- whatever clients do, the server keeps serving
