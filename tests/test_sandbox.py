@@ -1,12 +1,15 @@
 """The sandbox for model-written code, attacked with real processes: each test runs hostile
 code through sandbox.run_python and then inspects the host (its /proc, files, sockets)."""
+import contextlib
 import errno
+import functools
 import os
 import random
 import signal
 import socket
 import sqlite3
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -149,6 +152,55 @@ def test_detached_child_does_not_outlive_the_run():
     assert r.stdout == "detached child running\n" and not r.timed_out and survivors(marker) == []
 
 
+def running(marker: str) -> list[int]:
+    """Host processes whose command line holds `marker`."""
+    found = []
+    for f in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):  # it exited while we looked
+            if marker.encode() in f.read_bytes():
+                found.append(int(f.parent.name))
+    return found
+
+
+def until(check, seconds: float = 10.0):
+    """check()'s first truthy value, polled every 10 ms; its last value once `seconds` have passed."""
+    end = time.monotonic() + seconds
+    while not (out := check()) and time.monotonic() < end:
+        time.sleep(0.01)
+    return out
+
+
+@pytest.mark.parametrize("interrupted", [False, True], ids=["backstop", "ctrl-c"])
+def test_a_run_stuck_past_the_backstop_or_interrupted_leaves_no_process_behind(monkeypatch, interrupted):
+    """The launcher enforces timeout_s; should it hang, run_python's own deadline (or a Ctrl-C in the
+    trainer) kills the launcher's group, and as root every process of the run's uid, which setuid has
+    freed from dying with the launcher."""
+    # a unique `sleep` argument, and 20 s: were the run not stopped, it would end well before its timeout_s
+    marker = f"20.{random.randint(100_000, 999_999)}"
+    read_all = sandbox._read_all
+
+    def stuck(files, cap, deadline):  # once the code runs, the backstop passes or Ctrl-C lands
+        assert until(lambda: running(marker)), "the code never started"
+        if interrupted:
+            raise KeyboardInterrupt
+        return read_all(files, cap, time.monotonic() + 0.1)
+
+    monkeypatch.setattr(sandbox, "_read_all", stuck)
+    code = f"import os\nos.execv('/bin/sleep', ['/bin/sleep', '{marker}'])"
+    try:
+        if interrupted:
+            with pytest.raises(KeyboardInterrupt):
+                run_python(code, timeout_s=30.0)
+        else:  # no status from the launcher: its own exit, SIGKILL, stands for the run's
+            r = run_python(code, timeout_s=30.0)
+            assert r == sandbox.SandboxResult("", "", -signal.SIGKILL, True, False)
+        assert until(lambda: not survivors(marker)) and survivors(marker) == []
+    finally:
+        for pid in survivors(marker):  # only if it failed: leave no `sleep` running for hours
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_huge_output_is_truncated_while_reading():
     r = run_python("print('x' * 10**8)", max_output=1000)
     assert r.truncated and r.stdout == "x" * 1000 and r.returncode == 0
@@ -267,6 +319,19 @@ def test_the_sandbox_flag_reaches_run_python_in_the_trainer_and_in_workers(monke
     assert asked == ["weak", "weak"] * 2
 
 
+def test_where_the_strict_sandbox_fails_the_refusal_names_the_reason_and_weak_logs_it(monkeypatch, capsys):
+    # As a kernel without IPC namespaces: unshare(2) refuses the flag with EINVAL (0x1 is no namespace flag)
+    monkeypatch.setattr(sandbox, "_NEWIPC", 0x1)
+    uncached = functools.cache(sandbox.sandbox_plan.__wrapped__)  # a fresh cache, this test's alone
+    monkeypatch.setattr(sandbox, "sandbox_plan", uncached)
+    err = _one_line_error(capsys, ["--task", "python_tool"])
+    assert err.startswith("error: sandbox: cannot isolate model code here (sandbox setup failed: unshare: "
+                          "Invalid argument). Allow unprivileged user namespaces")
+    assert "--sandbox weak" in err and sandbox._mode == "strict"
+    assert sandbox.sandbox_plan("weak")[1:] == (0, UID_BASE)
+    assert capsys.readouterr().err.endswith(": sandbox setup failed: unshare: Invalid argument\n")
+
+
 def _one_line_error(capsys, argv) -> str:
     import train
 
@@ -296,6 +361,31 @@ def test_sql_one_function_call_cannot_outrun_the_wall_clock():
         sandbox.run_sql(sql_database("shop"), "SELECT length(printf('%.*c', 999999999, name)) FROM customers",
                         timeout_s=1.0)
     assert time.monotonic() - start < 1.0 + 5.0  # slack for a loaded CI machine; unbounded: 25 s
+
+
+def test_sql_a_killed_query_process_raises_operational_error_naming_its_death():
+    """As the OOM killer would: the child dies without a word, and the caller gets an sqlite3.Error."""
+    from envs import sql_database
+
+    def kill_the_query_child():
+        for f in until(lambda: [f for f in Path("/proc").glob("[0-9]*/cmdline") if child(f)]):
+            os.kill(int(f.parent.name), signal.SIGKILL)
+
+    def child(f: Path) -> bool:  # ours (not another test run's): our child, running _SQL_CHILD
+        with contextlib.suppress(OSError):
+            ppid = int((f.parent / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            return ppid == os.getpid() and sandbox._SQL_CHILD.encode() in f.read_bytes()
+        return False
+
+    killer = threading.Thread(target=kill_the_query_child)
+    killer.start()
+    try:
+        with pytest.raises(sqlite3.OperationalError) as e:  # the query alone runs 25 s: it dies first
+            sandbox.run_sql(sql_database("shop"), "SELECT length(printf('%.*c', 999999999, name)) "
+                                                  "FROM customers", timeout_s=30.0)
+    finally:
+        killer.join()
+    assert str(e.value) == f"query process died ({-signal.SIGKILL}): b''"
 
 
 def test_eight_concurrent_runaway_queries_leave_the_callers_memory_flat():
