@@ -1,14 +1,18 @@
 """Every user-facing error (config, data, model, checkpoint) is one line naming the fix, exit code
 2, never a traceback."""
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import tasks
 import train
 import utils
 from model import LLMPolicy
+from modeldir import build_tiny_model
+from rollouts import make_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 MIXED = str(ROOT / "tests" / "data" / "gsm8k_mixed.jsonl")  # 9 good rows
@@ -200,3 +204,110 @@ def test_a_start_that_failed_before_logging_a_step_leaves_its_directory_to_the_f
     assert {line.split(",")[0] for line in (out / "metrics.csv").read_text().splitlines()[1:]} == {"0", "1"}
     (out / "ckpt-0000001").rename(tmp_path / "moved")  # logged steps alone still make it a run
     assert "holds a run" in one_line_error(capsys, quick)
+
+
+@pytest.mark.parametrize("argv, fix", [
+    (["--export", "adapter"], "--export DIR writes a language model"),  # CartPole's are its checkpoints
+    (LLM + ["--export-merged"], "--export-merged needs --export DIR"),  # merged into no directory
+    (LLM + ["--eval-only", "--role", "trainer"], "--eval-only runs in one process: drop torchrun and --role"),
+    (["--log", "tensorbord"], "--log tensorbord: choose from tensorboard, wandb (metrics.csv is always"),
+    (["--log", "wandb,,csv"], "--log wandb,,csv: choose from"),  # one unknown name among known ones
+    (LLM + ["--prompt-reweight", "1.5"], "--prompt-reweight 1.5: a share in [0, 1], single-turn LLM tasks"),
+    (LLM + ["--prompt-reweight", "-0.1"], "--prompt-reweight -0.1: a share in [0, 1]"),
+    (["--task", "countdown_multiturn", "--prompt-reweight", "0.5"], "single-turn LLM tasks only"),
+    (["--config", "configs/no_such.yaml"], "--config configs/no_such.yaml: no such file; presets live in"),
+    # validate() leaves them to the policy, which refuses them before loading a model
+    (LLM + ["--temperature", "0"], "need temperature > 0 and 0 < top_p <= 1 (got 0.0, 1.0); greedy decoding"),
+    (LLM + ["--top-p", "1.5"], "need temperature > 0 and 0 < top_p <= 1 (got 1.0, 1.5)"),
+    (LLM + ["--top-p", "0"], "need temperature > 0 and 0 < top_p <= 1 (got 1.0, 0.0)"),
+])
+def test_more_bad_flags_stop_in_one_line_naming_the_fix(capsys, tmp_path, argv, fix):
+    quick = ["--steps", "0", "--eval-size", "1", "--eval-episodes", "1"]  # were a check lost: seconds, not a run
+    assert fix in one_line_error(capsys, ["--out", str(tmp_path / "r"), "--no-progress", *quick, *argv])
+    assert not (tmp_path / "r").exists()  # refused before the run directory is made
+
+
+def test_eval_only_under_torchrun_is_refused_in_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(utils, "world", lambda: 2)  # as in a torchrun rank, once the process group is up
+    err = one_line_error(capsys, ["--eval-only", "--no-progress"])
+    assert err == "error: --eval-only runs in one process: drop torchrun and --role"
+
+
+def test_a_preset_or_a_runs_config_that_is_no_mapping_names_the_file(capsys, tmp_path):
+    preset = tmp_path / "list.yaml"
+    preset.write_text("- task: arith\n- steps: 3\n")  # a YAML list: each key one item too far in
+    err = one_line_error(capsys, ["--config", str(preset)])
+    assert err == f"error: {preset}: expected a mapping of config keys"
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("just a sentence\n")  # a string, e.g. an overwritten file
+    err = one_line_error(capsys, ["--resume", str(tmp_path / "run")])
+    assert err == f"error: {tmp_path / 'run' / 'config.yaml'}: expected a mapping of config keys"
+
+
+def test_resume_of_a_directory_that_is_no_run_says_so(capsys, tmp_path):
+    (tmp_path / "ckpt-0000001").mkdir()  # a checkpoint copied out of its run, without the run's config.yaml
+    err = one_line_error(capsys, ["--resume", str(tmp_path)])
+    assert err == f"error: --resume {tmp_path}: no config.yaml in {tmp_path}: not a run"
+    err = one_line_error(capsys, ["--resume", str(tmp_path / "ckpt-0000001")])  # a ckpt-*: its run's config
+    assert err == f"error: --resume {tmp_path / 'ckpt-0000001'}: no config.yaml in {tmp_path}: not a run"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000001"]  # nothing written there
+
+
+def test_a_model_directory_whose_tokenizer_cannot_load_is_one_line(capsys, tmp_path):
+    model = Path(build_tiny_model(str(tmp_path / "m"), layers=1, hidden=64, heads=1, intermediate=128))
+    argv = ["--task", "arith", "--model", str(model), "--no-progress", "--out", str(tmp_path / "r")]
+    (model / "tokenizer.json").write_text('{"version": ')  # cut short by a copy
+    err = one_line_error(capsys, argv)
+    assert err.startswith(f"error: --model {model}: cannot load its tokenizer (") and "tokenizer files" in err
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # none at all: a directory of weights only
+        (model / name).unlink()
+    assert one_line_error(capsys, argv).startswith(f"error: --model {model}: cannot load its tokenizer (")
+
+
+@pytest.mark.parametrize("row", ['{"question": "What is 9?"}', '{"question": "What is 9?", "answer": null}'])
+def test_a_data_row_without_an_answer_is_named_by_file_and_line(capsys, tmp_path, row):
+    data = tmp_path / "rows.jsonl"
+    good = [f'{{"question": "What is {a} plus 1?", "answer": "#### {a + 1}"}}' for a in range(4)]
+    data.write_text("\n".join([*good[:2], row, *good[2:]]) + "\n")  # line 3
+    argv = ["--task", "gsm8k", "--data", str(data), "--eval-size", "2", "--bad-rows", "error",
+            "--no-progress", "--out", str(tmp_path / "r")]
+    err = one_line_error(capsys, argv)
+    assert err == (f"error: --task gsm8k: {data}:3: malformed row (missing field 'answer'); fix or delete "
+                   "that line, or pass --bad-rows skip to drop such rows")
+    skipped = f"gsm8k: skipped 1 malformed rows: {data}:3 (missing field 'answer')"
+    with pytest.warns(UserWarning, match=f"^{re.escape(skipped)}$"):  # --bad-rows skip: counted and named
+        task = tasks.make_task("gsm8k", seed=0, eval_size=2, data=str(data))
+    assert len(task._eval) + len(task._train) == 4  # the four rows with an answer
+
+
+
+
+def test_ref_logp_without_a_frozen_copy_refuses_rather_than_scoring_the_trained_weights(tmp_path):
+    """train calls ref_logp only with --kl-coef, which makes full fine-tuning's frozen copy; a caller without
+    one would get the policy's own log-probs back (a KL of 0 at every step), so it is refused."""
+    tiny = build_tiny_model(str(tmp_path / "m"), layers=1, hidden=64, heads=1, intermediate=128)
+    policy = LLMPolicy(train.Config(model=tiny, lora=False), device="cpu")
+    prefix = [policy.encode_prompt("1+2=")]
+    batch = make_batch(prefix, policy.generate(prefix, 3), [1.0], policy.pad_id)
+    with pytest.raises(utils.ConfigError) as e:
+        policy.ref_logp(batch, slice(0, 1))
+    assert str(e.value) == "ref_logp under full fine-tuning needs kl_coef > 0 (its frozen copy)"
+
+
+def test_resume_of_a_run_none_of_whose_checkpoints_loads_warns_and_starts_over_as_new(capsys, tmp_path):
+    """--resume RUN (neither a named ckpt-* nor --eval-only) whose every checkpoint is damaged: each is
+    named, then the run starts over at step 0 with its own config, and ends as the run did the first time."""
+    out, quick = tmp_path / "run", ["--steps", "2", "--batch", "4", "--eval-episodes", "1", "--no-progress"]
+    assert train.main(["--out", str(out), "--ckpt-every", "1", "--target", "0", *quick]) == 0
+    first = (out / "ckpt-0000002" / "weights.safetensors").read_bytes()
+    for ckpt in utils.checkpoints(out):
+        (ckpt / "weights.safetensors").write_bytes(b"")  # what a full disk leaves
+    capsys.readouterr()
+    assert train.main(["--resume", str(out), "--no-progress"]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if "--resume" in line or "skipping" in line]
+    assert [line.split(":")[0] for line in err] == [f"skipping {out / 'ckpt-0000002'}",
+                                                    f"skipping {out / 'ckpt-0000001'}", f"--resume {out}"]
+    assert err[-1] == f"--resume {out}: no checkpoint loads; the run starts over"
+    assert (out / "ckpt-0000002" / "weights.safetensors").read_bytes() == first  # step 0's seed: the same run
+    steps = [s for s, _, _ in utils.read_metrics(out / "metrics.csv")["loss"]]
+    assert steps == [1, 2]  # the first attempt's rows were dropped, not logged twice

@@ -274,3 +274,50 @@ def test_ctrl_c_in_the_warm_start_finishes_its_step_and_resume_alone_continues_i
     a, b = final_weights(full), final_weights(out)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert sorted(rows(out)) == sorted(rows(full))
+
+
+def test_a_failed_checkpoint_write_keeps_the_previous_one_and_leaves_no_partial_one(tmp_path, monkeypatch):
+    policy = MLPPolicy(4, 2)
+    opt, meta = torch.optim.Adam(policy.parameters()), {"wall_s": 0.0, "source": {"position": 1}}
+    utils.save_checkpoint(tmp_path, 1, policy, opt, meta, keep=1)
+    saved = {p.name: p.read_bytes() for p in (tmp_path / "ckpt-0000001").iterdir()}
+
+    def full_disk(tensors, path):
+        Path(path).write_bytes(b"\0" * 10)  # the start of the file, then the disk is full
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(utils, "save_file", full_disk)
+    for step in (2, 1):  # a new step (keep=1 would prune step 1 after it), and step 1 written again
+        with pytest.raises(OSError, match="No space left on device"):
+            utils.save_checkpoint(tmp_path, step, policy, opt, {**meta, "source": {"position": step}}, keep=1)
+        assert [p.name for p in tmp_path.iterdir()] == ["ckpt-0000001"]  # no ckpt-0000002, no .tmp-ckpt-*
+        assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt-0000001").iterdir()} == saved
+    assert utils.resume_checkpoint(tmp_path, policy, opt)["source"] == {"position": 1}
+
+
+def test_a_second_ctrl_c_stops_mid_step_with_exit_130_and_keeps_what_was_saved(tmp_path, capsys, monkeypatch):
+    """The first Ctrl-C finishes the step; a second (in a step that never ends, e.g. a trainer waiting for
+    workers) stops at once: exit code 130, no traceback, the checkpoints and metrics as the last step left
+    them, and --resume alone goes on from there."""
+    from rollouts import ControlRollouts
+
+    out, real, handler = tmp_path / "run", ControlRollouts.next, signal.getsignal(signal.SIGINT)
+    flags = cartpole(out, "--steps", "4", "--ckpt-every", "1", "--target", "0")[2:]
+
+    def ctrl_c_twice_in_step_3(self, step):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)  # its handler raises KeyboardInterrupt here
+        return real(self, step)
+
+    monkeypatch.setattr(ControlRollouts, "next", ctrl_c_twice_in_step_3)
+    assert train.main(flags) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.splitlines()[-2:] == [
+        "Ctrl-C: finishing this step and checkpointing; Ctrl-C again stops now",
+        f"stopped during step 3 (not saved); checkpoints so far: --resume {out}"]
+    assert [p.name for p in utils.checkpoints(out)] == ["ckpt-0000001", "ckpt-0000002"]
+    assert [s for s, k in rows(out) if k == "loss"] == [1, 2] and signal.getsignal(signal.SIGINT) is handler
+    monkeypatch.setattr(ControlRollouts, "next", real)
+    assert train.main(["--resume", str(out), "--no-progress"]) == 0
+    assert [s for s, k in rows(out) if k == "loss"] == [1, 2, 3, 4]
