@@ -263,8 +263,8 @@ class ProceduralTask(Task):
             p = self.generate(random.Random(f"{seed}:eval:{i}"))
             found.setdefault(p.key, p)
         if len(found) < eval_size:
-            raise ValueError(f"found only {len(found)} distinct eval problems; "
-                             f"lower --eval-size (got {eval_size})")
+            raise ValueError(f"found only {len(found)} distinct eval problems; lower --eval-size to "
+                             f"{len(found) // 2} or less (got {eval_size})")  # as many left to train on
         self._eval, self._eval_keys = list(found.values()), frozenset(found)
 
     def train_problem(self, index: int) -> Problem:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import envs
 import tasks
 import train
 import utils
@@ -311,3 +312,15 @@ def test_resume_of_a_run_none_of_whose_checkpoints_loads_warns_and_starts_over_a
     assert (out / "ckpt-0000002" / "weights.safetensors").read_bytes() == first  # step 0's seed: the same run
     steps = [s for s, _, _ in utils.read_metrics(out / "metrics.csv")["loss"]]
     assert steps == [1, 2]  # the first attempt's rows were dropped, not logged twice
+
+
+def test_an_eval_split_larger_than_a_tasks_distinct_problems_names_a_size_that_trains(capsys, tmp_path):
+    """It said only "lower --eval-size": lowered to the count it found (all of them held out), the first
+    training step failed with a traceback after 10,000 draws. It now names a size that leaves as many."""
+    err = one_line_error(capsys, ["--task", "sql", "--model", "tiny", "--eval-size", "400", "--no-progress",
+                                  "--out", str(tmp_path / "r")])  # sql has a few hundred distinct questions
+    found = re.fullmatch(r"error: --task sql: found only (\d+) distinct eval problems; lower --eval-size to "
+                         r"(\d+) or less \(got 400\)", err)
+    assert found and int(found[2]) == int(found[1]) // 2, err
+    task = envs.SQLTask(eval_size=int(found[2]))  # the size it names: held out, and the rest still trains
+    assert len(task._eval) == int(found[2]) and task.train_problem(0).key not in task._eval_keys
