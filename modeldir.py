@@ -79,8 +79,8 @@ def build_tiny_model(path: str | None = None, *, layers: int = 4, hidden: int = 
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     if hidden != 64 * heads:
-        raise utils.ConfigError(f"tiny model needs hidden / heads == 64 (got {hidden} / {heads}); "
-                                f"try heads={hidden // 64}")
+        fix = f"heads={hidden // 64}" if hidden > 0 and hidden % 64 == 0 else f"hidden={64 * heads}"
+        raise utils.ConfigError(f"tiny model needs hidden / heads == 64 (got {hidden} / {heads}); try {fix}")
     name = f"tiny-v1-l{layers}-d{hidden}-h{heads}-f{intermediate}-n{max_len}-s{seed}"
     final = Path(path) if path else cache_root() / name
     if (final / "config.json").exists():

@@ -1,5 +1,6 @@
 """Every user-facing error (config, data, model, checkpoint) is one line naming the fix, exit code
 2, never a traceback."""
+import json
 import re
 import subprocess
 import sys
@@ -324,3 +325,17 @@ def test_an_eval_split_larger_than_a_tasks_distinct_problems_names_a_size_that_t
     assert found and int(found[2]) == int(found[1]) // 2, err
     task = envs.SQLTask(eval_size=int(found[2]))  # the size it names: held out, and the rest still trains
     assert len(task._eval) == int(found[2]) and task.train_problem(0).key not in task._eval_keys
+
+
+def test_a_tiny_model_whose_heads_are_not_64_wide_names_dimensions_that_build(tmp_path):
+    """hidden=100 was told "try heads=1" (100 / 1 is no more 64), and hidden=32 "try heads=0"."""
+    for hidden, heads, fix in ((128, 4, "heads=2"), (100, 1, "hidden=64"), (32, 1, "hidden=64"),
+                               (96, 2, "hidden=128")):
+        with pytest.raises(utils.ConfigError) as e:
+            build_tiny_model(str(tmp_path / "m"), layers=1, hidden=hidden, heads=heads, intermediate=128)
+        assert str(e.value) == f"tiny model needs hidden / heads == 64 (got {hidden} / {heads}); try {fix}"
+        assert not (tmp_path / "m").exists()  # refused before anything is written
+        dims = {"hidden": hidden, "heads": heads, **{k: int(v) for k, v in [fix.split("=")]}}
+        path = build_tiny_model(str(tmp_path / fix), layers=1, intermediate=128, **dims)  # the fix builds
+        config = json.loads((Path(path) / "config.json").read_text())
+        assert config["hidden_size"] == 64 * config["num_attention_heads"] and config["head_dim"] == 64
