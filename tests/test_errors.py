@@ -224,7 +224,7 @@ def test_a_start_that_failed_before_logging_a_step_leaves_its_directory_to_the_f
     (LLM + ["--top-p", "0"], "need temperature > 0 and 0 < top_p <= 1 (got 1.0, 0.0)"),
 ])
 def test_more_bad_flags_stop_in_one_line_naming_the_fix(capsys, tmp_path, argv, fix):
-    quick = ["--steps", "0", "--eval-size", "1", "--eval-episodes", "1"]  # were a check lost: seconds, not a run
+    quick = ["--steps", "0", "--eval-size", "1", "--eval-episodes", "1"]  # a lost check: seconds, not a run
     assert fix in one_line_error(capsys, ["--out", str(tmp_path / "r"), "--no-progress", *quick, *argv])
     assert not (tmp_path / "r").exists()  # refused before the run directory is made
 
