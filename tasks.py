@@ -266,13 +266,14 @@ class ProceduralTask(Task):
             raise ValueError(f"found only {len(found)} distinct eval problems; lower --eval-size to "
                              f"{len(found) // 2} or less (got {eval_size})")  # as many left to train on
         self._eval, self._eval_keys = list(found.values()), frozenset(found)
+        self.train_problem(0)  # a split that holds every problem fails here, not at the first step
 
     def train_problem(self, index: int) -> Problem:
         for attempt in range(10_000):
             p = self.generate(random.Random(f"{self.seed}:train:{index}:{attempt}"))
             if p.key not in self._eval_keys:
                 return p
-        raise RuntimeError(f"{self.name}: 10,000 draws all hit the eval split; lower --eval-size")
+        raise ValueError(f"{self.name}: 10,000 draws all hit the eval split; lower --eval-size")
 
 
 class Arith(ProceduralTask):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import math
 import signal
 import sys
@@ -474,7 +475,7 @@ def train(cfg: Config) -> Path:
             if solved:
                 break
         bar.close()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, OSError):  # Ctrl-C twice, a full disk
         utils.stderr(f"stopped during step {step + 1} (not saved); checkpoints so far: --resume {out}")
         raise
     finally:
@@ -586,6 +587,9 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         return 130  # the shell's code for a run stopped by Ctrl-C
     except Exception as e:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):  # not a bug: one line
+            utils.stderr(f"error: {e}; free space there, then --resume the run")
+            return 1
         if utils.world() > 1:  # say which rank broke before torchrun's teardown buries it
             utils.stderr(f"error: rank {utils.rank()} of {utils.world()} failed ({type(e).__name__}: {e}); "
                          "torchrun stops the other ranks")

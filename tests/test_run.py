@@ -1,10 +1,12 @@
 """Around a run: --help, resuming from the run alone (damaged checkpoints, SIGKILL at random moments),
 TensorBoard and W&B loggers, the end-of-run summary."""
 import collections
+import errno
 import json
 import multiprocessing
 import os
 import random
+import re
 import shutil
 import signal
 import struct
@@ -321,3 +323,27 @@ def test_a_second_ctrl_c_stops_mid_step_with_exit_130_and_keeps_what_was_saved(t
     monkeypatch.setattr(ControlRollouts, "next", real)
     assert train.main(["--resume", str(out), "--no-progress"]) == 0
     assert [s for s, k in rows(out) if k == "loss"] == [1, 2, 3, 4]
+
+
+def test_a_full_disk_mid_run_is_one_line_and_resume_alone_goes_on_from_the_last_checkpoint(tmp_path, capsys,
+                                                                                           monkeypatch):
+    out, real, written = tmp_path / "run", utils.save_file, []
+
+    def disk_full_at_step_3(tensors, path):
+        if len(written) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        written.append(path)
+        real(tensors, path)
+
+    monkeypatch.setattr(utils, "save_file", disk_full_at_step_3)
+    flags = cartpole(out, "--steps", "4", "--ckpt-every", "1", "--target", "0")[2:]
+    assert train.main(flags) == 1
+    err = capsys.readouterr().err
+    stopped, error = err.splitlines()[-2:]
+    assert "Traceback" not in err and stopped == f"stopped during step 3 (not saved); checkpoints so far: --resume {out}"
+    assert re.fullmatch(rf"error: \[Errno 28\] No space left on device: '{out}/\.tmp-ckpt-0000003-\w+/weights"
+                        r"\.safetensors'; free space there, then --resume the run", error), error
+    assert sorted(p.name for p in out.glob("*ckpt*")) == ["ckpt-0000001", "ckpt-0000002"]  # no .tmp-ckpt-*
+    monkeypatch.setattr(utils, "save_file", real)
+    assert train.main(["--resume", str(out), "--no-progress"]) == 0
+    assert [s for s, k in rows(out) if k == "loss"] == [1, 2, 3, 4]  # step 3 logged again, once

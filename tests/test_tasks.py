@@ -493,3 +493,23 @@ def test_adding_a_reward_to_one_task_leaves_the_class_alone():
     task = make_task("countdown", seed=0, eval_size=0)
     task.rewards.append((overlong_penalty(100, 20), 1.0))
     assert len(make_task("countdown", seed=0, eval_size=0).rewards) == 2
+
+
+class Three(tasks.ProceduralTask):
+    """A task of three distinct problems."""
+
+    name = "three"
+
+    def generate(self, rng):
+        k = str(rng.randint(1, 3))
+        return Problem(k, k, key=k)
+
+
+def test_an_eval_split_that_holds_every_problem_is_refused_when_the_task_is_built():
+    with pytest.raises(ValueError, match="lower --eval-size"):  # before: a RuntimeError at the first step
+        Three(eval_size=3)
+    task = Three(eval_size=2)  # one problem left to train on: every draw is that one
+    (left,) = {"1", "2", "3"} - {p.key for p in task.eval_problems()}
+    assert {task.train_problem(i).key for i in range(20)} == {left}
+    with pytest.raises(ValueError, match=r"found only 3 distinct eval problems; lower --eval-size to 1 or less"):
+        Three(eval_size=4)
