@@ -511,5 +511,5 @@ def test_an_eval_split_that_holds_every_problem_is_refused_when_the_task_is_buil
     task = Three(eval_size=2)  # one problem left to train on: every draw is that one
     (left,) = {"1", "2", "3"} - {p.key for p in task.eval_problems()}
     assert {task.train_problem(i).key for i in range(20)} == {left}
-    with pytest.raises(ValueError, match=r"found only 3 distinct eval problems; lower --eval-size to 1 or less"):
+    with pytest.raises(ValueError, match="found only 3 distinct eval problems; lower --eval-size to 1 "):
         Three(eval_size=4)
