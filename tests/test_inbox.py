@@ -1,6 +1,9 @@
 """What a client may POST to the trainer's inbox (serve.Inbox, behind a real HTTP server): every
 batch the training loop cannot use gets a 4xx and is counted, and whatever was accepted collates."""
+import json
 import math
+import threading
+import time
 
 import pytest
 import torch
@@ -8,6 +11,7 @@ import torch
 import serve
 import train
 import utils
+import transport
 from transport import Request, encode
 
 K, VOCAB, MAX_LEN = 4, 50, 64
@@ -144,3 +148,98 @@ def test_a_group_no_judge_scored_lands_with_nan_reward_parts_only_on_its_own_row
     assert post(inbox, forge(judge_dropped_frac=torch.zeros(K)))[0] == 200
     rows, _ = inbox.take(0, {0})
     assert rows["reward_int_correct"].isnan().tolist() == [True] * K + [False] * K
+
+
+def client(inbox) -> transport.Client:
+    return transport.Client(inbox.server.url, token=inbox.server.token, retries=1)
+
+
+@pytest.fixture
+def parsed():
+    """An inbox whose config came from the command line, as a trainer's does (task defaults applied)."""
+    box = serve.Inbox(train.parse(["--task", "arith", "--role", "trainer"]), VOCAB, 0, MAX_LEN)
+    box.serve(0, bytearray(b"v0"), 0.0)
+    yield box
+    box.close()
+
+
+def test_a_worker_with_another_config_is_refused_at_hello_in_one_line_naming_the_fields(capsys, monkeypatch,
+                                                                                       parsed):
+    monkeypatch.setenv("NANORL_TOKEN", parsed.server.token)
+    argv = ["--task", "arith", "--role", "rollout", "--trainer-url", parsed.server.url, "--seed", "1",
+            "--eval-size", "5"]
+    assert one_line_error(capsys, argv) == (
+        "error: the trainer refused this worker (409): worker and trainer disagree on seed (trainer 0, "
+        "worker 1); eval_size (trainer 100, worker 5): start the worker with the trainer's config")
+    assert parsed.next_worker == 0 and parsed.live() == set()  # no id issued, nothing counted live
+    same = train.parse(argv[:-4])  # the trainer's own config: welcome, as worker 0
+    assert serve.hello(transport.Client(parsed.server.url, retries=1), same) == 0 and parsed.next_worker == 1
+    monkeypatch.setattr(serve, "HEARTBEAT", 0.0)  # or close() waits for worker 0, which never polls
+
+
+@pytest.mark.parametrize("query", ["", "?have=0", "?worker=0", "?have=&worker=0", "?have=x&worker=0",
+                                   "?have=0&worker=1.5", "?have=0x1&worker=0", "?have=1234567890123&worker=0",
+                                   "?have=0&worker=--1"])
+def test_an_adapter_poll_without_a_version_and_worker_id_gets_400_and_no_adapter(inbox, query):
+    status, body = client(inbox).get(f"/adapter{query}")
+    assert (status, json.loads(body)) == (400, {"error": "GET /adapter needs ?have=VERSION&worker=ID"})
+    assert inbox.counts["adapters_sent"] == 0 and inbox.server.counts["http_400"] == 1
+    assert client(inbox).get("/adapter?have=-1&worker=0") == (200, b"v0")  # the well-formed poll
+
+
+TEXTS = "meta texts must be one [prompt, completion, answer] of strings per row"
+
+
+@pytest.mark.parametrize("batch, texts, why", [
+    (forge(tokens=torch.ones(K, dtype=torch.int64)), None, "tokens must be [N, L]"),
+    (forge(tokens=torch.ones(K, 12, 1, dtype=torch.int64)), None, "tokens must be [N, L]"),
+    (forge(tokens=torch.ones(K, 12)), None, "tokens is torch.float32 [4, 12]; expected torch.int64 [4, 12]"),
+    (forge(logp=torch.zeros(K, 11)), None, "logp is torch.float32 [4, 11]; expected torch.float32 [4, 12]"),
+    (forge(reward_int_correct=torch.zeros(K, 1)), None,
+     "reward_int_correct is torch.float32 [4, 1]; expected torch.float32 [4]"),
+    (forge(), "abc", TEXTS),
+    (forge(), [["p", "c", "a"]] * (K - 1), TEXTS),  # a row short
+    (forge(), [["p", "c"]] * K, TEXTS),
+    (forge(), [["p", "c", 7]] * K, TEXTS),
+    (forge(), ["pca"] * K, TEXTS),
+])
+def test_a_malformed_field_is_refused_naming_it_and_nothing_is_queued(inbox, batch, texts, why):
+    status, reply = client(inbox).post("/batch", encode(batch, {"worker": 0, "texts": texts}))
+    assert (status, json.loads(reply)) == (400, {"error": why}) and inbox.counts["batches_rejected"] == 1
+    assert inbox.queue == [] and inbox.keys is None  # a refused first batch fixes nothing
+    rows = [["p", "c", "a"]] * 2 * K  # the step's two groups, well-formed
+    assert client(inbox).post("/batch", encode(forge(groups=2), {"worker": 0, "texts": rows}))[0] == 200
+    assert inbox.take(0, {0})[1]["texts"] == rows
+
+
+def test_a_batch_from_a_worker_told_finished_gets_410_and_close_stops_waiting_for_it(inbox, monkeypatch):
+    monkeypatch.setattr(serve, "LONG_POLL", 60.0)  # close() now waits 121 s for a live worker never told
+    me = client(inbox)
+    assert me.post("/hello", encode_hello(inbox)) == (200, bytearray(b'{"worker": 0}'))
+    closing = threading.Thread(target=inbox.close)
+    closing.start()
+    while not inbox.finished:  # close() has begun waiting for worker 0 to hear it
+        time.sleep(0.01)
+    status, reply = me.post("/batch", encode(forge(), {"worker": 0}))
+    assert (status, json.loads(reply), inbox.told) == (410, {"finished": True}, {0})
+    closing.join(30)  # a hang guard: told, worker 0 no longer holds close() for 121 s
+    assert not closing.is_alive() and inbox.queue == [] and "groups_received" not in inbox.counts
+
+
+def test_a_fresh_group_of_a_version_without_a_snapshot_is_dropped_and_counted(inbox):
+    """A trainer resumed at step 1 holds the snapshot of version 1 alone, while a worker of the run
+    before still sends version 0: within max_staleness, yet no snapshot holds the weights that sampled it."""
+    v1 = forge(version=torch.ones(K, dtype=torch.int64))
+    assert post(inbox, forge())[0] == 200
+    inbox.serve(1, bytearray(b"v1"), 0.0)
+    assert post(inbox, v1)[0] == 200  # the queue (2 groups) is full
+    taken = []
+    taking = threading.Thread(target=lambda: taken.append(inbox.take(1, {1})))
+    taking.start()
+    for _ in range(20):  # 429 only if the queue had not drained within LONG_POLL
+        if post(inbox, v1)[0] != 429:
+            break
+    taking.join(30)
+    rows, meta = taken[0]
+    assert rows["version"].tolist() == [1] * 2 * K
+    assert (meta["dropped_no_snapshot"], meta["dropped_stale"]) == (1, 0)
