@@ -195,6 +195,12 @@ TEXTS = "meta texts must be one [prompt, completion, answer] of strings per row"
     (forge(tokens=torch.ones(K, 12, 1, dtype=torch.int64)), None, "tokens must be [N, L]"),
     (forge(tokens=torch.ones(K, 12)), None, "tokens is torch.float32 [4, 12]; expected torch.int64 [4, 12]"),
     (forge(logp=torch.zeros(K, 11)), None, "logp is torch.float32 [4, 11]; expected torch.float32 [4, 12]"),
+    # the wrong dtype on a field that sorts first ("attn") was a 500 and a traceback, on a later one the
+    # message named the shape of the field before it
+    (forge(attn=torch.ones(K, 12, dtype=torch.int64)), None,
+     "attn is torch.int64 [4, 12]; expected torch.float32 [4, 12]"),
+    (forge(truncated=torch.zeros(K, dtype=torch.int64)), None,
+     "truncated is torch.int64 [4]; expected torch.bool [4]"),
     (forge(reward_int_correct=torch.zeros(K, 1)), None,
      "reward_int_correct is torch.float32 [4, 1]; expected torch.float32 [4]"),
     (forge(), "abc", TEXTS),
