@@ -1,0 +1,182 @@
+"""A rollout worker (serve.run_worker, in process) against a real trainer inbox on 127.0.0.1: it stops
+in one line when no trainer answers, exits 0 from a finished run, and goes on past an adapter it cannot
+use or a batch the trainer refuses; the trainer kills a worker process that never exits."""
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+
+import serve
+import train
+import transport
+from model import LLMPolicy
+from modeldir import build_tiny_model
+
+
+def argv(model: str, *extra) -> list[str]:
+    return ["--task", "arith", "--model", model, "--batch", "8", "--group-size", "4", "--max-new-tokens", "8",
+            "--eval-size", "4", "--lora-rank", "8", "--no-progress", "--worker-patience", "8", *extra]
+
+
+def until(cond, what: str, limit: float = 60.0):
+    """Polls until cond() (a hang guard, not a timing assertion)."""
+    deadline = time.time() + limit
+    while not cond():
+        assert time.time() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def inbox(monkeypatch):
+    """Opens an inbox as a trainer with the worker's flags does (so the fingerprints match), and puts
+    its token in the environment, where the worker reads it. No model is loaded here."""
+    boxes = []
+
+    def open_inbox(model: str, vocab: int = 50, max_len: int = 64) -> serve.Inbox:
+        boxes.append(serve.Inbox(train.parse(argv(model, "--role", "trainer")), vocab, 0, max_len))
+        monkeypatch.setenv("NANORL_TOKEN", boxes[-1].server.token)
+        return boxes[-1]
+    yield open_inbox
+    for box in boxes:
+        box.close()
+
+
+def worker(box, model: str) -> int:
+    return train.main(argv(model, "--role", "rollout", "--trainer-url", box.server.url))
+
+
+def test_a_worker_that_reaches_no_trainer_stops_in_one_line_with_exit_2(capsys, monkeypatch):
+    monkeypatch.setenv("NANORL_TOKEN", "worker-test-token-0123456789")
+    with socket.socket() as bound:  # bound, never listening: connections are refused
+        bound.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{bound.getsockname()[1]}"
+        rc = train.main(["--task", "arith", "--role", "rollout", "--trainer-url", url,
+                         "--worker-patience", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (rc, err) == (2, [f"error: no trainer answered at {url} for 1 s"])
+
+
+def test_a_worker_that_joins_a_finished_run_exits_0_before_loading_its_model(inbox, capsys, monkeypatch):
+    trainer_inbox = inbox("/no/such/model")
+    monkeypatch.setattr(serve, "LONG_POLL", 60.0)  # close() now waits 121 s for worker 0 to hear it
+    first = transport.Client(trainer_inbox.server.url, retries=1)
+    assert serve.hello(first, train.parse(argv("/no/such/model"))) == 0
+    closing = threading.Thread(target=trainer_inbox.close)
+    closing.start()
+    until(lambda: trainer_inbox.finished, "close() to begin")
+    assert worker(trainer_inbox, "/no/such/model") == 0  # its model does not exist: never loaded
+    assert "error" not in capsys.readouterr().err and trainer_inbox.told == {1}
+    assert first.get("/adapter?have=0&worker=0")[0] == 410  # worker 0 hears it too: close() returns
+    closing.join(30)
+    assert not closing.is_alive() and trainer_inbox.told == {0, 1}
+
+
+@pytest.mark.parametrize("version", [-1, "0", None, True])
+def test_an_adapter_whose_version_is_not_newer_is_rejected_and_the_old_one_kept(inbox, capsys, monkeypatch,
+                                                                                version):
+    trainer_inbox = inbox("unused")
+    monkeypatch.setattr(serve, "LONG_POLL", 0.2)  # the fetcher's last long poll ends soon after it is done
+    weights = {"w": torch.arange(4.0)}
+    trainer_inbox.serve(0, transport.encode(weights, {} if version is None else {"version": version}), 0.0)
+    fetcher = serve.AdapterFetcher(transport.Client(trainer_inbox.server.url, retries=1), 0, 5)
+    fetcher.start()
+    try:
+        until(lambda: fetcher.rejected >= 1, "a rejected adapter")
+        assert (fetcher.take(), fetcher.have) == (None, -1)
+        assert (f"worker 0: adapter rejected, keeping version -1: version {version!r} is not newer than -1"
+                in capsys.readouterr().err)
+        trainer_inbox.serve(1, transport.encode(weights, {"version": 1}), 0.0)
+        until(lambda: fetcher.have == 1, "the good adapter")
+        have, got, meta, _, _ = fetcher.take()
+        assert (have, got["w"].tolist(), meta) == (1, [0.0, 1.0, 2.0, 3.0], {"version": 1})
+    finally:
+        fetcher.done.set()
+        fetcher.join(30)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_model(str(tmp_path_factory.mktemp("cache") / "tiny"), layers=2, hidden=128, heads=2,
+                            intermediate=256)
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny):
+    """The tiny model's adapter as a trainer publishes it, and its vocabulary size."""
+    policy = LLMPolicy(train.parse(argv(tiny)))
+    return policy.wire_state(), policy.adapter_config(), policy.model.get_input_embeddings().num_embeddings
+
+
+def publish(box, adapter, version: int, drop: int = 0):
+    """Serves version `version` of the adapter, its first `drop` tensors left out (another model's)."""
+    tensors = dict(sorted(adapter[0].items())[drop:])
+    box.serve(version, transport.encode(tensors, {"version": version, "adapter_config": adapter[1]}), 0.0)
+
+
+def fetcher() -> serve.AdapterFetcher | None:
+    return next((t for t in threading.enumerate() if isinstance(t, serve.AdapterFetcher)), None)
+
+
+def taken(fetcher, version: int) -> bool:
+    """The worker's sampler took `version` from its fetcher (under the lock that sets both)."""
+    if fetcher is None:
+        return False
+    with fetcher.lock:
+        return fetcher.have == version and fetcher.pending is None
+
+
+def test_a_worker_that_cannot_load_an_adapter_keeps_its_own_and_samples_with_the_next(tiny, adapter, inbox,
+                                                                                      capsys, one_thread):
+    box = inbox(tiny, vocab=adapter[2], max_len=1024)
+    publish(box, adapter, 0, drop=1)
+
+    def trainer():
+        try:
+            until(lambda: taken(fetcher(), 0), "the worker to take v0")
+            publish(box, adapter, 1)
+            until(lambda: box.counts["groups_received"], "a batch")
+        finally:
+            box.close()
+    threading.Thread(target=trainer, daemon=True).start()
+    assert worker(box, tiny) == 0
+    err = capsys.readouterr().err
+    assert err.count("worker 0: cannot load adapter v0, keeping v-1: trainable state does not match") == 1
+    assert "Traceback" not in err and box.queue and all(g["version"].eq(1).all() for g, _ in box.queue)
+
+
+def test_a_batch_the_trainer_refuses_is_logged_and_the_worker_goes_on(tiny, adapter, inbox, capsys,
+                                                                      one_thread):
+    box = inbox(tiny, vocab=2, max_len=1024)  # every token id is out of range
+    publish(box, adapter, 0)
+
+    def trainer():
+        try:
+            until(lambda: box.counts["batches_rejected"] >= 2, "two refused batches")
+        finally:
+            box.close()
+    threading.Thread(target=trainer, daemon=True).start()
+    assert worker(box, tiny) == 0
+    err = capsys.readouterr().err
+    line = """worker 0: batch refused (400): b'{"error": "token ids outside the vocabulary [0, 2)"}'"""
+    assert err.count(line) >= 2 and "Traceback" not in err and box.queue == []
+
+
+class Impatient(subprocess.Popen):
+    """A worker process whose grace period at close() is 2 s instead of 60."""
+
+    def wait(self, timeout=None):
+        return super().wait(timeout if timeout is None else min(timeout, 2.0))
+
+
+def test_closing_the_trainer_waits_for_a_worker_that_exits_and_kills_one_that_never_does():
+    source = serve.AsyncRollouts.__new__(serve.AsyncRollouts)
+    source.inbox, source.procs = None, [Impatient(["true"]), Impatient(["sleep", "600"])]
+    try:
+        source.close()
+        assert [p.wait(timeout=30) for p in source.procs] == [0, -signal.SIGKILL]
+    finally:
+        source.procs[1].kill()
