@@ -125,7 +125,7 @@ class Config:
     vllm: bool = False  # rollout workers generate with vLLM (LoRA only: a full model per sync is too slow)
     max_staleness: int = 2  # steps a sample may lag the weights it trains; 2 keeps workers busy, ratio ~1
     workers: int = 0  # rollout workers the trainer starts on its own machine (others may join)
-    worker_patience: float = 60.0  # seconds a worker waits for an unreachable trainer before exiting 0
+    worker_patience: float = 60.0  # seconds a worker retries a lost trainer, then exit 0 (2 if never reached)
 
 
 def task_defaults(given: dict) -> dict:
