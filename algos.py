@@ -4,8 +4,6 @@ Contract: every estimator is `fn(batch, cfg) -> adv [N, T]`, 0 where mask == 0, 
 rollouts.Batch it needs; one that trains a critic also stores its targets in `batch.returns`. Adding
 an algorithm is one function and one entry in ALGOS; the loss below never changes.
 """
-from __future__ import annotations
-
 import torch
 
 import utils

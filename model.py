@@ -2,8 +2,6 @@
 recomputes, with grad, the log-probs of a rollouts.Batch's `rows`: the loop never knows whether it pushes a
 cart or writes an answer. MLPPolicy acts in control tasks; LLMPolicy (a Hugging Face causal LM, LoRA or full)
 also samples completions with log-probs, as VLLMGenerator (same generate/load) does in serve.py's workers."""
-from __future__ import annotations
-
 import contextlib
 import copy
 import functools

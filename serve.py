@@ -120,7 +120,7 @@ class Inbox:
             return f"{N} rows of {L} tokens; at most {self.capacity} groups of {k} rows, {self.max_len} long"
         for n, x in t.items():
             dims, dtype = WIRE.get(n, (1, torch.float32))
-            if list(x.shape) != (shape := [N, L][:dims]) or x.dtype != dtype:  # shape first: the message needs it
+            if list(x.shape) != (shape := [N, L][:dims]) or x.dtype != dtype:  # sets shape for the message
                 return f"{n} is {x.dtype} {list(x.shape)}; expected {dtype} {shape}"
         # --judge-down drop: a row no judge scored has NaN reward parts (logged by nanmean, never trained)
         unscored = t.get("judge_dropped_frac", torch.zeros(N)) == 1  # [N]

@@ -8,11 +8,8 @@ Every step is five stages (train()'s numbered lines): rollout a rollouts.Batch, 
 weights that sampled it and estimate advantages, update (the clipped surrogate), publish the new weights,
 log / evaluate / checkpoint. Sync and async differ only in the batch source, never in the loop.
 """
-from __future__ import annotations
-
 import contextlib
 import dataclasses
-import errno
 import math
 import signal
 import sys
@@ -525,7 +522,10 @@ def evaluate(source: BatchSource, log, step: int, out: Path, suffix: str = "") -
 def checkpoint(cfg: Config, out: Path, step: int, policy, opt, source: BatchSource, log) -> None:
     if utils.rank() == 0:
         meta = {"wall_s": log.wall(), "source": source.state()}
-        utils.save_checkpoint(out, step, policy, opt, meta, cfg.keep_ckpts)
+        try:
+            utils.save_checkpoint(out, step, policy, opt, meta, cfg.keep_ckpts)
+        except OSError as e:  # a full disk, say: save_checkpoint left the earlier ones as they were
+            raise utils.ConfigError(f"cannot write checkpoint {step} ({e}); --resume {out} once fixed")
 
 
 def finish(cfg: Config, policy, out: Path, wall_s: float) -> None:
@@ -587,9 +587,6 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         return 130  # the shell's code for a run stopped by Ctrl-C
     except Exception as e:
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):  # not a bug: one line
-            utils.stderr(f"error: {e}; free space there, then --resume the run")
-            return 1
         if utils.world() > 1:  # say which rank broke before torchrun's teardown buries it
             utils.stderr(f"error: rank {utils.rank()} of {utils.world()} failed ({type(e).__name__}: {e}); "
                          "torchrun stops the other ranks")

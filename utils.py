@@ -44,7 +44,7 @@ def coerce(field: dataclasses.Field, value, source: str):
     """YAML/CLI value -> the field's type, or a ConfigError naming the key. YAML's true is no number and 1 no
     bool; an int takes YAML's 3.0 (not 3.5, nor "3.0" on the CLI); a float is finite (a NaN lr would pass
     every range check)."""
-    kind = field.type if isinstance(field.type, str) else field.type.__name__
+    kind = field.type.__name__  # train.Config's annotations are types, not strings (no __future__ import)
     try:
         if kind == "str" or isinstance(value, bool) == (kind == "bool"):
             typed = {"bool": bool, "int": int, "float": float, "str": str}[kind](value)
@@ -83,8 +83,8 @@ def load_config(cls, argv: list[str], choices: dict | None = None, base: Path | 
         group = groups.get(section) or groups.setdefault(section, parser.add_argument_group(section))
         listed = f"choices: {', '.join(choices[f.name])}; " if f.name in (choices or {}) else ""
         text = f"{comment} ({listed}default: {f.default!r})".replace("%", "%%")
-        switch = f.type in ("bool", bool)  # --lora / --no-lora
-        how = {"action": argparse.BooleanOptionalAction} if switch else {"metavar": str(f.type).upper()}
+        switch = f.type is bool  # --lora / --no-lora
+        how = {"action": argparse.BooleanOptionalAction} if switch else {"metavar": f.type.__name__.upper()}
         group.add_argument("--" + f.name.replace("_", "-"), default=None, help=text, **how)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
