@@ -435,30 +435,10 @@ def test_client_raises_serve_error_on_read_timeout():
 
 @pytest.mark.parametrize("method,attempts", [("GET", 3), ("POST", 1)])
 def test_client_retries_get_but_never_resends_a_delivered_post(method, attempts):
-    with socket.socket() as lis:  # hangs up on every request after reading it
-        lis.bind(("127.0.0.1", 0))
-        lis.listen(8)
-        seen, stop = [], threading.Event()
-
-        def hang_up():
-            lis.settimeout(0.05)
-            while not stop.is_set():
-                try:
-                    conn, _ = lis.accept()
-                except TimeoutError:
-                    continue
-                with conn:
-                    seen.append(conn.recv(65536))
-
-        t = threading.Thread(target=hang_up)
-        t.start()
-        c = Client(f"http://127.0.0.1:{lis.getsockname()[1]}", TOKEN, retries=3, backoff=0)
-        try:
-            with pytest.raises(ServeError):
-                c.get("/hello") if method == "GET" else c.post("/batch", VALID)
-        finally:
-            stop.set()
-            t.join()
+    with bare_peer(b"") as (url, seen):  # hangs up on every request after reading it
+        c = Client(url, TOKEN, retries=3, backoff=0)
+        with pytest.raises(ServeError):
+            c.get("/hello") if method == "GET" else c.post("/batch", VALID)
     assert len(seen) == attempts
 
 
