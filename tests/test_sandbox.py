@@ -26,8 +26,8 @@ contained = pytest.mark.skipif(not (FLAGS & sandbox._NEWPID or UID_BASE),
                                reason="needs a pid namespace or root (a throwaway uid per run)")
 
 
-def survivors(marker: str) -> list[int]:
-    """Live host processes whose command line holds `marker` or that run under a sandbox uid."""
+def survivors(marker: str, sandbox_uids: bool = True) -> list[int]:
+    """Live host processes whose command line holds `marker`, or (sandbox_uids) run under a sandbox uid."""
     found = []
     for d in Path("/proc").iterdir():
         try:
@@ -38,7 +38,7 @@ def survivors(marker: str) -> list[int]:
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
         if fields["State"].strip().startswith("Z"):  # dead, only waiting to be reaped
             continue
-        if marker.encode() in cmdline or int(fields["Uid"].split()[0]) >= SANDBOX_UID_BASE:
+        if marker.encode() in cmdline or (sandbox_uids and int(fields["Uid"].split()[0]) >= SANDBOX_UID_BASE):
             found.append(int(d.name))
     return found
 
@@ -152,16 +152,6 @@ def test_detached_child_does_not_outlive_the_run():
     assert r.stdout == "detached child running\n" and not r.timed_out and survivors(marker) == []
 
 
-def running(marker: str) -> list[int]:
-    """Host processes whose command line holds `marker`."""
-    found = []
-    for f in Path("/proc").glob("[0-9]*/cmdline"):
-        with contextlib.suppress(OSError):  # it exited while we looked
-            if marker.encode() in f.read_bytes():
-                found.append(int(f.parent.name))
-    return found
-
-
 def until(check, seconds: float = 10.0):
     """check()'s first truthy value, polled every 10 ms; its last value once `seconds` have passed."""
     end = time.monotonic() + seconds
@@ -180,7 +170,7 @@ def test_a_run_stuck_past_the_backstop_or_interrupted_leaves_no_process_behind(m
     read_all = sandbox._read_all
 
     def stuck(files, cap, deadline):  # once the code runs, the backstop passes or Ctrl-C lands
-        assert until(lambda: running(marker)), "the code never started"
+        assert until(lambda: survivors(marker, sandbox_uids=False)), "the code never started"
         if interrupted:
             raise KeyboardInterrupt
         return read_all(files, cap, time.monotonic() + 0.1)
