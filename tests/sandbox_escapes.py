@@ -6,9 +6,11 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +27,35 @@ def _survivors(marker: str) -> list[int]:
         except OSError:  # it exited while we looked
             pass
     return found
+
+
+def _interrupted(run_python) -> tuple[bool, str]:
+    """Ctrl-C reaches the caller while the run's code sleeps: run_python kills what the run started
+    (its process group, and as root every process of its uid, which setuid freed from dying with it)."""
+    marker = f"{random.randint(10_000, 99_999)}.{random.randint(1, 999_999)}"
+
+    def ctrl_c_once_it_runs():
+        end = time.monotonic() + 10
+        while not _survivors(marker) and time.monotonic() < end:
+            time.sleep(0.01)
+        if _survivors(marker):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=ctrl_c_once_it_runs)
+    thread.start()
+    code = f"import os\nos.execv('/bin/sleep', ['/bin/sleep', '{marker}'])"
+    try:
+        seen = f"not interrupted: exit {run_python(code, timeout_s=5.0).returncode}"
+    except KeyboardInterrupt:
+        seen = "interrupted"
+    thread.join()
+    end = time.monotonic() + 2  # SIGKILL is sent; gone within moments
+    while _survivors(marker) and time.monotonic() < end:
+        time.sleep(0.01)
+    left = _survivors(marker)
+    for pid in left:  # (a failure) not left behind by this script
+        os.kill(pid, 9)
+    return seen == "interrupted" and not left, f"{seen}; survivors {left}"
 
 
 def escapes(run_python, work: Path) -> dict[str, tuple[bool, str]]:
@@ -86,6 +117,7 @@ def escapes(run_python, work: Path) -> dict[str, tuple[bool, str]]:
                                                                       f"{_survivors(marker)}")
     for pid in _survivors(marker):  # (weak mode) not left behind by this script
         os.kill(pid, 9)
+    out["outlive the trainer's Ctrl-C"] = _interrupted(run_python)
     r = run_python("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
                    "print(libc.unshare(0x10000000), ctypes.get_errno())")  # CLONE_NEWUSER
     out["create a nested user namespace"] = (r.stdout.split()[:1] == ["-1"], r.stdout.strip() or r.stderr[-80:])
