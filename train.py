@@ -478,8 +478,8 @@ def train(cfg: Config) -> Path:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        source.close()  # an async trainer tells its workers the run is over (before a full disk fails close)
         log.close()
-        source.close()  # an async trainer tells its workers the run is over
     if utils.rank() == 0:  # under torchrun only rank 0 writes: logs, samples, checkpoints, the report
         utils.plot(out, keys=("reward", *HEADLINE, "eval_accuracy_lenient"))
         finish(cfg, policy, out, log.wall())
@@ -522,10 +522,7 @@ def evaluate(source: BatchSource, log, step: int, out: Path, suffix: str = "") -
 def checkpoint(cfg: Config, out: Path, step: int, policy, opt, source: BatchSource, log) -> None:
     if utils.rank() == 0:
         meta = {"wall_s": log.wall(), "source": source.state()}
-        try:
-            utils.save_checkpoint(out, step, policy, opt, meta, cfg.keep_ckpts)
-        except OSError as e:  # a full disk, say: save_checkpoint left the earlier ones as they were
-            raise utils.ConfigError(f"cannot write checkpoint {step} ({e}); --resume {out} once fixed")
+        utils.save_checkpoint(out, step, policy, opt, meta, cfg.keep_ckpts)  # a failed one: the others stay
 
 
 def finish(cfg: Config, policy, out: Path, wall_s: float) -> None:
@@ -587,6 +584,9 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         return 130  # the shell's code for a run stopped by Ctrl-C
     except Exception as e:
+        if isinstance(e, OSError) and e.errno in utils.DISK_REFUSED:  # other OSErrors are bugs': shown whole
+            utils.stderr(f"error: a write failed ({e}); make room, then --resume the run or run again")
+            return 1
         if utils.world() > 1:  # say which rank broke before torchrun's teardown buries it
             utils.stderr(f"error: rank {utils.rank()} of {utils.world()} failed ({type(e).__name__}: {e}); "
                          "torchrun stops the other ranks")

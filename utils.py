@@ -5,6 +5,7 @@ import csv
 import dataclasses
 import datetime
 import difflib
+import errno
 import inspect
 import itertools
 import json
@@ -276,6 +277,11 @@ def plot(out: Path, keys=("reward", "eval_return")) -> None:
 
 
 # ---------------------------------------------------------------- checkpoints
+# Writes the disk refused (full, over quota, past a file-size limit, read-only, failing): main() says so
+# in one line, as the checkpoints written so far are intact.
+DISK_REFUSED = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO)
+
+
 @contextlib.contextmanager
 def atomic_dir(final: Path, replace: bool = True):
     """A fresh directory beside `final`, renamed to `final` once the block has filled it: a reader
@@ -285,9 +291,14 @@ def atomic_dir(final: Path, replace: bool = True):
     tmp.chmod(0o777 & ~UMASK)  # as mkdir would: mkdtemp's 0700 hid exports and caches from other users
     try:
         yield tmp
+        for path in tmp.rglob("*"):  # as open() and mkdir would: safetensors writes its files 0600
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~UMASK)
         if replace:
             shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+    except (SafetensorError, RuntimeError) as e:  # how safetensors and torch.save report a failed write
+        free = shutil.disk_usage(tmp).free >> 20  # the cause (a full disk, say) is only in their message
+        raise OSError(errno.EIO, f"{e}; {free} MiB free there", str(final)) from e
     except OSError:
         if replace or not final.exists():
             raise

@@ -117,6 +117,8 @@ def test_an_export_never_replaces_a_directory_that_holds_anything(capsys, tmp_pa
         policy.export(str(where), merged)
         assert (where / ("config.json" if merged else "adapter_config.json")).exists()
         assert where.stat().st_mode & 0o777 == 0o777 & ~utils.UMASK  # as mkdir makes it, not mkdtemp's 0700
+        modes = {f.name: f.stat().st_mode & 0o777 for f in where.iterdir()}  # safetensors' own were 0600
+        assert modes == dict.fromkeys(modes, 0o666 & ~utils.UMASK), modes
 
 
 def test_an_export_that_fails_after_training_keeps_the_checkpoints_and_says_how_to_redo_it(

@@ -81,6 +81,8 @@ def test_resolve_tiny_builds_under_nanorl_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("NANORL_CACHE", str(tmp_path))
     path = resolve_model("tiny")
     assert os.path.dirname(path) == str(tmp_path) and os.path.basename(path) == "tiny-v1-l4-d256-h4-f512-n1024-s0"
+    modes = {f.name: f.stat().st_mode & 0o777 for f in Path(path).iterdir()}  # a cache users share: safetensors'
+    assert modes == dict.fromkeys(modes, 0o666 & ~utils.UMASK), modes  # own file was 0600, theirs to read
 
 
 def test_bad_model_id_fails_at_start_up_naming_the_fix(tmp_path):

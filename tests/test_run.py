@@ -1,12 +1,12 @@
 """Around a run: --help, resuming from the run alone (damaged checkpoints, SIGKILL at random moments),
 TensorBoard and W&B loggers, the end-of-run summary."""
 import collections
-import errno
 import json
 import multiprocessing
 import os
 import random
 import re
+import resource
 import shutil
 import signal
 import struct
@@ -171,12 +171,15 @@ def in_child(argv: list[str]):
 
 def test_sigkill_at_random_moments_then_resume_alone_ends_with_the_uninterrupted_weights(tmp_path):
     flags = cartpole(tmp_path / "full", "--steps", "60", "--ckpt-every", "2", "--target", "0", "--batch", "8")[2:]
+    started = time.perf_counter()
     (full := in_child(flags)).join()
-    out, rng, kills = tmp_path / "killed", random.Random(0), 0
+    # Each kill within 1/15 of the whole run's time: ~20 kills before the end, on a fast machine or a slow one
+    # (within 1 s, a warm process got through all 60 steps in 13 kills, and the check below failed at random).
+    span, out, rng, kills = (time.perf_counter() - started) / 15, tmp_path / "killed", random.Random(0), 0
     for i in range(20):
         resume = (out / "config.yaml").exists()
         child = in_child(["--resume", str(out), "--no-progress"] if resume else [*flags, "--out", str(out)])
-        time.sleep(rng.uniform(0.0, 1.0))  # anywhere: building, a step, an eval, a checkpoint or log write
+        time.sleep(rng.uniform(0.0, span))  # anywhere: building, a step, an eval, a checkpoint or log write
         kills += child.exitcode is None
         child.kill()  # SIGKILL
         child.join()
@@ -325,24 +328,36 @@ def test_a_second_ctrl_c_stops_mid_step_with_exit_130_and_keeps_what_was_saved(t
     assert [s for s, k in rows(out) if k == "loss"] == [1, 2, 3, 4]
 
 
-def test_a_checkpoint_a_full_disk_refuses_is_one_line_and_resume_goes_on(tmp_path, capsys, monkeypatch):
-    out, real, written = tmp_path / "run", utils.save_file, []
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """A CartPole run of 2 steps, checkpointed at each; --hidden 256: a 270 KB weights file, 550 KB of Adam state."""
+    out = tmp_path_factory.mktemp("two_steps") / "run"
+    assert run(cartpole(out, "--steps", "2", "--ckpt-every", "1", "--target", "0", "--hidden", "256")).returncode == 0
+    return out
 
-    def disk_full_at_step_3(tensors, path):
-        if len(written) == 2:
-            raise OSError(errno.ENOSPC, "No space left on device", path)
-        written.append(path)
-        real(tensors, path)
 
-    monkeypatch.setattr(utils, "save_file", disk_full_at_step_3)
-    flags = cartpole(out, "--steps", "4", "--ckpt-every", "1", "--target", "0")[2:]
-    assert train.main(flags) == 2
-    err = capsys.readouterr().err
-    tmp = rf"{out}/\.tmp-ckpt-0000003-\w+/weights\.safetensors"  # the write the disk refused
-    assert "Traceback" not in err and re.fullmatch(
-        rf"error: cannot write checkpoint 3 \(\[Errno 28\] No space left on device: '{tmp}'\); "
-        rf"--resume {out} once fixed", err.splitlines()[-1]), err
+@pytest.mark.parametrize("kib, flags, cause", [
+    (128, (), r"\[Errno 5\] Error while serializing: I/O error: File too large \(os error 27\); \d+ MiB free "
+              r"there: '{out}/ckpt-0000003'"),  # the weights: safetensors' error carries no errno
+    (400, (), r"\[Errno 5\] \[enforce fail at inline_container.cc:\d+\] \. unexpected pos \d+ vs \d+; \d+ MiB "
+              r"free there: '{out}/ckpt-0000003'"),  # the optimizer's state: nor does torch.save's
+    (12, ("--ckpt-every", "100"), r"\[Errno 27\] File too large")])  # report.html, at step 4's eval
+def test_a_write_the_disk_refuses_is_one_line_and_resume_goes_on(tmp_path, two_steps, kib, flags, cause):
+    """A full disk, here a real refusal by the kernel: RLIMIT_FSIZE (Python ignores SIGXFSZ, so a write past
+    the limit fails with EFBIG). safetensors and torch.save raise errors of their own, never an OSError: a
+    checkpoint, an --export or the model cache that met a full disk was a traceback. Now it is one line."""
+    out = shutil.copytree(two_steps, tmp_path / "run")
+
+    def file_size_limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (kib << 10, resource.RLIM_INFINITY))
+
+    refused = run([sys.executable, "train.py", "--resume", str(out), "--steps", "4", "--no-progress", *flags],
+                  preexec_fn=file_size_limit)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+    stopped, error = refused.stderr.splitlines()[-2:]
+    assert stopped == f"stopped during step {4 if flags else 3} (not saved); checkpoints so far: --resume {out}"
+    cause = cause.format(out=re.escape(str(out)))
+    assert re.fullmatch(rf"error: a write failed \({cause}\); make room, then --resume the run or run again", error)
     assert sorted(p.name for p in out.glob("*ckpt*")) == ["ckpt-0000001", "ckpt-0000002"]  # no .tmp-ckpt-*
-    monkeypatch.setattr(utils, "save_file", real)
-    assert train.main(["--resume", str(out), "--no-progress"]) == 0
+    assert run([sys.executable, "train.py", "--resume", str(out), "--no-progress"]).returncode == 0
     assert [s for s, k in rows(out) if k == "loss"] == [1, 2, 3, 4]  # step 3 logged again, once
