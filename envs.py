@@ -23,6 +23,7 @@ from modeldir import cache_root
 from sandbox import run_python, run_sql
 from tasks import (Countdown, ExprError, Problem, ProceduralTask, countdown_correct, extract_answer,
                    format_reward, safe_eval)
+from utils import UMASK
 
 EVAL_SEED = 1_000_000_000  # eval seeds live above this; training seeds stay below it
 
@@ -145,6 +146,7 @@ def sql_database(db: str) -> str:
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")  # one per builder, threads included
+        os.fchmod(fd, 0o666 & ~UMASK)  # as open() would (mkstemp's is 0600): a cache that users share
         os.close(fd)
         with sqlite3.connect(tmp) as con:
             for name, t in tables.items():

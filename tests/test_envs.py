@@ -23,6 +23,7 @@ from model import LLMPolicy, Sample
 from modeldir import build_tiny_model
 from rollouts import EnvRollouts, rollout_multiturn
 from tasks import Problem, ProceduralTask, completion_number
+from utils import UMASK
 
 
 # ---------------------------------------------------------------- the README example
@@ -359,6 +360,18 @@ def test_sql_tool_denies_everything_but_reading(query):
     with pytest.raises(sqlite3.DatabaseError, match="not authorized"):
         run_sql(path, query)
     assert db_hash(path) == before and not Path("/tmp/nanorl-attached.db").exists()
+
+
+def test_a_built_database_is_readable_by_the_users_who_share_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANORL_CACHE", str(tmp_path))
+    sql_database.cache_clear()
+    try:
+        path = Path(sql_database("shop"))
+        assert path.parent == tmp_path / "sql" and path.stat().st_mode & 0o777 == 0o666 & ~UMASK  # mkstemp's: 0600
+        rows = SQL["shop"]["tables"]["customers"]["rows"]
+        assert run_sql(str(path), "SELECT COUNT(*) FROM customers")[1] == [(len(rows),)]
+    finally:
+        sql_database.cache_clear()  # the other tests' cache again
 
 
 def test_sql_tool_interrupts_an_endless_recursive_cte_and_huge_blobs():
