@@ -6,6 +6,7 @@ import dataclasses
 import datetime
 import difflib
 import errno
+import fcntl
 import inspect
 import itertools
 import json
@@ -132,6 +133,12 @@ class Metrics:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"--out {out}: cannot create the run directory ({e}); pick another") from None
+        self.lock = open(out / ".lock", "w")  # held while this process lives: a kill, too, lets it go
+        try:  # two runs in one directory would interleave their steps and overwrite each other's checkpoints
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"{out}: another run is still writing there; stop it first (a new run can "
+                              "take another --out)") from None
         (out / "config.yaml").write_text(dump_config(cfg))
         if resumed_at is not None:
             for name in ("metrics.csv", "samples.jsonl", "samples.1.jsonl"):
@@ -171,6 +178,7 @@ class Metrics:
         if self.out:
             self.csv_file.close()
             self.samples_file.close()
+            self.lock.close()
         for logger in self.loggers:
             logger.close()
 

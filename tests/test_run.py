@@ -361,3 +361,25 @@ def test_a_write_the_disk_refuses_is_one_line_and_resume_goes_on(tmp_path, two_s
     assert sorted(p.name for p in out.glob("*ckpt*")) == ["ckpt-0000001", "ckpt-0000002"]  # no .tmp-ckpt-*
     assert run([sys.executable, "train.py", "--resume", str(out), "--no-progress"]).returncode == 0
     assert [s for s, k in rows(out) if k == "loss"] == [1, 2, 3, 4]  # step 3 logged again, once
+
+
+def test_a_run_directory_takes_one_run_at_a_time_and_a_killed_runs_hold_dies_with_it(tmp_path, capsys):
+    """Two runs in one directory (a job requeued while the old one still runs) interleaved their steps in
+    metrics.csv and overwrote each other's checkpoints. The live run holds RUN/.lock; a SIGKILL frees it."""
+    out = tmp_path / "run"
+    live = subprocess.Popen(cartpole(out, "--steps", "100000", "--ckpt-every", "1", "--target", "0"), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while len(utils.checkpoints(out)) < 2 and time.time() < deadline:
+            time.sleep(0.1)
+        assert train.main(["--resume", str(out), "--no-progress"]) == 2
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"error: {out}: another run is still writing there; stop it first (a new run can take another --out)")
+    finally:
+        live.kill()
+        live.wait()
+    last = int(utils.checkpoints(out)[-1].name[5:])
+    assert train.main(["--resume", str(out), "--no-progress", "--steps", str(last + 2)]) == 0
+    logged = [s for s, k in rows(out) if k == "loss"]
+    assert logged == list(range(1, last + 3))  # each step once, in order
