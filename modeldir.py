@@ -3,9 +3,11 @@ load: 'tiny', a random-init Llama built here (no download); a .gguf file (or 'sm
 converted once into the cache; else a hub id or a local directory. Transformers: imported lazily."""
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import os
+import shutil
 import struct
 from pathlib import Path
 
@@ -122,16 +124,24 @@ def gguf_to_hf(file: Path) -> str:
 
 
 def publish(final: Path, lm: torch.nn.Module, tok) -> str:
-    """Model and tokenizer as `final`, atomically (a builder that loses a race keeps the winner's), file by
-    file: save_pretrained refuses a GGUF-loaded model, and under torchrun writes weights on rank 0 only."""
+    """Model and tokenizer as `final`, atomically, file by file: save_pretrained refuses a GGUF-loaded model,
+    and under torchrun writes weights on rank 0 only. One builder at a time (torchrun's ranks, two runs)."""
     # Tied weights (SmolLM2's head is its embedding) share storage, which save_file refuses: one name each.
     state = dict({v.data_ptr(): (k, v) for k, v in reversed(lm.state_dict().items())}.values())
     try:
-        with utils.atomic_dir(final, replace=False) as tmp:
-            lm.config.save_pretrained(tmp)
-            lm.generation_config.save_pretrained(tmp)
-            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            tok.save_pretrained(tmp)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        # Read-only: in a cache that users share, flock needs no write access to another user's lock file.
+        with open(os.open(final.parent / f".lock-{final.name}", os.O_RDONLY | os.O_CREAT, 0o666)) as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # held until written; a kill, too, lets it go
+            for stale in final.parent.glob(f".tmp-{final.name}-*"):  # so these are killed builders' (GBs)
+                shutil.rmtree(stale, ignore_errors=True)
+            if (final / "config.json").exists():  # the builder before us wrote it
+                return str(final)
+            with utils.atomic_dir(final) as tmp:
+                lm.config.save_pretrained(tmp)
+                lm.generation_config.save_pretrained(tmp)
+                save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+                tok.save_pretrained(tmp)
     except OSError as e:  # an unwritable or full cache
         raise utils.ConfigError(f"cannot write {final} ({e}); point NANORL_CACHE (the model cache) at a "
                                 "writable directory with room") from None

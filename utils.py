@@ -291,9 +291,9 @@ DISK_REFUSED = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO)
 
 
 @contextlib.contextmanager
-def atomic_dir(final: Path, replace: bool = True):
-    """A fresh directory beside `final`, renamed to `final` once the block has filled it: a reader
-    never sees half of it. replace=False keeps an existing `final` (a concurrent builder's)."""
+def atomic_dir(final: Path):
+    """A fresh directory beside `final`, renamed to `final` (replacing it) once the block has filled it:
+    a reader never sees half of it."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     tmp.chmod(0o777 & ~UMASK)  # as mkdir would: mkdtemp's 0700 hid exports and caches from other users
@@ -301,15 +301,11 @@ def atomic_dir(final: Path, replace: bool = True):
         yield tmp
         for path in tmp.rglob("*"):  # as open() and mkdir would: safetensors writes its files 0600
             path.chmod((0o777 if path.is_dir() else 0o666) & ~UMASK)
-        if replace:
-            shutil.rmtree(final, ignore_errors=True)
+        shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
     except (SafetensorError, RuntimeError) as e:  # how safetensors and torch.save report a failed write
         free = shutil.disk_usage(tmp).free >> 20  # the cause (a full disk, say) is only in their message
         raise OSError(errno.EIO, f"{e}; {free} MiB free there", str(final)) from e
-    except OSError:
-        if replace or not final.exists():
-            raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -181,7 +181,9 @@ def test_runs_started_in_the_same_second_without_out_each_get_a_directory(capsys
     """The default runs/<task>-<algo>-<time> was shared by a sweep's runs started in one second: the
     second appended to the first's metrics, or was refused once the first had logged a step."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(utils.time, "strftime", lambda fmt: "20261202-000000")  # one second for all
+    real = utils.time.strftime  # the time module's own: logging's timestamps (vLLM's, say) still need it
+    monkeypatch.setattr(utils.time, "strftime", lambda fmt, *t: "20261202-000000" if fmt == "%Y%m%d-%H%M%S"
+                        else real(fmt, *t))  # one second for all runs
     quick = ["--steps", "1", "--batch", "4", "--eval-episodes", "1", "--no-progress"]
     for seed in "12":
         assert train.main([*quick, "--seed", seed]) == 0

@@ -1,13 +1,18 @@
 """model.py's LLM policy on a tiny locally built Llama: the invariants the training loop relies on."""
 import json
+import multiprocessing
 import os
 import shutil
+import signal
+import threading
+import time
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
+import modeldir
 import rollouts
 import train
 import utils
@@ -83,6 +88,35 @@ def test_resolve_tiny_builds_under_nanorl_cache(tmp_path, monkeypatch):
     assert os.path.dirname(path) == str(tmp_path) and os.path.basename(path) == "tiny-v1-l4-d256-h4-f512-n1024-s0"
     modes = {f.name: f.stat().st_mode & 0o777 for f in Path(path).iterdir()}  # a cache users share: safetensors'
     assert modes == dict.fromkeys(modes, 0o666 & ~utils.UMASK), modes  # own file was 0600, theirs to read
+
+
+def test_a_build_killed_mid_write_is_swept_by_the_next_and_a_live_one_is_waited_for(tmp_path, monkeypatch):
+    """A model build killed outright (the OOM killer, say) left its .tmp-* directory in the cache for good: a
+    fp32 copy of the model, GBs for a big GGUF. Builders now take turns, so the next one sweeps it."""
+    monkeypatch.setenv("NANORL_CACHE", str(tmp_path))
+    dims = dict(layers=1, hidden=64, heads=1, intermediate=128)
+
+    def killed_mid_write():
+        modeldir.save_file = lambda *args, **kw: time.sleep(600)  # in the forked child only
+        build_tiny_model(**dims)
+
+    child = multiprocessing.get_context("fork").Process(target=killed_mid_write)
+    child.start()
+    try:
+        deadline = time.time() + 60
+        while not list(tmp_path.glob(".tmp-tiny-*/config.json")) and time.time() < deadline:
+            time.sleep(0.05)
+        waiter = threading.Thread(target=build_tiny_model, kwargs=dims)  # a second run needing the model
+        waiter.start()
+        waiter.join(timeout=3)
+        assert waiter.is_alive() and len(list(tmp_path.glob(".tmp-tiny-*"))) == 1  # waits; the live one's kept
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+    waiter.join(timeout=60)
+    built = "tiny-v1-l1-d64-h1-f128-n1024-s0"
+    assert not waiter.is_alive() and sorted(p.name for p in tmp_path.iterdir()) == [f".lock-{built}", built]
+    assert LLMPolicy(train.Config(model=str(tmp_path / built), lora=False)).model.config.hidden_size == 64
 
 
 def test_bad_model_id_fails_at_start_up_naming_the_fix(tmp_path):
