@@ -23,7 +23,7 @@ from modeldir import cache_root
 from sandbox import run_python, run_sql
 from tasks import (Countdown, ExprError, Problem, ProceduralTask, countdown_correct, extract_answer,
                    format_reward, safe_eval)
-from utils import UMASK
+from utils import UMASK, ConfigError
 
 EVAL_SEED = 1_000_000_000  # eval seeds live above this; training seeds stay below it
 
@@ -143,18 +143,25 @@ def sql_database(db: str) -> str:
     tables = SQL[db]["tables"]
     digest = hashlib.sha256(json.dumps(tables, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_root() / "sql" / f"{db}-{digest}.db"
-    if not path.exists():
+    if path.exists():
+        return str(path)
+    tmp = None
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")  # one per builder, threads included
         os.fchmod(fd, 0o666 & ~UMASK)  # as open() would (mkstemp's is 0600): a cache that users share
         os.close(fd)
-        with sqlite3.connect(tmp) as con:
+        with contextlib.closing(sqlite3.connect(tmp)) as con, con:
             for name, t in tables.items():
                 con.execute(f"CREATE TABLE {name} ({t['columns']})")
                 marks = ", ".join("?" * len(t["rows"][0]))
                 con.executemany(f"INSERT INTO {name} VALUES ({marks})", t["rows"])
-        con.close()
         os.replace(tmp, path)  # atomic, and concurrent builders write identical files
+    except (OSError, sqlite3.Error) as e:  # a full or unwritable cache: never a model's failed query (a 0)
+        if tmp:
+            os.unlink(tmp)
+        raise ConfigError(f"cannot write {path} ({e}); point NANORL_CACHE (the model cache) at a writable "
+                          "directory with room") from None
     return str(path)
 
 

@@ -3,9 +3,13 @@ processes, and token-exact multi-turn rollouts (scripted policy, then the real t
 import hashlib
 import json
 import math
+import os
 import re
+import resource
 import sqlite3
 import string
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -372,6 +376,35 @@ def test_a_built_database_is_readable_by_the_users_who_share_the_cache(tmp_path,
         assert run_sql(str(path), "SELECT COUNT(*) FROM customers")[1] == [(len(rows),)]
     finally:
         sql_database.cache_clear()  # the other tests' cache again
+
+
+FULL_CACHE = """
+import json, resource, sys
+from envs import SQLEnv, sql_correct
+from utils import ConfigError
+answer = json.dumps({"db": "shop", "gold": "SELECT 1"})
+env = SQLEnv.__new__(SQLEnv)
+env.problem = type("P", (), {"answer": answer})
+for use in (lambda: sql_correct("", "<answer>SELECT 1</answer>", answer), lambda: env.run("SELECT 1")):
+    try:
+        print(repr(use()))
+    except ConfigError as e:
+        print("ConfigError:", e)
+"""
+
+
+def test_a_database_the_cache_has_no_room_for_stops_the_run_and_never_scores_0(tmp_path):
+    """sqlite's "database or disk is full" (on a full disk) and "disk I/O error" (past RLIMIT_FSIZE, here) are
+    sqlite3.Errors, which sql_correct read as the model's broken query: a cache without room scored every
+    answer 0, and the SQL tool showed the model the error. Now the run stops in one line."""
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 10, resource.RLIM_INFINITY))  # 8 KB
+    out = subprocess.run([sys.executable, "-c", FULL_CACHE], capture_output=True, text=True, preexec_fn=limit,
+                         cwd=Path(__file__).parent.parent, env={**os.environ, "NANORL_CACHE": str(tmp_path)})
+    db, lines = re.escape(str(tmp_path / "sql")) + r"/shop-\w+\.db", out.stdout.splitlines()
+    fix = r"point NANORL_CACHE \(the model cache\) at a writable directory with room"
+    assert len(lines) == 2, out  # the reward, then the tool: each raised, neither returned
+    assert all(re.fullmatch(rf"ConfigError: cannot write {db} \(disk I/O error\); {fix}", x) for x in lines)
+    assert list((tmp_path / "sql").iterdir()) == []  # no database, no .tmp left
 
 
 def test_sql_tool_interrupts_an_endless_recursive_cte_and_huge_blobs():
