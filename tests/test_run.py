@@ -367,8 +367,7 @@ def test_a_run_directory_takes_one_run_at_a_time_and_a_killed_runs_hold_dies_wit
     """Two runs in one directory (a job requeued while the old one still runs) interleaved their steps in
     metrics.csv and overwrote each other's checkpoints. The live run holds RUN/.lock; a SIGKILL frees it."""
     out = tmp_path / "run"
-    live = subprocess.Popen(cartpole(out, "--steps", "100000", "--ckpt-every", "1", "--target", "0"), cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    live = in_child(cartpole(out, "--steps", "100000", "--ckpt-every", "1", "--target", "0")[2:])
     try:
         deadline = time.time() + 120
         while len(utils.checkpoints(out)) < 2 and time.time() < deadline:
@@ -377,8 +376,8 @@ def test_a_run_directory_takes_one_run_at_a_time_and_a_killed_runs_hold_dies_wit
         assert capsys.readouterr().err.splitlines()[-1] == (
             f"error: {out}: another run is still writing there; stop it first (a new run can take another --out)")
     finally:
-        live.kill()
-        live.wait()
+        live.kill()  # SIGKILL
+        live.join()
     last = int(utils.checkpoints(out)[-1].name[5:])
     assert train.main(["--resume", str(out), "--no-progress", "--steps", str(last + 2)]) == 0
     logged = [s for s, k in rows(out) if k == "loss"]
