@@ -66,7 +66,7 @@ class Config:
     target: float = 475.0  # stop at this eval score: 475 solves CartPole; LLM accuracy e.g. 0.9; 0 = never
     out: str = ""  # run directory; empty = runs/<task>-<algo>-<timestamp>
     resume: str = ""  # a run directory (its config.yaml, newest checkpoint that loads) or a ckpt-* in one
-    eval_only: bool = False  # evaluate --resume's checkpoint (into RUN/eval-STEP) or a bare --model (--out)
+    eval_only: bool = False  # evaluate --resume's checkpoint (into RUN/eval-STEP or --out) or a bare --model
     export: str = ""  # at the end, the model goes here: a PEFT adapter (LoRA; vLLM --enable-lora), else full
     export_merged: bool = False  # LoRA: export the adapter merged into a full Hugging Face model instead
     ckpt_every: int = 50  # steps between checkpoints (a final one is always written)
@@ -190,7 +190,7 @@ def validate(cfg: Config) -> None:
         raise err(f"--log {cfg.log}: choose from {', '.join(utils.LOGGERS)} (metrics.csv is always written)")
     if cfg.resume and not Path(cfg.resume).is_dir():
         raise err(f"--resume {cfg.resume}: no such run directory")
-    if cfg.out and not cfg.resume and cfg.role != "rollout" and utils.holds_run(Path(cfg.out)):
+    if cfg.out and cfg.role != "rollout" and utils.holds_run(Path(cfg.out)):  # parse(): a resume's own is ""
         raise err(f"{cfg.out} holds a run: --resume {cfg.out} continues it, or pick another --out")
     if cfg.export and (why := utils.export_blocker(Path(cfg.export))):
         raise err(f"--export {cfg.export}: {why}; pick a new or empty directory")
@@ -538,10 +538,9 @@ def finish(cfg: Config, policy, out: Path, wall_s: float) -> None:
 
 def evaluate_only(cfg: Config, policy, source: BatchSource, step: int) -> Path:
     """--eval-only: one eval of the loaded weights, logged at their step in a run directory of its own."""
-    out = run_dir(cfg) / f"eval-{step:07d}" if cfg.resume else run_dir(cfg)
-    log = utils.Metrics(out, cfg, resumed_at=step - 1)  # an eval run again replaces the one before
-    evaluate(source, log, step, out)
-    log.close()
+    out = run_dir(cfg) / f"eval-{step:07d}" if cfg.resume and not cfg.out else Path(cfg.out or run_dir(cfg))
+    with contextlib.closing(utils.Metrics(out, cfg, resumed_at=step - 1)) as log:  # an eval again replaces
+        evaluate(source, log, step, out)
     finish(cfg, policy, out, 0.0)
     return out
 
@@ -556,12 +555,13 @@ def parse(argv: list[str]) -> Config:
         raise utils.ConfigError(f"--resume {cfg.resume}: no config.yaml in {saved.parent}: not a run")
     old, cfg = (utils.load_config(Config, flags, choices(), base=saved, defaults=task_defaults)
                 for flags in ([], argv))
-    if cfg.out and cfg.out != old.out and Path(cfg.out).resolve() != run_dir(cfg).resolve():
+    own = cfg.out in ("", old.out) or Path(cfg.out).resolve() == run_dir(cfg).resolve()  # names the run
+    if not (own or cfg.eval_only):  # only an eval may go elsewhere (a read-only run's must)
         raise utils.ConfigError(f"--out {cfg.out}: a resumed run goes on in {run_dir(cfg)}; drop --out")
     for name in ("task", "data", "model", "lora", "lora_rank", "lora_targets", "algo", "loss"):  # what trains
         if getattr(cfg, name) != getattr(old, name):
             utils.stderr(f"warning: {name} {getattr(cfg, name)!r} replaces the run's {getattr(old, name)!r}")
-    return cfg
+    return dataclasses.replace(cfg, out="" if own else cfg.out)  # "": run_dir(), or RUN/eval-STEP for an eval
 
 
 def run_dir(cfg: Config) -> Path:

@@ -177,6 +177,25 @@ def test_a_resume_refuses_an_out_elsewhere_and_takes_its_own(capsys, tmp_path):
     assert sorted(p.name for p in run.glob("ckpt-*")) == ["ckpt-0000001", "ckpt-0000002"]
 
 
+def test_an_eval_of_a_run_it_may_not_write_to_goes_to_an_out_of_its_own(capsys, tmp_path):
+    """--resume RUN --eval-only writes RUN/eval-STEP; where RUN is read-only (a colleague's, an archive) that
+    failed with "pick another", and --out was then refused. Now the eval goes to --out, RUN is left as it
+    was, and the numbers are those of the eval in RUN/eval-STEP; an --out that holds a run is refused."""
+    run, quick = tmp_path / "run", ["--steps", "2", "--batch", "4", "--eval-episodes", "2", "--no-progress"]
+    assert train.main(["--out", str(run), *quick]) == 0
+    files = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    assert train.main(["--resume", str(run), "--eval-only", "--out", str(tmp_path / "eval"), "--no-progress"]) == 0
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == files  # not a byte changed
+    assert train.main(["--resume", str(run), "--eval-only", "--no-progress"]) == 0  # RUN/eval-0000002
+    elsewhere, inside = (utils.read_metrics(d / "metrics.csv") for d in (tmp_path / "eval", run / "eval-0000002"))
+    assert list(elsewhere) == ["eval_return"] and elsewhere["eval_return"][0][::2] == inside["eval_return"][0][::2]
+    other = tmp_path / "other"
+    assert train.main(["--out", str(other), *quick]) == 0
+    capsys.readouterr()
+    err = one_line_error(capsys, ["--resume", str(run), "--eval-only", "--out", str(other)])
+    assert err == f"error: {other} holds a run: --resume {other} continues it, or pick another --out"
+
+
 def test_runs_started_in_the_same_second_without_out_each_get_a_directory(capsys, tmp_path, monkeypatch):
     """The default runs/<task>-<algo>-<time> was shared by a sweep's runs started in one second: the
     second appended to the first's metrics, or was refused once the first had logged a step."""
