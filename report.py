@@ -34,8 +34,9 @@ def write_report(run: Path) -> Path:
     data = {"run": run.name, "config": yaml.safe_load((run / "config.yaml").read_text()),
             "curves": {key: [[s, v] for s, _, v in thin(points)] for key, points in series.items()},
             "samples": read_samples(run)}
-    # A JavaScript literal (NaN and Infinity included); "</" escaped so no string can close the script.
-    html = TEMPLATE.read_text().replace("/*DATA*/", json.dumps(data).replace("</", "<\\/"))
+    # A JavaScript literal (NaN and Infinity included) whose every "<" is \u003c: a model's text can neither
+    # close the script ("</script>") nor make the browser read the rest of the page as script ("<!--<script>")
+    html = TEMPLATE.read_text().replace("/*DATA*/", json.dumps(data).replace("<", "\\u003c"))
     utils.atomic_write(run / "report.html", html.encode())  # a browser refreshing mid-run sees no half page
     return run / "report.html"
 

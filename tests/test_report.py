@@ -1,5 +1,6 @@
 """report.html of a short real run, opened in a real browser (Chromium from Debian, driven by Playwright):
 curves and sample rows are drawn, and the filters change what is shown."""
+import json
 import shutil
 from pathlib import Path
 
@@ -28,19 +29,28 @@ def run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def page(run):
+def browser():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
-        errors = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.route("**/*", lambda route: route.abort() if not route.request.url.startswith("file:") else route.continue_())
-        page.goto((run / "report.html").as_uri())
-        page.errors = errors
-        yield page
+        yield browser
         browser.close()
+
+
+def opened(browser, report_html: Path):
+    """The page in a new tab, offline (any request but file: is refused); page.errors: its script's errors."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.errors = []
+    page.on("pageerror", lambda e: page.errors.append(str(e)))
+    page.route("**/*", lambda route: route.abort() if not route.request.url.startswith("file:") else route.continue_())
+    page.goto(report_html.as_uri())
+    return page
+
+
+@pytest.fixture(scope="module")
+def page(run, browser):
+    return opened(browser, run / "report.html")
 
 
 def shown(page) -> list[list[str]]:
@@ -85,6 +95,22 @@ def test_sample_rows_are_shown_and_the_filters_change_them(run, page, tmp_path):
     assert compare == 12 and "step -3" in page.locator("#first-head").inner_text()
     assert page.locator("#cmp-count").inner_text() == "12 of 12 problems"
     assert "step 4" in page.locator("#last-head").inner_text()
+
+
+@pytest.mark.parametrize("text", ["<!--<script>", "</script><script>document.title = 'pwned'</script>"])
+def test_a_sample_that_reads_as_html_is_shown_as_text_and_the_page_still_draws(run, browser, tmp_path, text):
+    """Model-written text goes into the page's script. "<!--<script>" in a sample (HTML a model wrote)
+    made Chromium read the rest of the page as script data: no curve and no sample row was drawn."""
+    copy = shutil.copytree(run, tmp_path / "run")
+    row = {"step": 5, "kind": "train", "prompt": text, "completion": text, "reward": 1.0}
+    with open(copy / "samples.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    page = opened(browser, report.write_report(copy))
+    page.select_option("#f-kind", "train")
+    page.fill("#f-from", "5")
+    assert shown(page) == [["5", "train", text, text, "", "", "1", "", "", ""]] and not page.errors
+    drawn = page.locator(".chart polyline").count()
+    assert drawn == len(utils.read_metrics(run / "metrics.csv")) and page.title() != "pwned"
 
 
 def test_rebuild_command_writes_the_same_page(run, tmp_path):
