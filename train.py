@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import math
 import signal
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -597,4 +596,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    utils.exit_process(utils.record(main)(sys.argv[1:]))
+    utils.cli(main)

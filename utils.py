@@ -18,6 +18,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -25,8 +26,8 @@ import torch.distributed as dist
 import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-# for train.py's @utils.record: torchrun then reports a failed rank's traceback
-from torch.distributed.elastic.multiprocessing.errors import record  # noqa: F401
+# torchrun then reports a failed rank's traceback (cli() and a test's own entry point wrap main in it)
+from torch.distributed.elastic.multiprocessing.errors import record
 
 UMASK = os.umask(0o022)  # the process's umask, read the only way there is (setting it), then put back
 os.umask(UMASK)
@@ -433,6 +434,13 @@ def init_distributed(timeout_s: float) -> None:
 def close_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def cli(main) -> None:
+    """train.py's entry: main(argv) under torchrun's @record, then exit_process. A warning is one line, as an
+    error is: Python's format added the source line of the warnings.warn call, cut mid-sentence."""
+    warnings.formatwarning = lambda message, category, *_: f"warning: {message}\n"
+    exit_process(record(main)(sys.argv[1:]))
 
 
 def exit_process(code: int) -> None:

@@ -146,6 +146,17 @@ def test_the_command_line_prints_no_traceback():
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
 
 
+def test_a_warning_on_the_command_line_is_one_line(tmp_path):
+    """Python's format printed "/.../model.py:155: UserWarning: top_p=0.9: ..." and under it the source line
+    of the warnings.warn call, cut mid-sentence. A warning now reads as an error does: one line."""
+    run = subprocess.run([sys.executable, "train.py", *LLM, "--top-p", "0.9", "--steps", "0", "--eval-size", "1",
+                          "--out", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    warned = [line for line in run.stderr.splitlines() if "top_p" in line or "warn" in line.lower()]
+    assert run.returncode == 0 and warned == ["warning: top_p=0.9: samples come from a truncated distribution the "
+                                              "loss does not model, so the importance ratio is only approximate; "
+                                              "top_p=1 keeps it exact"]
+
+
 def test_a_new_run_never_writes_into_another_runs_directory(capsys, tmp_path):
     """Before, a second run with the same --out appended to its metrics.csv and replaced its checkpoints
     of equal step, so a later --resume mixed two runs. Now it is refused before anything is written."""
