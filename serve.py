@@ -92,16 +92,18 @@ class Inbox:
             return (410, {"finished": True}) if self._heard(worker) else (200, {"worker": worker})
 
     def adapter(self, req: Request):
-        """The newest adapter once it is newer than ?have=V, waiting up to LONG_POLL for one."""
+        """The newest adapter once it is not ?have=V's, waiting up to LONG_POLL for one."""
         if not all(re.fullmatch(r"-?[0-9]{1,12}", req.query.get(k, "")) for k in ("have", "worker")):
             return 400, {"error": "GET /adapter needs ?have=VERSION&worker=ID"}
         have = int(req.query["have"])
+        # A worker ahead of this trainer sampled for its run before a --resume: it takes this one's weights.
+        other = lambda: self.version >= 0 and self.version != have
         with self.cond:
-            self.cond.wait_for(lambda: self.version > have or self.finished, timeout=LONG_POLL)
+            self.cond.wait_for(lambda: other() or self.finished, timeout=LONG_POLL)
             if self._heard(int(req.query["worker"])):
                 return 410, {"finished": True}
-            self.counts["adapters_sent"] += self.version > have
-            return (200, self.payload) if self.version > have else (204, None)
+            self.counts["adapters_sent"] += other()
+            return (200, self.payload) if other() else (204, None)
 
     def check(self, t: dict, meta: dict) -> str | None:
         """Why the loop cannot use a worker's batch (rollouts.WIRE's keys, dtypes and shapes, [N] float32
@@ -339,8 +341,9 @@ class AdapterFetcher(threading.Thread):
                 t = time.perf_counter()
                 try:
                     tensors, meta = decode(body)
-                    if type(meta.get("version")) is not int or meta["version"] <= self.have:
-                        raise PayloadError(f"version {meta.get('version')!r} is not newer than {self.have}")
+                    v = meta.get("version")  # an older one: the trainer was --resumed from a checkpoint
+                    if type(v) is not int or v < 0 or v == self.have:
+                        raise PayloadError(f"version {v!r} is not newer than {self.have}")
                     with self.lock:
                         self.have = meta["version"]
                         self.pending = (self.have, tensors, meta, body, time.perf_counter() - t)

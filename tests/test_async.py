@@ -8,7 +8,9 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -327,6 +329,36 @@ def test_workers_dying_stalling_and_rejoining_never_stop_training_and_stale_batc
     for p, name in ((a2, "a2"), (b, "b")):
         finish(p, tmp_path / f"{name}.log", 120)  # exit 0 on their own once told "finished"
     assert a.wait() == -signal.SIGKILL
+
+
+def test_a_worker_outlives_its_trainer_killed_and_resumed_from_an_older_checkpoint(tiny, tmp_path):
+    """A preempted trainer resumes from its last checkpoint while its workers live on, holding newer weights
+    than it now has. Their batches were refused ("versions 8..8 outside the published 0..5") and they waited
+    for a version above theirs, which no step could bring: the run hung. Now such a worker takes the
+    resumed trainer's weights, and every step after the checkpoint trains once, rescored exactly."""
+    with socket.socket() as s:  # a fixed port, saved in config.yaml: the resumed trainer listens there again
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    proc, _ = trainer(tiny, tmp_path, "--steps", "14", "--ckpt-every", "5", "--trainer-url", url)
+    w = worker(tiny, tmp_path, url, "w", "--worker-patience", "120")
+    wait_for(lambda: last(tmp_path, "loss", None) is not None and max(st for st, _, _ in metrics(tmp_path)["loss"]) >= 8,
+             proc, "step 8")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    for late in utils.checkpoints(tmp_path / "run")[1:]:  # killed before any checkpoint after step 5
+        shutil.rmtree(late)
+    # step 8 trained on groups sampled at version 6 or later (--max-staleness 2): the worker is ahead of 5
+    resumed = launch(["--resume", str(tmp_path / "run")], tmp_path / "resumed.log")
+    try:
+        finish(resumed, tmp_path / "resumed.log", 300)  # before the fix: hung, "waiting for batches"
+        log = finish(w, tmp_path / "w.log", 120)  # the same worker process throughout, told "finished" at the end
+    finally:
+        resumed.kill()
+        w.kill()
+    m = metrics(tmp_path)
+    assert [s for s, _, _ in m["loss"]] == list(range(1, 15))  # 1-5 from before, 6-14 once each after
+    assert max(v for _, _, v in m["logp_gap"]) < 1e-4  # each row rescored under the version that sampled it
+    assert "adapter rejected" not in log and log.count("generating for") == 1
 
 
 def test_rollout_options_work_on_workers_as_in_a_sync_run(tiny, tmp_path):
