@@ -262,7 +262,7 @@ def run_sql(path: str, query: str, *, max_rows: int = 1000, max_bytes: int = 8 <
             *map(str, (max_rows, max_bytes, mem_mb << 20))]
     try:  # the query on stdin: in argv a NUL byte or 128 KiB of text fails to start the process
         r = subprocess.run(args, input=query.encode("utf-8", "replace"), capture_output=True,
-                           timeout=timeout_s + 0.5, env={})
+                           timeout=timeout_s + 0.5, env={}, start_new_session=True)  # Ctrl-C: the run's
         out = json.loads(r.stdout, object_hook=lambda d: bytes.fromhex(d["blob"]) if "blob" in d else d)
     except subprocess.TimeoutExpired:  # run() has killed it
         raise sqlite3.OperationalError(f"interrupted: the query ran over {timeout_s} s") from None

@@ -226,12 +226,14 @@ class Inbox:
 
 def spawn_workers(cfg, url: str, token: str) -> list[subprocess.Popen]:
     """--workers N: local rollout workers with exactly this run's config (so the fingerprints
-    match), sent by pipe (no file stays), and the token, without torchrun's rank variables."""
+    match), sent by pipe (no file stays), and the token, without torchrun's rank variables. Each has a
+    session of its own: a terminal's Ctrl-C is for the trainer, which finishes its step on their batches."""
     ranks = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
     env = {k: v for k, v in os.environ.items() if k not in ranks} | {"NANORL_TOKEN": token}
     config = utils.dump_config(replace(cfg, role="rollout", trainer_url=url, workers=0, out="", resume=""))
     argv = [sys.executable, str(Path(__file__).with_name("train.py")), "--config", "/dev/stdin"]
-    procs = [subprocess.Popen(argv, env=env, stdin=subprocess.PIPE) for _ in range(cfg.workers)]
+    procs = [subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, start_new_session=True)
+             for _ in range(cfg.workers)]
     for p in procs:
         p.stdin.write(config.encode())
         p.stdin.close()

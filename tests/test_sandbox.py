@@ -8,6 +8,8 @@ import random
 import signal
 import socket
 import sqlite3
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -376,6 +378,29 @@ def test_sql_a_killed_query_process_raises_operational_error_naming_its_death():
     finally:
         killer.join()
     assert str(e.value) == f"query process died ({-signal.SIGKILL}): b''"
+
+
+CTRL_C_MID_QUERY = """
+import os, signal, sys, threading
+sys.path.insert(0, sys.argv[1])
+import sandbox
+from envs import sql_database
+signal.signal(signal.SIGINT, lambda *_: print("the run saw it", flush=True))  # train.py's first Ctrl-C: go on
+path = sql_database("shop")
+threading.Timer(0.2, os.killpg, (0, signal.SIGINT)).start()  # the terminal's Ctrl-C: its whole process group
+query = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 10000000) SELECT count(*) FROM c"
+print(sandbox.run_sql(path, query, timeout_s=60.0))  # about 2 s here
+"""
+
+
+def test_a_ctrl_c_at_the_terminal_leaves_a_running_query_to_finish():
+    """Ctrl-C signals the terminal's whole process group. The run finishes its step on the first one, but
+    the SQL child was in that group and died of it: the step's tool replies read "query process died (1):
+    ...KeyboardInterrupt", and a right answer scored 0. The child now has a session of its own."""
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", CTRL_C_MID_QUERY, str(root)], start_new_session=True,
+                       capture_output=True, text=True, timeout=300)
+    assert r.stdout.splitlines() == ["the run saw it", "(['count(*)'], [(10000000,)], False)"], r.stderr[-500:]
 
 
 def test_eight_concurrent_runaway_queries_leave_the_callers_memory_flat():
