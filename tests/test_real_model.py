@@ -226,22 +226,6 @@ def engine(converted):
         gen.llm.llm_engine.engine_core.shutdown()
 
 
-def test_a_version_number_sent_again_with_other_weights_is_sampled_with_those(pol, engine):
-    """A --resumed trainer sends version numbers a worker has had before, retrained. vLLM keeps a loaded
-    adapter by id (version + 1); the worker's engine has one LoRA slot, so loading another version evicts
-    it and a retrained version is read from its new files, never sampled with its old weights."""
-    prefixes = [pol.encode_prompt(q) for q in ("What is 2 + 3?", "Say hi.") for _ in range(4)]
-    fresh = pol.trainable_state()
-    try:
-        for version, scale in ((8, 0.02), (5, -0.02), (8, 0.03)):  # v8, the resumed trainer's v5, v8 retrained
-            randomise_adapter(pol, scale)
-            payload = encode(pol.wire_state(), {"version": version, "adapter_config": pol.adapter_config()})
-            engine.load(version, *decode(payload), payload)
-            assert gap(pol, prefixes, engine.generate(prefixes, 16, 64)).max() < 1e-3  # sampled by these weights
-    finally:
-        pol.load_trainable(fresh)
-
-
 def children() -> set[int]:
     """This process's child processes (vLLM's multiprocess engine would be one), from /proc."""
     found = set()
@@ -281,3 +265,19 @@ def test_vllm_logps_agree_with_the_trainer_and_a_published_adapter_changes_the_s
     assert before.max() < 1e-3 and on.max() < 1e-3  # fp32 vLLM vs fp32 scoring of the same tokens
     assert off.mean() > 0.1  # the adapter's samples are not the base model's: vLLM really applied it
     assert [s.ids for s in tuned] != [s.ids for s in base]
+
+
+def test_a_version_number_sent_again_with_other_weights_is_sampled_with_those(pol, engine):
+    """A --resumed trainer sends version numbers a worker has had before, retrained. vLLM keeps a loaded
+    adapter by id (version + 1); the worker's engine has one LoRA slot, so loading another version evicts
+    it and a retrained version is read from its new files, never sampled with its old weights."""
+    prefixes = [pol.encode_prompt(q) for q in ("What is 2 + 3?", "Say hi.") for _ in range(4)]
+    fresh = pol.trainable_state()
+    try:
+        for version, scale in ((8, 0.02), (5, -0.02), (8, 0.03)):  # v8, the resumed trainer's v5, v8 retrained
+            randomise_adapter(pol, scale)
+            payload = encode(pol.wire_state(), {"version": version, "adapter_config": pol.adapter_config()})
+            engine.load(version, *decode(payload), payload)
+            assert gap(pol, prefixes, engine.generate(prefixes, 16, 64)).max() < 1e-3  # sampled by these weights
+    finally:
+        pol.load_trainable(fresh)
