@@ -538,7 +538,7 @@ def finish(cfg: Config, policy, out: Path, wall_s: float) -> None:
 def evaluate_only(cfg: Config, policy, source: BatchSource, step: int) -> Path:
     """--eval-only: one eval of the loaded weights, logged at their step in a run directory of its own."""
     out = run_dir(cfg) / f"eval-{step:07d}" if cfg.resume and not cfg.out else Path(cfg.out or run_dir(cfg))
-    with contextlib.closing(utils.Metrics(out, cfg, resumed_at=step - 1)) as log:  # a rerun replaces that eval
+    with contextlib.closing(utils.Metrics(out, cfg, resumed_at=step - 1)) as log:  # a rerun replaces it
         evaluate(source, log, step, out)
     finish(cfg, policy, out, 0.0)
     return out
