@@ -428,12 +428,18 @@ def sample_rows(batch: Batch, n: int, kind: str, step: int) -> list[dict]:
         mask, version = batch.mask[r] > 0, int(batch.version[r])  # version: train rows (eval: the step's)
         rows.append({"kind": kind, "prompt": prompt, "completion": completion, "answer": answer,
                      "tokens": int(mask.sum()), "finish": "budget" if batch.truncated[r] else "end",
-                     "reward": float(batch.rewards[r].sum()),
-                     "adv": None if batch.adv is None else float(batch.adv[r][mask].mean()),
-                     "rewards": {k.removeprefix("reward_"): float(v[r]) for k, v in batch.stats.items()
+                     "reward": json_number(batch.rewards[r].sum()),
+                     "adv": None if batch.adv is None else json_number(batch.adv[r][mask].mean()),
+                     "rewards": {k.removeprefix("reward_"): json_number(v[r]) for k, v in batch.stats.items()
                                  if k.startswith("reward_")},
                      **({"version": version, "staleness": step - 1 - version} if kind == "train" else {})})
     return rows
+
+
+def json_number(x) -> float | None:
+    """NaN (a part no judge scored; the advantage of a row masked out for it) as null: strict JSON
+    readers (jq, most databases) refuse the whole file at a NaN."""
+    return None if math.isnan(x := float(x)) else x
 
 
 def show_samples(batch: Batch, label: str, n: int) -> None:

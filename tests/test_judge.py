@@ -294,3 +294,9 @@ def test_judge_down_mid_run_with_drop_runs_on_and_counts(server, tmp_path, tiny,
     assert [v for _, _, v in m["skipped"]] == [0, 0, 1, 1]  # nothing left to train on: no optimizer step
     judged = [v for _, _, v in m["reward_judge"]]  # the fake judge's "Score: 6"; NaN: no score
     assert judged[:2] == [0.6, 0.6] and all(math.isnan(v) for v in judged[2:])
+    # samples.jsonl stays strict JSON (jq stopped at a NaN): an unscored part, and the advantage of a row
+    # masked out for it, are null
+    refuse = lambda constant: pytest.fail(f"samples.jsonl holds {constant}")
+    rows = [json.loads(line, parse_constant=refuse) for line in (tmp_path / "run" / "samples.jsonl").open()]
+    dropped = [r for r in rows if r["kind"] == "train" and r["step"] >= 3]
+    assert dropped and all(r["rewards"]["judge"] is None and r["adv"] is None for r in dropped)
