@@ -347,7 +347,7 @@ class AdapterFetcher(threading.Thread):
                     if type(v) is not int or v < 0 or v == self.have:
                         raise PayloadError(f"version {v!r} is not newer than {self.have}")
                     with self.lock:
-                        self.have = meta["version"]
+                        self.have = v
                         self.pending = (self.have, tensors, meta, body, time.perf_counter() - t)
                     continue
                 except PayloadError as e:
