@@ -273,6 +273,7 @@ class BatchSource:
         return {"position": self.position}
 
     def load_state(self, state: dict) -> None:
+        """Once, before the first step: a checkpoint's state(), or {} for a fresh start."""
         self.position = state.get("position", 0)  # older async trainers' checkpoints have none
 
     def close(self) -> None:

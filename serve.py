@@ -62,6 +62,7 @@ class Inbox:
         self.queue: list[tuple[dict, list]] = []  # (tensors of one group, its rows' texts)
         self.version, self.payload, self.finished, self.next_worker = -1, b"", False, 0
         self.seen, self.told = {}, set()  # worker -> time of its last request; workers told "finished"
+        self.restored = False  # until restore(): an id issued before may be one a past worker of the run had
         self.counts, self.apply_s, self.publish_s, self.rollout_metrics = Counter(), [], 0.0, []
         host, port = split_url(cfg.trainer_url or "http://127.0.0.1:0")  # "": an ephemeral loopback port
         self.server = Server({("POST", "/hello"): self.hello, ("GET", "/adapter"): self.adapter,
@@ -88,8 +89,16 @@ class Inbox:
             return 409, {"error": f"worker and trainer disagree on {'; '.join(diff)}: start the worker with "
                                   "the trainer's config"}
         with self.cond:
+            if not self.cond.wait_for(lambda: self.restored or self.finished, timeout=LONG_POLL):
+                return 503, {"error": "the trainer is loading its checkpoint; ask again shortly"}
             worker, self.next_worker = self.next_worker, self.next_worker + 1
             return (410, {"finished": True}) if self._heard(worker) else (200, {"worker": worker})
+
+    def restore(self, next_worker: int) -> None:
+        """The first worker id to issue (a checkpoint's, or 0): /hello answers from now on."""
+        with self.cond:
+            self.next_worker, self.restored = next_worker, True
+            self.cond.notify_all()
 
     def adapter(self, req: Request):
         """The newest adapter once it is not ?have=V's, waiting up to LONG_POLL for one."""
@@ -302,7 +311,7 @@ class AsyncRollouts(BatchSource):
 
     def load_state(self, state: dict) -> None:
         if self.inbox:  # after a sync run's checkpoint, workers draw past the problems it drew
-            self.inbox.next_worker = state.get("next_worker", -(-state.get("position", 0) // STRIDE))
+            self.inbox.restore(state.get("next_worker", -(-state.get("position", 0) // STRIDE)))
 
     def close(self) -> None:
         if self.inbox:

@@ -488,8 +488,7 @@ def train(cfg: Config) -> Path:
 def resume(cfg: Config, policy, opt, source: BatchSource) -> dict | None:
     """--resume: the newest checkpoint that loads, into policy, optimizer and source (None: none does)."""
     meta = utils.resume_checkpoint(Path(cfg.resume), policy, opt, cfg.eval_only) if cfg.resume else None
-    if meta:  # every rank reads the checkpoint: multi-node runs need --out on shared storage
-        source.load_state(meta["source"])
+    source.load_state(meta["source"] if meta else {})  # every rank reads it: multi-node needs a shared --out
     utils.split_rng()  # after any restored RNG state: ranks must not sample identical tokens
     return meta
 

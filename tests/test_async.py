@@ -200,6 +200,24 @@ def test_a_sync_runs_checkpoint_starts_the_workers_past_the_problems_it_drew(pol
         src.close()
 
 
+def test_a_worker_that_asks_before_the_resumed_checkpoint_loads_gets_an_id_no_past_worker_had(policy):
+    """build() serves (and starts --workers) before resume() loads the checkpoint; a worker restarted
+    with the trainer asks at once. Given id 0 it would draw worker 0's problems again, with its seed."""
+    src, policy = source_for(policy)
+    try:
+        client = transport.Client(src.inbox.server.url, token=src.inbox.server.token, retries=1)
+        got = []
+        asking = threading.Thread(target=lambda: got.append(serve.hello(client, src.cfg)))  # its own config
+        asking.start()
+        time.sleep(3 * serve.LONG_POLL)  # it asks (and is told to ask again) while the checkpoint loads
+        assert got == [] and src.inbox.next_worker == 0
+        src.load_state({"next_worker": 2, "position": 2 * serve.STRIDE})  # the run had workers 0 and 1
+        asking.join(30)
+        assert got == [2] and src.state() == {"next_worker": 3, "position": 3 * serve.STRIDE}
+    finally:
+        src.close()
+
+
 def test_a_post_to_a_full_queue_waits_for_room_instead_of_bouncing(policy, monkeypatch):
     monkeypatch.setattr(serve, "LONG_POLL", 0.5)
     src, policy = source_for(policy)  # 2 groups a step, max_staleness 1: the queue holds 2 groups

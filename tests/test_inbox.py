@@ -22,6 +22,7 @@ def inbox():
     cfg = utils.load_config(train.Config, ["--task", "arith", "--batch", "8", "--group-size", str(K), "--role",
                                            "trainer", "--max-staleness", "2"])
     box = serve.Inbox(cfg, VOCAB, 0, MAX_LEN)
+    box.restore(0)  # a fresh run's first worker id
     box.serve(0, bytearray(b"v0"), 0.0)
     yield box
     box.close()
@@ -158,6 +159,7 @@ def client(inbox) -> transport.Client:
 def parsed():
     """An inbox whose config came from the command line, as a trainer's does (task defaults applied)."""
     box = serve.Inbox(train.parse(["--task", "arith", "--role", "trainer"]), VOCAB, 0, MAX_LEN)
+    box.restore(0)
     box.serve(0, bytearray(b"v0"), 0.0)
     yield box
     box.close()

@@ -38,6 +38,7 @@ def inbox(monkeypatch):
 
     def open_inbox(model: str, vocab: int = 50, max_len: int = 64) -> serve.Inbox:
         boxes.append(serve.Inbox(train.parse(argv(model, "--role", "trainer")), vocab, 0, max_len))
+        boxes[-1].restore(0)  # a fresh run's ids
         monkeypatch.setenv("NANORL_TOKEN", boxes[-1].server.token)
         return boxes[-1]
     yield open_inbox
