@@ -489,6 +489,8 @@ def resume(cfg: Config, policy, opt, source: BatchSource) -> dict | None:
     """--resume: the newest checkpoint that loads, into policy, optimizer and source (None: none does)."""
     meta = utils.resume_checkpoint(Path(cfg.resume), policy, opt, cfg.eval_only) if cfg.resume else None
     source.load_state(meta["source"] if meta else {})  # every rank reads it: multi-node needs a shared --out
+    if meta and meta["step"] >= cfg.steps and not cfg.eval_only:  # nothing trains: only the summary again
+        utils.stderr(f"warning: the run is at step {meta['step']} of --steps {cfg.steps}; raise it to go on")
     utils.split_rng()  # after any restored RNG state: ranks must not sample identical tokens
     return meta
 

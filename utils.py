@@ -145,7 +145,8 @@ class Metrics:
             for name in ("metrics.csv", "samples.jsonl", "samples.1.jsonl"):
                 truncate_log(out / name, resumed_at)
         self.csv_file = open(out / "metrics.csv", "a", newline="")
-        self.writer = csv.writer(self.csv_file)
+        # "\n", not csv's "\r\n": a resume's truncate_log rewrites the lines it keeps with "\n" (Unix tools')
+        self.writer = csv.writer(self.csv_file, lineterminator="\n")
         if self.csv_file.tell() == 0:  # a new file
             self.writer.writerow(["step", "wall_s", "key", "value"])
         self.samples_file = open(out / "samples.jsonl", "a")

@@ -349,6 +349,24 @@ def test_resume_of_a_run_none_of_whose_checkpoints_loads_warns_and_starts_over_a
     assert steps == [1, 2]  # the first attempt's rows were dropped, not logged twice
 
 
+def test_resume_of_a_run_that_ran_all_its_steps_says_nothing_trains_and_how_to_go_on(capsys, tmp_path):
+    """It printed the run's summary again, as a run that had trained does, and said nothing else."""
+    out, quick = tmp_path / "run", ["--batch", "4", "--eval-episodes", "1", "--target", "0", "--no-progress"]
+    assert train.main(["--out", str(out), "--steps", "2", *quick]) == 0
+    logged = (out / "metrics.csv").read_bytes()
+    capsys.readouterr()
+    for extra in ([], ["--steps", "1"]):
+        assert train.main(["--resume", str(out), "--no-progress", *extra]) == 0
+        warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+        assert warned == [f"warning: the run is at step 2 of --steps {extra[-1] if extra else 2}; raise it to go on"]
+        assert (out / "metrics.csv").read_bytes() == logged  # no step ran, none was logged again
+    assert train.main(["--resume", str(out), "--eval-only", "--no-progress"]) == 0  # an eval is what it asks
+    assert train.main(["--resume", str(out), "--steps", "3", "--no-progress"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert [s for s, _, _ in utils.read_metrics(out / "metrics.csv")["loss"]] == [1, 2, 3]
+    assert b"\r" not in (out / "metrics.csv").read_bytes()  # csv's "\r\n" rows beside the "\n" a resume kept
+
+
 def test_an_eval_split_larger_than_a_tasks_distinct_problems_names_a_size_that_trains(capsys, tmp_path):
     """It said only "lower --eval-size": lowered to the count it found (all of them held out), the first
     training step failed with a traceback after 10,000 draws. It now names a size that leaves as many."""
