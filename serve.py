@@ -383,8 +383,10 @@ def post(client: Client, path: str, body: bytes, gone) -> tuple[int, bytearray] 
 
 def hello(client: Client, cfg) -> int | None:
     """Registers with the trainer: this worker's id, or None when the run is already over."""
-    body, deadline = json.dumps({"fingerprint": fingerprint(cfg)}).encode(), time.time() + cfg.worker_patience
-    if (answer := post(client, "/hello", body, lambda: time.time() > deadline)) is None:
+    body, start = json.dumps({"fingerprint": fingerprint(cfg)}).encode(), time.time()
+    # patience runs out only while nothing answers: a 503 (the trainer loading its checkpoint) is an answer
+    lost = lambda: time.time() - max(start, client.answered) > cfg.worker_patience
+    if (answer := post(client, "/hello", body, lost)) is None:
         raise utils.ConfigError(f"no trainer answered at {cfg.trainer_url} for {cfg.worker_patience:.0f} s")
     status, reply = answer
     if status not in (200, 410):

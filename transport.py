@@ -231,6 +231,7 @@ class Client:
             raise utils.ConfigError("no token: set NANORL_TOKEN to the trainer's token (Server.token)")
         self.url, self.host, self.port = url.rstrip("/"), host, port or 80
         self.token, self.timeout, self.retries, self.backoff = _check_token(token), timeout, retries, backoff
+        self.answered = 0.0  # time.time() of the server's last answer, whatever its status
 
     def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytearray]:
         for attempt in range(1, self.retries + 1):
@@ -242,6 +243,7 @@ class Client:
                 with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                     conn.request(method, path, body=body, headers={"Authorization": f"Bearer {self.token}"})
                 resp = conn.getresponse()
+                self.answered = time.time()
                 if resp.length is None:  # no Content-Length: read to the end
                     return resp.status, resp.read()
                 out = bytearray(resp.length)  # read in place: decode views these bytes, no copy

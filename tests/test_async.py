@@ -5,6 +5,7 @@ checks, corrupt adapters); process tests pin what survives workers dying, stoppi
 and the trainer disappearing. One vLLM worker serves the whole module's vLLM checks.
 """
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
@@ -206,11 +207,11 @@ def test_a_worker_that_asks_before_the_resumed_checkpoint_loads_gets_an_id_no_pa
     src, policy = source_for(policy)
     try:
         client = transport.Client(src.inbox.server.url, token=src.inbox.server.token, retries=1)
-        got = []
-        asking = threading.Thread(target=lambda: got.append(serve.hello(client, src.cfg)))  # its own config
+        got, cfg = [], dataclasses.replace(src.cfg, worker_patience=1.0)  # the trainer's config, short patience
+        asking = threading.Thread(target=lambda: got.append(serve.hello(client, cfg)))
         asking.start()
-        time.sleep(3 * serve.LONG_POLL)  # it asks (and is told to ask again) while the checkpoint loads
-        assert got == [] and src.inbox.next_worker == 0
+        time.sleep(3 * serve.LONG_POLL)  # it asks, and is told to ask again, while the checkpoint loads:
+        assert got == [] and src.inbox.next_worker == 0  # an answer, so its patience (1 s) never runs out
         src.load_state({"next_worker": 2, "position": 2 * serve.STRIDE})  # the run had workers 0 and 1
         asking.join(30)
         assert got == [2] and src.state() == {"next_worker": 3, "position": 3 * serve.STRIDE}
