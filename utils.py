@@ -145,7 +145,7 @@ class Metrics:
             for name in ("metrics.csv", "samples.jsonl", "samples.1.jsonl"):
                 truncate_log(out / name, resumed_at)
         self.csv_file = open(out / "metrics.csv", "a", newline="")
-        # "\n", not csv's "\r\n": a resume's truncate_log rewrites the lines it keeps with "\n" (Unix tools')
+        # "\n", not csv's "\r\n": truncate_log rewrites a resumed run's lines with "\n": one ending a file
         self.writer = csv.writer(self.csv_file, lineterminator="\n")
         if self.csv_file.tell() == 0:  # a new file
             self.writer.writerow(["step", "wall_s", "key", "value"])
