@@ -335,14 +335,13 @@ class AdapterFetcher(threading.Thread):
         self.rejected = 0  # corrupt payloads; the previous adapter stays in use
 
     def run(self):
-        down_since = None
+        start = time.time()
         while not self.done.is_set():
             try:
                 status, body = self.client.get(f"/adapter?have={self.have}&worker={self.worker}")
-                down_since = None
-            except ServeError as e:
-                status, body, down_since = 0, b"", down_since or time.time()
-                if time.time() - down_since > self.patience:
+            except ServeError as e:  # patience counts from the trainer's last answer to any of our requests
+                status, body = 0, b""
+                if time.time() - max(start, self.client.answered) > self.patience:
                     utils.stderr(f"worker {self.worker}: trainer unreachable for {self.patience:.0f} s "
                                  f"({e}); exiting")
                     self.done.set()
