@@ -294,7 +294,8 @@ def encode(tensors: dict[str, torch.Tensor], meta: dict) -> bytearray:
         if not (isinstance(k, str) and isinstance(t, torch.Tensor) and t.dtype in NAMES):
             raise PayloadError(f"encode needs dict[str, Tensor] with dtypes {sorted(map(str, NAMES))}; "
                                f"got {k!r} -> {getattr(t, 'dtype', type(t).__name__)}")
-        flat[k] = t.detach().reshape(-1).view(torch.uint8)  # reshape(-1): a 0-dim tensor has no byte view
+        # contiguous(): a strided 1-D view (a column, an expand) has no byte view; reshape(-1): nor has 0-dim
+        flat[k] = t.detach().contiguous().reshape(-1).view(torch.uint8)
         end = offset + len(flat[k])
         entries[k] = {"dtype": NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, end]}
         offset = end

@@ -60,6 +60,13 @@ def test_encode_detaches_and_makes_noncontiguous_tensors_contiguous():
     w = torch.randn(4, 6, requires_grad=True)
     out, _ = decode(encode({"wT": w.t()}, {}))
     assert not out["wT"].requires_grad and torch.equal(out["wT"], w.detach().t())
+    # 1-D views with a stride (reshape(-1) keeps those views, which have no byte view): a column of a
+    # [N, T] tensor (the last token's reward), every other element, a broadcast (stride 0)
+    views = {"col": torch.arange(12.0).reshape(3, 4)[:, -1], "odd": torch.arange(7, dtype=torch.int16)[1::2],
+             "same": torch.tensor([2.5]).expand(3)}
+    out, _ = decode(encode(views, {}))
+    assert {k: v.tolist() for k, v in out.items()} == {"col": [3.0, 7.0, 11.0], "odd": [1, 3, 5],
+                                                       "same": [2.5, 2.5, 2.5]}
 
 
 def test_encode_refuses_dtypes_outside_the_wire_set():
