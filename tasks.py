@@ -254,14 +254,19 @@ class Task:
 class ProceduralTask(Task):
     """Problems from a subclass's `generate(rng)`; a train draw whose key is in the eval split is redrawn."""
 
+    MAX_EVAL = 100_000  # an eval decodes every problem (1,000 give +-1.6%); a typo's 10^8 would fill memory
+
     def __init__(self, *, seed: int = 0, eval_size: int = 100):
         super().__init__(seed=seed)
+        if eval_size > self.MAX_EVAL:
+            raise ValueError(f"eval_size={eval_size}: {self.MAX_EVAL} at most; lower --eval-size")
         found: dict[str, Problem] = {}
-        for i in range(100 * eval_size + 1000):
-            if len(found) == eval_size:
-                break
+        i = last_new = 0
+        while len(found) < eval_size and i - last_new <= 1000 + len(found):  # then the space is spent
             p = self.generate(random.Random(f"{seed}:eval:{i}"))
-            found.setdefault(p.key, p)
+            if found.setdefault(p.key, p) is p:  # a new key
+                last_new = i
+            i += 1
         if len(found) < eval_size:
             raise ValueError(f"found only {len(found)} distinct eval problems; lower --eval-size to "
                              f"{len(found) // 2} or less (got {eval_size})")  # as many left to train on

@@ -513,3 +513,21 @@ def test_an_eval_split_that_holds_every_problem_is_refused_when_the_task_is_buil
     assert {task.train_problem(i).key for i in range(20)} == {left}
     with pytest.raises(ValueError, match="found only 3 distinct eval problems; lower --eval-size to 1 "):
         Three(eval_size=4)
+
+
+def test_an_eval_split_past_the_cap_or_past_the_problems_a_task_holds_is_refused_at_once():
+    """countdown --eval-size 100000000 generated problems until memory ran out; sql --eval-size 100000 drew
+    10^7 problems from its few hundred (100 draws per problem asked) before it said how many it had."""
+    with pytest.raises(ValueError, match=r"^eval_size=100000001: 100000 at most; lower --eval-size$"):
+        make_task("countdown", seed=0, eval_size=100_000_001)
+    draws = []
+
+    class Counted(Three):
+        def generate(self, rng):
+            draws.append(1)
+            return super().generate(rng)
+
+    with pytest.raises(ValueError, match=r"^found only 3 distinct eval problems; lower --eval-size to 1 or less "
+                                         r"\(got 100000\)$"):
+        Counted(eval_size=100_000)
+    assert 1000 < len(draws) <= 1000 + 3 + 20  # 1,003 in a row found nothing new; the 3 keys came within 20
