@@ -11,7 +11,6 @@ log / evaluate / checkpoint. Sync and async differ only in the batch source, nev
 import contextlib
 import dataclasses
 import math
-import signal
 from collections import defaultdict
 from pathlib import Path
 
@@ -420,7 +419,6 @@ def micro_loss(policy, batch: Batch, rows: torch.Tensor, share, fresh: bool, cfg
 
 # ---------------------------------------------------------------- the loop
 HEADLINE = ("eval_return", "eval_accuracy")  # the eval that --target stops at (a task logs one of them)
-STOP = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}  # a user's stop, or kill's and a scheduler's
 
 
 def train(cfg: Config) -> Path:
@@ -430,27 +428,21 @@ def train(cfg: Config) -> Path:
     if cfg.eval_only:
         return evaluate_only(cfg, policy, source, meta["step"] if meta else 0)
     teacher = load_teacher(cfg, policy) if cfg.teacher else None
-    out, log, step, last_eval, interrupted = run_dir(cfg), utils.Metrics(), 0, {}, []
-
-    def on_stop(signum, _):  # the first: finish the step, then checkpoint (never a half-applied update)
-        if interrupted:  # the second stops at once, e.g. a trainer waiting for workers that never come
-            raise KeyboardInterrupt
-        interrupted.append(True)
-        utils.stderr(f"{STOP[signum]}: finishing this step and checkpointing; {STOP[signum]} again stops now")
+    out, log, step, last_eval = run_dir(cfg), utils.Metrics(), 0, {}
 
     def stop(step: int, log) -> bool:  # after each step: a stop seen by one rank stops all here, saved
-        if utils.reduce_dict({"stop": bool(interrupted)})["stop"]:
-            interrupted.append(True)  # also on a rank that saw no signal
+        if utils.reduce_dict({"stop": signals.seen})["stop"]:
+            signals.seen = True  # also on a rank that saw no signal
             checkpoint(cfg, out, step, policy, opt, source, log)  # the caller's log: warm-start wall time too
             utils.stderr(f"interrupted: checkpoint saved; continue with --resume {out}")
-        return bool(interrupted)
+        return signals.seen
 
-    previous = {s: signal.signal(s, on_stop) for s in STOP}  # before the warm-start, which they stop alike
+    signals = utils.StopSignals(type(source).evaluate)  # before the warm-start, which they stop alike
     try:
         log, step = start_run(cfg, out, policy, opt, source, meta, stop)
         bar = tqdm(range(step, cfg.steps), initial=step, total=cfg.steps, dynamic_ncols=True,
                    disable=not cfg.progress or utils.rank() > 0)
-        for step in bar if not interrupted else ():
+        for step in bar if not signals.seen else ():
             batch = source.next(step)  # 1. rollout
             batch = prepare(policy, batch, cfg, source.weights, teacher)  # 2. advantage
             stats = update(policy, opt, batch, cfg)  # 3. update
@@ -460,6 +452,8 @@ def train(cfg: Config) -> Path:
             log.samples(step + 1, sample_rows(batch, cfg.samples, "train", step + 1))
             if step % cfg.eval_every == 0 and cfg.debug_samples and utils.rank() == 0:
                 show_samples(batch, f"step {step}", cfg.debug_samples)
+            if stop(step + 1, log):  # a stop during the step skips the eval (one during it abandons it)
+                break
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 last_eval = evaluate(source, log, step + 1, out)
             bar.set_postfix(reward=f"{stats['reward']:.1f}", **{k: f"{v:.3g}" for k, v in last_eval.items()})
@@ -475,8 +469,7 @@ def train(cfg: Config) -> Path:
         utils.stderr(f"stopped during step {step + 1} (not saved); checkpoints so far: --resume {out}")
         raise
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        signals.restore()
         source.close()  # an async trainer tells its workers the run is over (before a full disk fails close)
         log.close()
     if utils.rank() == 0:  # under torchrun only rank 0 writes: logs, samples, checkpoints, the report
@@ -510,7 +503,11 @@ def start_run(cfg: Config, out: Path, policy, opt, source: BatchSource, meta: di
 
 def evaluate(source: BatchSource, log, step: int, out: Path, suffix: str = "") -> dict:
     """Held-out metrics and each eval problem's sample (rank 0's share under torchrun), logged at `step`."""
-    metrics = source.evaluate()
+    try:
+        metrics = source.evaluate()
+    except utils.Abandoned:  # a stop: the step's checkpoint does not wait for the eval
+        utils.stderr(f"the eval at step {step} is abandoned (not logged)")
+        return {}
     log.log(step, {k + suffix: v for k, v in metrics.items()})
     if source.eval_batch is not None:
         log.samples(step, sample_rows(source.eval_batch, len(source.eval_batch), "eval", step))
@@ -584,8 +581,8 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         return 130  # the shell's code for a run stopped by Ctrl-C
     except Exception as e:
-        if isinstance(e, OSError) and e.errno in utils.DISK_REFUSED:  # other OSErrors are bugs': shown whole
-            utils.stderr(f"error: a write failed ({e}); make room, then --resume the run or run again")
+        if why := utils.refused(e):  # a full disk, no memory left; other errors are bugs': shown whole
+            utils.stderr(f"error: {why}")
             return 1
         if utils.world() > 1:  # say which rank broke before torchrun's teardown buries it
             utils.stderr(f"error: rank {utils.rank()} of {utils.world()} failed ({type(e).__name__}: {e}); "

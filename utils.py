@@ -15,9 +15,11 @@ import os
 import pickle  # only for its exception: torch.load(weights_only=True) raises it on foreign bytes
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -292,6 +294,18 @@ def plot(out: Path, keys=("reward", "eval_return")) -> None:
 DISK_REFUSED = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO)
 
 
+def refused(e: Exception) -> str | None:
+    """main()'s one line for a write the disk refused or an allocation memory refused (numpy's and Python's
+    MemoryError, torch's OutOfMemoryError on a GPU, its CPU allocator's RuntimeError); None: a bug."""
+    if isinstance(e, OSError) and e.errno in DISK_REFUSED:
+        return f"a write failed ({e}); make room, then --resume the run or run again"
+    if isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e):
+        asked = re.search(r"allocate [\d.]+ ?\w+", str(e))  # "... tried to allocate 40000000000 bytes ..."
+        return (f"out of memory ({asked[0] if asked else type(e).__name__}); lower --micro-batch, "
+                "--gen-batch, --batch or an eval's size, then --resume the run or run again")
+    return None
+
+
 @contextlib.contextmanager
 def atomic_dir(final: Path):
     """A fresh directory beside `final`, renamed to `final` (replacing it) once the block has filled it:
@@ -417,6 +431,34 @@ def resume_checkpoint(run: Path, policy: torch.nn.Module, opt: torch.optim.Optim
 
 def stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+class Abandoned(BaseException):
+    """A stop inside StopSignals' abandonable code; no `except Exception` on its way out swallows it."""
+
+
+class StopSignals:
+    """SIGINT / SIGTERM until restore(). The first sets `seen` for the loop, which finishes its step and
+    checkpoints (never a half-applied update); inside `abandonable`'s code (the eval, which need not finish:
+    a long one would outlast a scheduler's grace before SIGKILL) it raises Abandoned, in one process only,
+    as torchrun's ranks must agree on the eval's all-reduce. The second raises KeyboardInterrupt at once."""
+    NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}  # a user's stop, or kill's and a scheduler's
+
+    def __init__(self, abandonable):
+        self.seen, self.abandonable = False, abandonable.__code__
+        self.previous = {s: signal.signal(s, self.handle) for s in self.NAMES}
+
+    def handle(self, signum: int, frame) -> None:
+        if self.seen:  # e.g. a trainer waiting for workers that never come
+            raise KeyboardInterrupt
+        self.seen, name = True, self.NAMES[signum]
+        stderr(f"{name}: finishing this step and checkpointing; {name} again stops now")
+        if world() == 1 and any(f.f_code is self.abandonable for f, _ in traceback.walk_stack(frame)):
+            raise Abandoned
+
+    def restore(self) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
 
 
 # ---------------------------------------------------------------- distributed

@@ -2,11 +2,13 @@
 2, never a traceback."""
 import json
 import re
+import resource
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import envs
 import tasks
@@ -35,6 +37,8 @@ def one_line_error(capsys, argv) -> str:
     (LLM + ["--gen-batch", "0"], "need --gen-batch >= 1 (got 0)"),
     (LLM + ["--gen-batch", "-1"], "need --gen-batch >= 1 (got -1)"),
     (LLM + ["--eval-size", "0"], "need --eval-size >= 1 (got 0)"),
+    (["--task", "countdown", "--model", "tiny", "--eval-size", "100000000"],  # it filled memory, for minutes
+     "--task countdown: eval_size=100000000: 100000 at most; lower --eval-size"),
     (["--eval-every", "0"], "need --eval-every >= 1 (got 0)"),
     (LLM + ["--max-new-tokens", "0"], "need --max-new-tokens >= 1 (got 0)"),
     (["--steps", "-3"], "need --steps >= 0 (got -3)"),
@@ -391,3 +395,33 @@ def test_a_tiny_model_whose_heads_are_not_64_wide_names_dimensions_that_build(tm
         path = build_tiny_model(str(tmp_path / fix), layers=1, intermediate=128, **dims)  # the fix builds
         config = json.loads((Path(path) / "config.json").read_text())
         assert config["hidden_size"] == 64 * config["num_attention_heads"] and config["head_dim"] == 64
+
+
+def test_memory_a_run_cannot_have_is_one_line_naming_the_flags_that_size_it(tmp_path):
+    """--hidden 100000 (a typo's extra zeros) asks torch's CPU allocator for a 40 GB matrix: it was a
+    traceback. The address space is capped, so the allocation fails alike on a machine with more memory."""
+    def six_gib():
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, resource.RLIM_INFINITY))
+
+    run = subprocess.run([sys.executable, "train.py", "--hidden", "100000", "--steps", "1", "--no-progress",
+                          "--out", str(tmp_path / "r")], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         preexec_fn=six_gib)
+    assert run.returncode == 1 and run.stderr.splitlines() == [
+        "error: out of memory (allocate 40000000000 bytes); lower --micro-batch, --gen-batch, --batch or an "
+        "eval's size, then --resume the run or run again"], run.stderr
+
+
+@pytest.mark.parametrize("error, asked", [
+    (MemoryError("Unable to allocate 381. MiB for an array with shape (100000000, 4) and data type bool"),
+     "allocate 381. MiB"),  # numpy's, e.g. --eval-episodes 100000000
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of "
+                            "139.8 GiB of which 3.6 MiB is free."), "allocate 20.00 MiB"),
+    (MemoryError(), "MemoryError"),  # Python's own says nothing
+    (RuntimeError("shape '[2, 3]' is invalid for input of size 7"), None),  # a bug: shown whole
+    (OSError(2, "No such file or directory"), None)])
+def test_refused_tells_memory_a_run_lacks_from_a_bug(error, asked):
+    said = utils.refused(error)
+    assert said == (asked and f"out of memory ({asked}); lower --micro-batch, --gen-batch, --batch or an "
+                    "eval's size, then --resume the run or run again")
+    assert utils.refused(OSError(28, "No space left on device")) == (
+        "a write failed ([Errno 28] No space left on device); make room, then --resume the run or run again")

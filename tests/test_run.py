@@ -328,6 +328,73 @@ def test_a_second_ctrl_c_stops_mid_step_with_exit_130_and_keeps_what_was_saved(t
     assert [s for s, k in rows(out) if k == "loss"] == [1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("during", ["step", "eval"])
+def test_a_stop_checkpoints_without_waiting_for_the_eval_it_skips_or_abandons(tmp_path, capsys, monkeypatch, during):
+    """A scheduler's SIGTERM is followed by SIGKILL after a grace period, and an eval can take longer (100
+    problems with a real model: minutes). So a stop in a step skips the eval that step would run, and a stop
+    in an eval abandons it: the step is checkpointed at once, the eval is not logged, and --resume goes on."""
+    from rollouts import ControlRollouts
+
+    out, real_next, real_eval = tmp_path / "run", ControlRollouts.next, ControlRollouts.evaluate
+    handler, evals = signal.getsignal(signal.SIGTERM), []
+
+    def sigterm_in_step_2(self, step):
+        if step == 1 and during == "step":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_next(self, step)
+
+    def sigterm_in_eval_2(self):  # the evals of steps 0 and 2
+        evals.append(len(evals))
+        if len(evals) == 2 and during == "eval":
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler raises in this frame: the eval's own
+        return real_eval(self)
+
+    monkeypatch.setattr(ControlRollouts, "next", sigterm_in_step_2)
+    monkeypatch.setattr(ControlRollouts, "evaluate", sigterm_in_eval_2)
+    assert train.main(cartpole(out, "--steps", "4", "--ckpt-every", "3", "--target", "0")[2:]) == 0
+    abandoned = ["the eval at step 2 is abandoned (not logged)"] if during == "eval" else []
+    assert capsys.readouterr().err.splitlines() == [
+        "SIGTERM: finishing this step and checkpointing; SIGTERM again stops now", *abandoned,
+        f"interrupted: checkpoint saved; continue with --resume {out}"]
+    assert evals == ([0, 1] if during == "eval" else [0]) and signal.getsignal(signal.SIGTERM) is handler
+    assert [p.name for p in utils.checkpoints(out)] == ["ckpt-0000002"]
+    assert [s for s, k in rows(out) if k in ("loss", "eval_return")] == [0, 1, 2]  # no eval at step 2
+    monkeypatch.setattr(ControlRollouts, "next", real_next)
+    monkeypatch.setattr(ControlRollouts, "evaluate", real_eval)
+    assert train.main(["--resume", str(out), "--no-progress"]) == 0
+    assert [s for s, k in rows(out) if k == "eval_return"] == [0, 4]
+    assert [s for s, k in rows(out) if k == "loss"] == [1, 2, 3, 4]
+
+
+def test_stop_signals_abandon_only_the_code_named_and_only_in_one_process(monkeypatch):
+    """torchrun's ranks must all reach the eval's all-reduce: there a stop is only noted, as elsewhere."""
+    def evaluate():
+        os.kill(os.getpid(), signal.SIGTERM)
+        return "finished"
+
+    def elsewhere():  # the same code, under another name: e.g. the update, never abandoned half-applied
+        os.kill(os.getpid(), signal.SIGTERM)
+        return "finished"
+
+    before = signal.getsignal(signal.SIGTERM)
+    for world, code, result in ((1, evaluate, utils.Abandoned), (1, elsewhere, "finished"),
+                                (2, evaluate, "finished")):
+        monkeypatch.setattr(utils, "world", lambda: world)
+        signals = utils.StopSignals(evaluate)
+        try:
+            if result is utils.Abandoned:
+                with pytest.raises(utils.Abandoned):
+                    code()
+            else:
+                assert code() == result
+            assert signals.seen
+            with pytest.raises(KeyboardInterrupt):  # the second stop, wherever it comes
+                os.kill(os.getpid(), signal.SIGTERM)
+        finally:
+            signals.restore()
+        assert signal.getsignal(signal.SIGTERM) is before
+
+
 @pytest.fixture(scope="module")
 def two_steps(tmp_path_factory):
     """A CartPole run of 2 steps, checkpointed at each; --hidden 256: a 270 KB weights file, 550 KB of Adam state."""
