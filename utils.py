@@ -445,7 +445,8 @@ class StopSignals:
     NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}  # a user's stop, or kill's and a scheduler's
 
     def __init__(self, abandonable):
-        self.seen, self.abandonable = False, abandonable.__code__
+        # unwrap: a decorator's wrapper (torch.no_grad's) has one code object for all it decorates
+        self.seen, self.abandonable = False, inspect.unwrap(abandonable).__code__
         self.previous = {s: signal.signal(s, self.handle) for s in self.NAMES}
 
     def handle(self, signum: int, frame) -> None:

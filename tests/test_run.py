@@ -367,11 +367,14 @@ def test_a_stop_checkpoints_without_waiting_for_the_eval_it_skips_or_abandons(tm
 
 
 def test_stop_signals_abandon_only_the_code_named_and_only_in_one_process(monkeypatch):
-    """torchrun's ranks must all reach the eval's all-reduce: there a stop is only noted, as elsewhere."""
+    """torchrun's ranks must all reach the eval's all-reduce: there a stop is only noted, as elsewhere.
+    Both are decorated alike, as a source's evaluate and train.prepare may be (one wrapper's code)."""
+    @torch.no_grad()
     def evaluate():
         os.kill(os.getpid(), signal.SIGTERM)
         return "finished"
 
+    @torch.no_grad()
     def elsewhere():  # the same code, under another name: e.g. the update, never abandoned half-applied
         os.kill(os.getpid(), signal.SIGTERM)
         return "finished"
