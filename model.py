@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 import warnings
+import weakref
 from pathlib import Path
 from typing import NamedTuple
 
@@ -439,6 +440,7 @@ class VLLMGenerator:
                        **cpu)  # generation_config.json (top_k, ...) stays out
         self.cfg, self.eos, self.request = cfg, sorted(eos_ids), None
         self.dir = Path(tempfile.mkdtemp(prefix="nanorl-vllm-"))
+        weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)  # at exit too: the last adapter
 
     def load(self, version: int, tensors: dict, meta: dict, payload: bytearray) -> None:
         path = self.dir / f"v{version}"

@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -314,13 +315,19 @@ class AsyncRollouts(BatchSource):
             self.inbox.restore(state.get("next_worker", -(-state.get("position", 0) // STRIDE)))
 
     def close(self) -> None:
+        """Tells every worker the run is over, then stops the local ones: no one takes the batch each is
+        still generating, so the end of a run (a second Ctrl-C above all) need not wait for it."""
         if self.inbox:
             self.inbox.close()
+        for p in self.procs:  # the whole session: a sandboxed tool's process, vLLM's engine
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)  # run_worker unwinds: its threads joined, its files removed
         for p in self.procs:
             try:
-                p.wait(timeout=60)
+                p.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                p.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------- the worker side
@@ -436,16 +443,20 @@ def run_worker(cfg) -> int:
     source = sources()[cfg.task](cfg, sampler)  # every rollout option behaves as in a sync run
     source.load_state({"position": me * STRIDE})  # worker w draws problems w*STRIDE, w*STRIDE+1, ...
     utils.stderr(f"worker {me}: generating for {cfg.trainer_url} with {'vLLM' if cfg.vllm else 'HF'}")
-    while sampler.newest():  # the newest adapter, waiting for the first
-        batch = source.next(sampler.version)  # --debug-samples: the trainer prints these rows' texts
-        meta = {"worker": me, "apply_s": sampler.apply_s, "texts": batch.texts, "metrics": source.last}
-        if (answer := post(client, "/batch", encode(batch.wire(), meta), fetcher.done.is_set)) is None:
-            break
-        if answer[0] == 410:
-            fetcher.done.set()
-        elif answer[0] != 200:
-            utils.stderr(f"worker {me}: batch refused ({answer[0]}): {bytes(answer[1][:300])!r}")
-    # A daemon thread still inside torch when the interpreter exits aborts the process (SIGABRT, not 0)
-    fetcher.done.set()
-    fetcher.join(client.timeout)
+    # SIGTERM (a trainer closing its --workers, a scheduler) unwinds as Ctrl-C does, into this finally
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        while sampler.newest():  # the newest adapter, waiting for the first
+            batch = source.next(sampler.version)  # --debug-samples: the trainer prints these rows' texts
+            meta = {"worker": me, "apply_s": sampler.apply_s, "texts": batch.texts, "metrics": source.last}
+            if (answer := post(client, "/batch", encode(batch.wire(), meta), fetcher.done.is_set)) is None:
+                break
+            if answer[0] == 410:
+                fetcher.done.set()
+            elif answer[0] != 200:
+                utils.stderr(f"worker {me}: batch refused ({answer[0]}): {bytes(answer[1][:300])!r}")
+    finally:  # a daemon thread still inside torch when the interpreter exits aborts it (SIGABRT, not 0)
+        signal.signal(signal.SIGTERM, previous)
+        fetcher.done.set()
+        fetcher.join(client.timeout)
     return 0

@@ -354,11 +354,15 @@ def fresh_dir(prefix: str) -> Path:
 def atomic_write(path: Path, data: bytes) -> None:
     """`data` as the file's new content, fsync'd beside it and renamed over it: never half a file."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk's half file would hold what room it found
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def save_checkpoint(out: Path, step: int, policy: torch.nn.Module, opt: torch.optim.Optimizer, meta: dict,
@@ -476,7 +480,7 @@ def init_distributed(timeout_s: float) -> None:
 
 
 def close_distributed() -> None:
-    if dist.is_initialized():
+    if dist.is_initialized() and dist.get_world_size() > 1:  # torchrun's; a vLLM worker's own (of 1): vLLM's
         dist.destroy_process_group()
 
 

@@ -66,8 +66,9 @@ def trainer(tiny, tmp, *extra) -> tuple[subprocess.Popen, str]:
     raise AssertionError("trainer never printed its url")
 
 
-def worker(tiny, tmp, url, name, *extra) -> subprocess.Popen:
-    return launch(flags(tiny, tmp / "unused", "--role", "rollout", "--trainer-url", url, *extra), tmp / f"{name}.log")
+def worker(tiny, tmp, url, name, *extra, **env) -> subprocess.Popen:
+    args = flags(tiny, tmp / "unused", "--role", "rollout", "--trainer-url", url, *extra)
+    return launch(args, tmp / f"{name}.log", **env)
 
 
 def metrics(tmp) -> dict:
@@ -434,9 +435,12 @@ def test_vllm_worker_trains_with_advancing_versions_and_exact_old_logprobs(tiny,
     # The random model's rewards are all 0, so RL alone leaves LoRA B at 0 (an adapter vLLM could
     # ignore unnoticed); a supervised warm-start moves it before version 0 is published.
     proc, url = trainer(tiny, tmp_path, "--steps", str(steps), "--max-staleness", "2", "--sft-steps", "2", "--sft-lr", "0.05")
-    w = worker(tiny, tmp_path, url, "vllm", "--vllm")
+    (tmp_path / "tmp").mkdir()
+    w = worker(tiny, tmp_path, url, "vllm", "--vllm", TMPDIR=str(tmp_path / "tmp"))
     finish(proc, tmp_path / "trainer.log", 600)
-    finish(w, tmp_path / "vllm.log", 120)
+    log = finish(w, tmp_path / "vllm.log", 120)
+    assert list((tmp_path / "tmp").glob("nanorl-vllm-*")) == []  # the adapters it loaded: each run left one
+    assert "Traceback" not in log  # vLLM's shutdown at exit, of a process group main() had destroyed
     m = metrics(tmp_path)
     assert [s for s, _, _ in m["loss"]] == list(range(1, steps + 1))
     newest = max(s - v for (s, _, v) in m["staleness_max"])  # step - staleness = the oldest version in the batch

@@ -429,6 +429,7 @@ def test_a_write_the_disk_refuses_is_one_line_and_resume_goes_on(tmp_path, two_s
     cause = cause.format(out=re.escape(str(out)))
     assert re.fullmatch(rf"error: a write failed \({cause}\); make room, then --resume the run or run again", error)
     assert sorted(p.name for p in out.glob("*ckpt*")) == ["ckpt-0000001", "ckpt-0000002"]  # no .tmp-ckpt-*
+    assert list(out.glob("*.tmp")) == []  # nor a report.html.tmp holding what room the disk had
     assert run([sys.executable, "train.py", "--resume", str(out), "--no-progress"]).returncode == 0
     assert [s for s, k in rows(out) if k == "loss"] == [1, 2, 3, 4]  # step 3 logged again, once
 

@@ -1,9 +1,11 @@
 """A rollout worker (serve.run_worker, in process) against a real trainer inbox on 127.0.0.1: it stops
 in one line when no trainer answers, exits 0 from a finished run, and goes on past an adapter it cannot
-use or a batch the trainer refuses; the trainer kills a worker process that never exits."""
+use or a batch the trainer refuses, and unwinds on SIGTERM; the trainer stops its worker processes."""
+import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -166,18 +168,50 @@ def test_a_batch_the_trainer_refuses_is_logged_and_the_worker_goes_on(tiny, adap
     assert err.count(line) >= 2 and "Traceback" not in err and box.queue == []
 
 
+def test_a_sigterm_unwinds_a_worker_mid_batch_into_exit_130_with_its_fetcher_joined(tiny, adapter, inbox,
+                                                                                     capsys, one_thread):
+    """SIGTERM (the trainer closing its --workers, a scheduler) killed a worker where it stood: exit -15,
+    its fetcher thread and a vLLM worker's adapter files left to die with it. It now unwinds as Ctrl-C."""
+    box = inbox(tiny, vocab=adapter[2], max_len=1024)
+    publish(box, adapter, 0)
+    before = signal.getsignal(signal.SIGTERM)
+
+    def scheduler():
+        try:
+            until(lambda: box.counts["groups_received"], "a batch")  # the worker is in its loop
+        finally:
+            if signal.getsignal(signal.SIGTERM) is signal.default_int_handler:  # else this process would die
+                os.kill(os.getpid(), signal.SIGTERM)
+            else:
+                box.close()  # the run is over: 410, exit 0
+    threading.Thread(target=scheduler, daemon=True).start()
+    assert worker(box, tiny) == 130  # main(): a stop, as for Ctrl-C
+    assert fetcher() is None and signal.getsignal(signal.SIGTERM) is before
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_closing_the_trainer_stops_its_workers_sessions_and_kills_one_that_does_not_stop():
+    """The batch a local worker is generating at the end has no taker: close() sends SIGTERM to each
+    worker's session at once (it waited up to 60 s for the batch), then SIGKILL to one that ignores it."""
+    stubborn = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); "
+                "time.sleep(600)")
+    source = serve.AsyncRollouts.__new__(serve.AsyncRollouts)
+    source.inbox, source.procs = None, [Impatient(["true"]), Impatient(["sleep", "600"]),
+                                        Impatient([sys.executable, "-c", stubborn], stdout=subprocess.PIPE)]
+    try:
+        source.procs[2].stdout.readline()  # its handler is set
+        source.close()
+        assert [p.wait(timeout=30) for p in source.procs] == [0, -signal.SIGTERM, -signal.SIGKILL]
+    finally:
+        for p in source.procs:
+            p.kill()
+
+
 class Impatient(subprocess.Popen):
-    """A worker process whose grace period at close() is 2 s instead of 60."""
+    """A worker process as spawn_workers starts one (a session of its own), whose grace at close() is 2 s."""
+
+    def __init__(self, argv, **kw):
+        super().__init__(argv, start_new_session=True, **kw)
 
     def wait(self, timeout=None):
         return super().wait(timeout if timeout is None else min(timeout, 2.0))
-
-
-def test_closing_the_trainer_waits_for_a_worker_that_exits_and_kills_one_that_never_does():
-    source = serve.AsyncRollouts.__new__(serve.AsyncRollouts)
-    source.inbox, source.procs = None, [Impatient(["true"]), Impatient(["sleep", "600"])]
-    try:
-        source.close()
-        assert [p.wait(timeout=30) for p in source.procs] == [0, -signal.SIGKILL]
-    finally:
-        source.procs[1].kill()
