@@ -582,7 +582,8 @@ def main(argv: list[str]) -> int:
         return 130  # the shell's code for a run stopped by Ctrl-C
     except Exception as e:
         if why := utils.refused(e):  # a full disk, no memory left; other errors are bugs': shown whole
-            utils.stderr(f"error: {why}")
+            where = f"rank {utils.rank()} of {utils.world()}: " if utils.world() > 1 else ""  # its GPU, disk
+            utils.stderr(f"error: {where}{why}")
             return 1
         if utils.world() > 1:  # say which rank broke before torchrun's teardown buries it
             utils.stderr(f"error: rank {utils.rank()} of {utils.world()} failed ({type(e).__name__}: {e}); "

@@ -425,3 +425,17 @@ def test_refused_tells_memory_a_run_lacks_from_a_bug(error, asked):
                     "eval's size, then --resume the run or run again")
     assert utils.refused(OSError(28, "No space left on device")) == (
         "a write failed ([Errno 28] No space left on device); make room, then --resume the run or run again")
+
+
+def test_under_torchrun_the_resource_line_names_the_rank_that_lacked_it(capsys, monkeypatch):
+    """One rank's GPU runs out (or its node's disk fills): the line said what, not where."""
+    monkeypatch.setattr(utils, "world", lambda: 2)  # as in a torchrun rank, once the process group is up
+    monkeypatch.setattr(utils, "rank", lambda: 1)
+
+    def out_of_memory(cfg):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 1 has a total capacity")
+    monkeypatch.setattr(train, "train", out_of_memory)
+    assert train.main(["--no-progress"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "error: rank 1 of 2: out of memory (allocate 20.00 MiB); lower --micro-batch, --gen-batch, --batch or "
+        "an eval's size, then --resume the run or run again"]
