@@ -1,0 +1,101 @@
+"""How long an async run with local workers takes to end, against what it used to wait for.
+
+An async trainer (`--role trainer --workers 1`, tiny model, completions of up to --max-new-tokens) runs
+in a session of its own, as a shell starts it. Two ends are timed, each --repeats times:
+- "second Ctrl-C": two SIGINTs 0.5 s apart while the worker is generating; seconds from the first
+  to the trainer's exit (the worker then generates a batch nobody takes);
+- "end of run": --steps 2; seconds from the final checkpoint to the trainer's exit.
+The peer, measured in the same runs: the seconds of a step (wall_s between step 1's and step 2's loss;
+with --max-staleness 0 mostly one worker batch), about what a trainer that waits for its workers' batches
+instead of stopping them waits at either end (it gave up at 60 s).
+
+    python bench/stop.py [--repeats 3] [--max-new-tokens 1024]
+
+Writes results/stop.json.
+"""
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import utils  # noqa: E402  (the repo root, as train.py sees it)
+
+
+def launch(out: Path, steps: int, max_new: int) -> subprocess.Popen:
+    flags = ["--task", "arith", "--steps", str(steps), "--eval-every", "100", "--eval-size", "4",
+             "--max-new-tokens", str(max_new), "--batch", "16", "--group-size", "2", "--no-progress",
+             "--out", str(out), "--role", "trainer", "--workers", "1", "--max-staleness", "0",
+             "--ckpt-every", "1"]
+    return subprocess.Popen([sys.executable, "train.py", *flags], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def wait_until(cond, proc: subprocess.Popen) -> None:
+    while not cond():
+        if proc.poll() is not None:
+            sys.exit(f"the trainer exited early ({proc.returncode})")
+        time.sleep(0.05)
+
+
+def step_s(out: Path) -> list[float]:
+    walls = [w for _, w, _ in utils.read_metrics(out / "metrics.csv").get("loss", [])]
+    return [b - a for a, b in zip(walls, walls[1:])]
+
+
+def second_ctrl_c(out: Path, max_new: int) -> tuple[float, list[float]]:
+    proc = launch(out, 1000, max_new)
+    wait_until(lambda: (out / "ckpt-0000001").exists(), proc)  # step 1 is in (--ckpt-every 1)
+    time.sleep(1.0)  # the worker is generating step 2's batch
+    t = time.perf_counter()
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=300) == 130
+    return time.perf_counter() - t, []
+
+
+def end_of_run(out: Path, max_new: int) -> tuple[float, list[float]]:
+    proc = launch(out, 2, max_new)
+    wait_until(lambda: (out / "ckpt-0000002").exists(), proc)
+    t = time.perf_counter()
+    assert proc.wait(timeout=300) == 0
+    return time.perf_counter() - t, step_s(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=1024)
+    args = ap.parse_args()
+    results, batches = {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, fn in (("second Ctrl-C", second_ctrl_c), ("end of run", end_of_run)):
+            exits = []
+            for i in range(args.repeats):
+                out = Path(tmp) / f"{fn.__name__}-{i}"
+                s, r = fn(out, args.max_new_tokens)
+                exits.append(s)
+                batches += r
+                shutil.rmtree(out)
+            results[name] = {"exit_s_median": statistics.median(exits), "exit_s": exits}
+            print(f"{name}: exit {statistics.median(exits):.1f} s after it (median of "
+                  f"{[round(e, 1) for e in exits]})")
+        results["step_s_median"] = statistics.median(batches)  # the end-of-run runs' step 2
+        print(f"peer: a step (mostly one worker batch) takes {results['step_s_median']:.1f} s")
+    (ROOT / "results").mkdir(exist_ok=True)
+    (ROOT / "results" / "stop.json").write_text(json.dumps({"max_new_tokens": args.max_new_tokens,
+                                                            **results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
