@@ -581,13 +581,12 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         return 130  # the shell's code for a run stopped by Ctrl-C
     except Exception as e:
+        where = f"rank {utils.rank()} of {utils.world()}" if utils.world() > 1 else ""  # torchrun: which one
         if why := utils.refused(e):  # a full disk, no memory left; other errors are bugs': shown whole
-            where = f"rank {utils.rank()} of {utils.world()}: " if utils.world() > 1 else ""  # its GPU, disk
-            utils.stderr(f"error: {where}{why}")
+            utils.stderr(f"error: {where + ': ' if where else ''}{why}")
             return 1
-        if utils.world() > 1:  # say which rank broke before torchrun's teardown buries it
-            utils.stderr(f"error: rank {utils.rank()} of {utils.world()} failed ({type(e).__name__}: {e}); "
-                         "torchrun stops the other ranks")
+        if where:  # say which rank broke before torchrun's teardown buries it
+            utils.stderr(f"error: {where} failed ({type(e).__name__}: {e}); torchrun stops the other ranks")
         raise
     finally:
         utils.close_distributed()
