@@ -35,6 +35,7 @@ STATS = "|".join([r"reward_\w{1,64}", "judge_dropped_frac", *MULTITURN])  # [N] 
 STRIDE = 1_000_000  # worker w samples train problems w*STRIDE, w*STRIDE+1, ...: workers never share a prompt
 LONG_POLL = 2.0  # seconds GET /adapter waits for a newer version; also the workers' heartbeat period
 HEARTBEAT = 10.0  # a worker silent for longer is not counted as live
+WAITING = 60.0  # seconds a step waits without a batch between its "waiting for batches" lines
 
 
 def fingerprint(cfg) -> dict:
@@ -195,7 +196,7 @@ class Inbox:
         got = []
         with self.cond:  # wait_for releases it while the HTTP threads fill the queue
             while len(got) < self.groups:
-                if not self.cond.wait_for(lambda: self.queue, timeout=60):
+                if not self.cond.wait_for(lambda: self.queue, timeout=WAITING):
                     utils.stderr(f"step {step}: waiting for batches ({len(self.live())} live workers)")
                 taken, self.queue = self.queue[: self.groups - len(got)], self.queue[self.groups - len(got):]
                 self.cond.notify_all()  # room for a worker whose POST is waiting

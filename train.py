@@ -106,7 +106,7 @@ class Config:
     bad_rows: str = "skip"  # malformed data rows: skip (counted, reported with file:line) or error
     judge_down: str = "fail"  # a judge without a score: fail (stop, one line) or drop (mask its group, count)
     debug_samples: int = 0  # print this many (prompt, completion, reward breakdown) triples per eval
-    sft_steps: int = 0  # supervised warm-start steps on the task's own solver's demos, before RL
+    sft_steps: int = 0  # supervised warm-start steps on the task's own solver's demos, before RL (tiny: 200)
     sft_lr: float = 1e-3  # warm-start learning rate (separate: supervised steps tolerate more)
     overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens of the budget; 0 = off
     max_turns: int = 4  # turns per multi-turn episode, unless the env sets its own; each may fix an error
@@ -126,13 +126,18 @@ class Config:
 def task_defaults(given: dict) -> dict:
     """An LLM task's defaults, under what a preset or flag gives (`given`). lr: GRPO on SmolLM2-135M
     (countdown, 16 x 24 tokens, LoRA r=16), entropy at steps 1-4: 5e-3 2.1 3.5 0.9 1.4; 5e-4 2.1 2.7 2.9 2.5;
-    1e-4 2.1 2.6 2.8 2.4 (in noise: the faster). Full fine-tuning: the tiny preset's 5e-5 (1e-4 stalled)."""
+    1e-4 2.1 2.6 2.8 2.4 (in noise: the faster). Full fine-tuning: the tiny preset's 5e-5 (1e-4 stalled).
+    --model tiny is random init: every reward is 0 and every GRPO group agrees (no gradient, ever) until a
+    supervised warm-start on the task's solver has taught it the answer's form."""
     task = given.get("task", Config.task)
     kind = tasks.TASKS.get(task) or getattr(TEXT_ENVS.get(task), "task", None)
     if kind is None:  # CartPole, or a name validate() rejects
         return {}
+    tiny = given.get("model", Config.model) == "tiny"
+    lora = given.get("lora", Config.lora and not tiny)  # a random-init model has nothing worth freezing
     return {"algo": "grpo", "group_size": 8, "batch": 64,  # 8 prompts x 8: a spread at 10-90% accuracy
-            "lr": 5e-4 if given.get("lora", Config.lora) else 5e-5,  # a low-rank update: ~10x the rate
+            "lora": lora, "lr": 5e-4 if lora else 5e-5,  # a low-rank update: ~10x the rate
+            "sft_steps": 200 if tiny else 0,  # arith_chain: 32 s to 15% held-out; sql: ~39 min (2 cores)
             "max_new_tokens": kind.max_new_tokens,  # the task's own budget ("12+7=" needs 8, GSM8K 512)
             "max_turns": getattr(TEXT_ENVS.get(task), "max_turns", Config.max_turns)}  # a text env's own
 

@@ -230,7 +230,7 @@ def test_two_rank_cartpole_run_checkpoints_once_and_resumes_on_one_rank(tmp_path
 
 def test_two_rank_llm_grpo_run_resumes_on_one_rank(tmp_path):
     run = tmp_path / "run"
-    argv = ["--task", "arith", "--model", "tiny", "--algo", "grpo", "--group-size", "4", "--batch", "8",
+    argv = ["--task", "arith", "--model", "tiny", "--lora", "--algo", "grpo", "--group-size", "4", "--batch", "8",
             "--max-new-tokens", "4", "--eval-size", "6", "--no-progress", "--out", str(run)]
     proc = torchrun("train.py", *argv, "--steps", "2", "--sft-steps", "1")  # the warm-start sums gradients too
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -279,8 +279,8 @@ if __name__ == "__main__":
 
 def test_two_rank_async_trainer_with_two_hf_workers_trains_every_step_exactly(tmp_path):
     run = tmp_path / "run"
-    proc = torchrun("train.py", "--task", "arith", "--model", "tiny", "--algo", "grpo", "--group-size", "4", "--batch", "8",
-                    "--max-new-tokens", "4", "--eval-size", "6", "--no-progress", "--out", str(run), "--steps", "4",
+    proc = torchrun("train.py", "--task", "arith", "--model", "tiny", "--lora", "--sft-steps", "0", "--algo", "grpo",
+                    "--group-size", "4", "--batch", "8", "--max-new-tokens", "4", "--eval-size", "6", "--no-progress", "--out", str(run), "--steps", "4",
                     "--role", "trainer", "--workers", "2", "--max-staleness", "2", "--lora-rank", "8", "--lr", "0.01")
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = read_metrics(run)

@@ -20,7 +20,7 @@ from rollouts import make_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 MIXED = str(ROOT / "tests" / "data" / "gsm8k_mixed.jsonl")  # 9 good rows
-LLM = ["--task", "arith", "--model", "tiny", "--no-progress"]
+LLM = ["--task", "arith", "--model", "tiny", "--lora", "--sft-steps", "0", "--no-progress"]
 
 
 def one_line_error(capsys, argv) -> str:
@@ -236,8 +236,8 @@ def test_a_start_that_failed_before_logging_a_step_leaves_its_directory_to_the_f
     """A prompt over --max-len fails at the first eval, after config.yaml is written: the command that
     the error names (--max-len raised, the same --out) must run there, not be told the run exists."""
     out = tmp_path / "run"
-    quick = ["--task", "countdown_multiturn", "--model", "tiny", "--steps", "1", "--batch", "2", "--group-size", "2",
-             "--eval-size", "1", "--max-new-tokens", "8", "--max-turns", "1", "--no-progress", "--out", str(out)]
+    quick = ["--task", "countdown_multiturn", "--model", "tiny", "--sft-steps", "0", "--steps", "1", "--batch", "2",
+             "--group-size", "2", "--eval-size", "1", "--max-new-tokens", "8", "--max-turns", "1", "--no-progress", "--out", str(out)]
     assert one_line_error(capsys, quick + ["--max-len", "20"]).endswith("raise max_len (--max-len)")
     assert (out / "config.yaml").exists() and (out / "metrics.csv").read_text().count("\n") <= 1  # a header
     assert train.main(quick) == 0

@@ -80,6 +80,21 @@ def test_sync_times_that_are_not_times_are_ignored_and_the_batch_still_lands(inb
     assert meta["sync_apply_s"] == 0.25 and math.isfinite(meta.get("gen_rounds", 0.0))
 
 
+def test_a_step_without_batches_says_every_so_often_what_it_waits_for_then_takes_them(inbox, monkeypatch, capsys):
+    monkeypatch.setattr(serve, "WAITING", 0.2)
+    assert inbox.hello(Request("/hello", {}, encode_hello(inbox)))[0] == 200  # worker 0: live, sends nothing
+    got = []
+    taking = threading.Thread(target=lambda: got.append(inbox.take(2, {0})), daemon=True)  # a hang fails alone
+    taking.start()
+    time.sleep(1.0)  # about five waits of 0.2 s, each a line
+    assert post(inbox, forge(groups=2))[0] == 200  # the step's 2 groups (batch 8, K 4)
+    taking.join(10)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) >= 2 and set(lines) == {"step 2: waiting for batches (1 live workers)"}
+    assert got[0][0]["tokens"].shape == (8, 12) and got[0][1]["live_workers"] == 1
+    monkeypatch.setattr(serve, "HEARTBEAT", 0.0)  # or close() waits for worker 0, which never polls
+
+
 def test_liveness_counts_only_worker_ids_the_trainer_issued(inbox):
     assert inbox.hello(Request("/hello", {}, encode_hello(inbox)))[0] == 200  # issues worker 0
     for spoofed in (1, 7, 10**9, -1, "0", None):

@@ -120,3 +120,14 @@ def test_defaults_follow_the_task_and_lora_and_never_override_what_was_given(tmp
     (tmp_path / "p.yaml").write_text("task: arith\nlora: false\n")
     assert parse("--config", str(tmp_path / "p.yaml")).lr == 5e-5  # defaults read the preset's lora
     train.validate(parse("--task", "gsm8k"))  # the LLM defaults pass validation as they are
+
+
+def test_the_random_init_tiny_model_gets_a_warm_start_and_full_fine_tuning_by_default():
+    tiny = parse("--task", "arith")  # --model tiny is the default: every reward 0 until it imitates the solver
+    assert (tiny.model, tiny.sft_steps, tiny.lora, tiny.lr) == ("tiny", 200, False, 5e-5)
+    assert (parse("--task", "sql").sft_steps, parse("--task", "cartpole").sft_steps) == (200, 0)
+    real = parse("--task", "arith", "--model", "smollm2-135m")  # a pretrained model starts from RL
+    assert (real.sft_steps, real.lora, real.lr) == (0, True, 5e-4)
+    lora = parse("--task", "arith", "--lora", "--sft-steps", "0")  # what is given still wins
+    assert (lora.sft_steps, lora.lora, lora.lr) == (0, True, 5e-4)
+    train.validate(tiny)
