@@ -126,14 +126,12 @@ class Config:
 def task_defaults(given: dict) -> dict:
     """An LLM task's defaults, under what a preset or flag gives (`given`). lr: GRPO on SmolLM2-135M
     (countdown, 16 x 24 tokens, LoRA r=16), entropy at steps 1-4: 5e-3 2.1 3.5 0.9 1.4; 5e-4 2.1 2.7 2.9 2.5;
-    1e-4 2.1 2.6 2.8 2.4 (in noise: the faster). Full fine-tuning: the tiny preset's 5e-5 (1e-4 stalled).
-    --model tiny is random init: every reward is 0 and every GRPO group agrees (no gradient, ever) until a
-    supervised warm-start on the task's solver has taught it the answer's form."""
+    1e-4 2.1 2.6 2.8 2.4 (in noise: the faster). Full fine-tuning: the tiny preset's 5e-5 (1e-4 stalled)."""
     task = given.get("task", Config.task)
     kind = tasks.TASKS.get(task) or getattr(TEXT_ENVS.get(task), "task", None)
     if kind is None:  # CartPole, or a name validate() rejects
         return {}
-    tiny = given.get("model", Config.model) == "tiny"
+    tiny = given.get("model", Config.model) == "tiny"  # random init: every reward 0 (no gradient) until SFT
     lora = given.get("lora", Config.lora and not tiny)  # a random-init model has nothing worth freezing
     return {"algo": "grpo", "group_size": 8, "batch": 64,  # 8 prompts x 8: a spread at 10-90% accuracy
             "lora": lora, "lr": 5e-4 if lora else 5e-5,  # a low-rank update: ~10x the rate
