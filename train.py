@@ -271,7 +271,7 @@ def warm_start(policy, opt, source: BatchSource, cfg: Config, log, first: int, s
     """Supervised steps first..-1 (logged at first+1..0) on the task's solver's demos, so RL's gain shows
     apart; the RL Adam at sft_lr (a checkpoint holds all a resume needs), then reset. True: a stop (STOP)."""
     opt.param_groups[0]["lr"] = cfg.sft_lr  # build() gives Adam one group
-    for step in range(first, 0):
+    for step in tqdm(range(first, 0), "warm-start", disable=not cfg.progress or utils.rank() > 0):  # minutes
         batch = source.demonstrations(cfg.batch)
         opt.zero_grad(set_to_none=True)
         loss, tokens = torch.zeros(()), utils.all_sum(batch.mask.sum())  # every rank's demo tokens

@@ -56,9 +56,10 @@ def test_tiny_grpo_run_changes_only_the_adapter(tmp_path, tiny):
     assert all(v == pytest.approx(1.0, abs=1e-5) for _, _, v in metrics["ratio"])  # on-policy, one epoch
 
 
-def test_warm_start_logs_before_and_after_and_rl_starts_at_step_zero(tmp_path, tiny):
+def test_warm_start_logs_before_and_after_and_rl_starts_at_step_zero(tmp_path, tiny, capsys):
     out = run(tmp_path, tiny, "--task", "arith", "--algo", "rloo", "--steps", "1", "--max-new-tokens", "4",
-              "--sft-steps", "3", "--no-lora", "--lr", "1e-4")
+              "--sft-steps", "3", "--no-lora", "--lr", "1e-4", "--progress")
+    assert "warm-start: 100%" in (err := capsys.readouterr().err) and "| 3/3 [" in err  # its own progress bar
     metrics = utils.read_metrics(out / "metrics.csv")
     assert [s for s, _, _ in metrics["sft_loss"]] == [-2, -1, 0]
     assert [s for s, _, _ in metrics["eval_accuracy_before_sft"]] == [-3]
