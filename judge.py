@@ -3,6 +3,8 @@ OpenAI-compatible chat-completions endpoint (`vllm serve`, a hosted API) to grad
 API key comes from $NANORL_JUDGE_KEY (or `key_env`), never from a config file or the logs. A judge
 that is down or answers garbage never becomes a reward (a silent 0 would train the policy toward
 whatever makes it fail): the call raises JudgeUnavailable, and `--judge-down` fails or drops."""
+import http.client
+import io
 import json
 import os
 import re
@@ -37,13 +39,57 @@ class _Unfollowed(urllib.request.HTTPRedirectHandler):
         return None
 
 
-_OPENER = urllib.request.build_opener(_Unfollowed)
+class _Deadline(io.RawIOBase):
+    """A reply's reads (status line, headers, body) under one deadline, the socket's timeout from the first:
+    urllib's bounds each read alone, so a server that drips a byte a minute would hold the step for days."""
+
+    def __init__(self, raw, sock):
+        self.raw, self.sock, self.end = raw, sock, time.monotonic() + sock.gettimeout()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        self.sock.settimeout(max(self.end - time.monotonic(), 1e-3))  # 0 would make the socket non-blocking
+        return self.raw.readinto(buf)
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
+
+
+class _Reply(http.client.HTTPResponse):
+    def __init__(self, sock, *args, **kwargs):
+        super().__init__(sock, *args, **kwargs)
+        self.fp = io.BufferedReader(_Deadline(self.fp.detach(), sock))
+
+
+class _Connection(http.client.HTTPConnection):
+    response_class = _Reply
+
+
+class _TLSConnection(http.client.HTTPSConnection):
+    response_class = _Reply
+
+
+class _HTTP(urllib.request.HTTPHandler):
+    def http_open(self, req):
+        return self.do_open(_Connection, req)
+
+
+class _HTTPS(urllib.request.HTTPSHandler):
+    def https_open(self, req):
+        return self.do_open(_TLSConnection, req, context=self._context)
+
+
+_OPENER = urllib.request.build_opener(_Unfollowed, _HTTP, _HTTPS)
 
 
 class Judge:
-    """At most `concurrency` requests in flight (callers score rows from a pool that wide), `timeout` s
-    each; a transport error, 429 or 5xx is retried `retries` times after backoff, 2 x backoff, ... s.
-    `extra` is merged into the request (e.g. vLLM's {"structured_outputs": {"regex": ...}})."""
+    """At most `concurrency` requests in flight (callers score rows from a pool that wide), each answered
+    within `timeout` s of being sent; a transport error, 429 or 5xx is retried `retries` times after
+    backoff, 2 x backoff, ... s. `extra` is merged into the request (e.g. vLLM's
+    {"structured_outputs": {"regex": ...}})."""
 
     def __init__(self, rubric: str, endpoint: str, model: str, *, high: int = 10, concurrency: int = 8,
                  timeout: float = 60.0, retries: int = 3, backoff: float = 1.0,

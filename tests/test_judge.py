@@ -3,6 +3,9 @@ chat-completions endpoint would, fails on purpose, or answers garbage."""
 import json
 import math
 import re
+import socket
+import ssl
+import subprocess
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -300,3 +303,50 @@ def test_judge_down_mid_run_with_drop_runs_on_and_counts(server, tmp_path, tiny,
     rows = [json.loads(line, parse_constant=refuse) for line in (tmp_path / "run" / "samples.jsonl").open()]
     dropped = [r for r in rows if r["kind"] == "train" and r["step"] >= 3]
     assert dropped and all(r["rewards"]["judge"] is None and r["adv"] is None for r in dropped)
+
+
+def dripping_server(tls: ssl.SSLContext | None = None):
+    """A raw socket endpoint that answers a well-formed "Score: 6" reply one byte every 20 ms (~6 s in
+    all, each byte well within any per-read timeout); records how many it sent before the client left."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    sent = []
+
+    def serve():
+        conn, _ = listener.accept()
+        conn = tls.wrap_socket(conn, server_side=True) if tls else conn
+        with conn:
+            conn.recv(65536)  # the request (headers and a small body arrive together on loopback)
+            body = json.dumps({"choices": [{"message": {"content": "Score: 6"}}]}).encode() + b" " * 200
+            reply = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+            for i in range(len(reply)):
+                try:
+                    conn.sendall(reply[i:i + 1])
+                except OSError:  # the client closed it
+                    break
+                time.sleep(0.02)
+            sent.append((i, len(reply)))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return listener, thread, sent
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_a_dripping_server_is_cut_off_at_the_timeout_not_read_forever(scheme, tmp_path, monkeypatch):
+    tls = None
+    if scheme == "https":  # a self-signed certificate for 127.0.0.1 that the client's default context trusts
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                        "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                        "-keyout", tmp_path / "key.pem", "-out", tmp_path / "cert.pem"],
+                       check=True, capture_output=True)
+        monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "cert.pem"))
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        tls.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    listener, thread, sent = dripping_server(tls)
+    url = f"{scheme}://127.0.0.1:{listener.getsockname()[1]}/v1"
+    with pytest.raises(JudgeUnavailable, match=r"after 1 tries \(TimeoutError"):
+        Judge("r", url, "m", timeout=1.0, retries=0)("p", "c", "")
+    thread.join(30)
+    (at, total), = sent
+    assert 0 < at < total / 2  # cut off mid-reply at ~1 s of its ~6; a per-read timeout reads all of it
+    listener.close()
