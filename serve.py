@@ -33,6 +33,7 @@ FINGERPRINT = ("task", "seed", "eval_size", "data", "model", "lora", "lora_rank"
 MULTITURN = {"solved", "solved_first_turn", "turns"}  # a multi-turn source sends all of these
 STATS = "|".join([r"reward_\w{1,64}", "judge_dropped_frac", *MULTITURN])  # [N] float32 (Batch.stats)
 STRIDE = 1_000_000  # worker w samples train problems w*STRIDE, w*STRIDE+1, ...: workers never share a prompt
+SURVIVORS = 64  # ids a resumed trainer skips: those issued after its checkpoint, to workers that outlived it
 LONG_POLL = 2.0  # seconds GET /adapter waits for a newer version; also the workers' heartbeat period
 HEARTBEAT = 10.0  # a worker silent for longer is not counted as live
 WAITING = 60.0  # seconds a step waits without a batch between its "waiting for batches" lines
@@ -313,7 +314,8 @@ class AsyncRollouts(BatchSource):
 
     def load_state(self, state: dict) -> None:
         if self.inbox:  # after a sync run's checkpoint, workers draw past the problems it drew
-            self.inbox.restore(state.get("next_worker", -(-state.get("position", 0) // STRIDE)))
+            survivors = SURVIVORS if "next_worker" in state else 0  # theirs: counted live, never reissued
+            self.inbox.restore(state.get("next_worker", -(-state.get("position", 0) // STRIDE)) + survivors)
 
     def close(self) -> None:
         """Tells every worker the run is over, then stops the local ones: no one takes the batch each is

@@ -129,8 +129,8 @@ def task_defaults(given: dict) -> dict:
     1e-4 2.1 2.6 2.8 2.4 (in noise: the faster). Full fine-tuning: the tiny preset's 5e-5 (1e-4 stalled)."""
     task = given.get("task", Config.task)
     kind = tasks.TASKS.get(task) or getattr(TEXT_ENVS.get(task), "task", None)
-    if kind is None:  # CartPole, or a name validate() rejects
-        return {}
+    if kind is None:  # CartPole (GRPO, RLOO: its presets' 4 start states x 8), or a name validate() rejects
+        return {"group_size": 8, "batch": 32} if given.get("algo", Config.algo) in GROUPED else {}
     tiny = given.get("model", Config.model) == "tiny"  # random init: every reward 0 (no gradient) until SFT
     lora = given.get("lora", Config.lora and not tiny)  # a random-init model has nothing worth freezing
     return {"algo": "grpo", "group_size": 8, "batch": 64,  # 8 prompts x 8: a spread at 10-90% accuracy

@@ -196,8 +196,9 @@ def test_a_sync_runs_checkpoint_starts_the_workers_past_the_problems_it_drew(pol
         for position, first_worker in ((0, 0), (5, 1), (serve.STRIDE, 1), (serve.STRIDE + 1, 2)):
             src.load_state({"position": position})
             assert src.inbox.next_worker == first_worker
-        src.load_state({"next_worker": 3, "position": 3 * serve.STRIDE})  # an async run's own
-        assert src.state() == {"next_worker": 3, "position": 3 * serve.STRIDE}
+        src.load_state({"next_worker": 3, "position": 3 * serve.STRIDE})  # an async run's own: see below
+        first = 3 + serve.SURVIVORS
+        assert src.state() == {"next_worker": first, "position": first * serve.STRIDE}
     finally:
         src.close()
 
@@ -215,7 +216,26 @@ def test_a_worker_that_asks_before_the_resumed_checkpoint_loads_gets_an_id_no_pa
         assert got == [] and src.inbox.next_worker == 0  # an answer, so its patience (1 s) never runs out
         src.load_state({"next_worker": 2, "position": 2 * serve.STRIDE})  # the run had workers 0 and 1
         asking.join(30)
-        assert got == [2] and src.state() == {"next_worker": 3, "position": 3 * serve.STRIDE}
+        first = 2 + serve.SURVIVORS  # and perhaps others after its checkpoint (below)
+        assert got == [first] and src.state() == {"next_worker": first + 1, "position": (first + 1) * serve.STRIDE}
+    finally:
+        src.close()
+
+
+def test_a_resumed_trainer_counts_workers_that_joined_after_its_checkpoint_live_and_never_reissues_their_ids(
+        policy):
+    """Worker 2 joined after the checkpoint that knew workers 0 and 1, and outlived the trainer. The
+    resumed one cannot know it: without the ids it skips, it would issue 2 again, and two workers would
+    draw the same problems with the same seed while the first went uncounted."""
+    src, policy = source_for(policy)
+    try:
+        src.load_state({"next_worker": 2, "position": 2 * serve.STRIDE})
+        src.publish(0)
+        for worker in (2, 10**9):  # the survivor, and an id no trainer of the run issued
+            src.inbox.adapter(transport.Request("/adapter", {"have": "-1", "worker": str(worker)}, b""))
+        assert src.inbox.live() == {2}
+        hello = json.dumps({"fingerprint": serve.fingerprint(src.cfg)}).encode()
+        assert src.inbox.hello(transport.Request("/hello", {}, hello)) == (200, {"worker": 2 + serve.SURVIVORS})
     finally:
         src.close()
 

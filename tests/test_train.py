@@ -102,8 +102,18 @@ def test_validate_rejects_impossible_combinations_with_the_fix(argv, message):
 
 
 def test_main_reports_config_errors_without_a_traceback(capsys):
-    assert train.main(["--algo", "grpo"]) == 2
+    assert train.main(["--algo", "grpo", "--group-size", "1"]) == 2
     assert "try --group-size 8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("algo", ["grpo", "rloo"])
+def test_a_grouped_estimator_on_cartpole_gets_its_presets_groups_by_default_and_solves(tmp_path, algo):
+    cfg = train.parse(["--algo", algo])
+    assert (cfg.group_size, cfg.batch) == (8, 32)  # configs/cartpole_grpo.yaml's and cartpole_rloo.yaml's
+    given = train.parse(["--algo", algo, "--group-size", "4", "--batch", "8"])
+    assert (given.group_size, given.batch) == (4, 8)  # what is given wins
+    assert train.main(["--algo", algo, "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    assert utils.read_metrics(tmp_path / "run" / "metrics.csv")["eval_return"][-1][2] >= 475
 
 
 # ---------------------------------------------------------------- environment
