@@ -39,7 +39,7 @@ class Config:
     seed: int = 0  # seeds torch and the training-episode stream; eval seeds never depend on it
     steps: int = 200  # optimizer steps; CartPole REINFORCE needs ~40, so this is a safe ceiling
     batch: int = 16  # episodes (or prompts) per step: 16 give a low-noise gradient at ~no cost in lockstep
-    group_size: int = 1  # rollouts per prompt/start state; GRPO/RLOO need >= 2 to form a baseline
+    group_size: int = 1  # rollouts per prompt/start state; GRPO/RLOO need >= 2 for a baseline (they get 8)
     lr: float = 0.005  # CartPole REINFORCE, 8 seeds: 5e-3 solved all (median 33k env steps); 1e-2 left one
     gamma: float = 0.99  # CartPole's 500-step horizon wants a long (~100-step) credit window
     lam: float = 0.95  # GAE bias/variance trade-off; 0.95 is the PPO paper's value and rarely worth tuning
