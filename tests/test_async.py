@@ -234,8 +234,8 @@ def test_a_resumed_trainer_counts_workers_that_joined_after_its_checkpoint_live_
         for worker in (2, 10**9):  # the survivor, and an id no trainer of the run issued
             src.inbox.adapter(transport.Request("/adapter", {"have": "-1", "worker": str(worker)}, b""))
         assert src.inbox.live() == {2}
-        hello = json.dumps({"fingerprint": serve.fingerprint(src.cfg)}).encode()
-        assert src.inbox.hello(transport.Request("/hello", {}, hello)) == (200, {"worker": 2 + serve.SURVIVORS})
+        client = transport.Client(src.inbox.server.url, token=src.inbox.server.token, retries=1)
+        assert serve.hello(client, src.cfg) == 2 + serve.SURVIVORS  # a new worker's id
     finally:
         src.close()
 
