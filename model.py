@@ -435,7 +435,7 @@ class VLLMGenerator:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             cpu = {"kv_cache_memory_bytes": 1 << 30, "distributed_executor_backend": "uni"}
         self.llm = LLM(model=model, enable_lora=True, max_lora_rank=cfg.lora_rank, seed=seed,
-                       dtype={"fp32": "float32", "bf16": "bfloat16"}[cfg.dtype],
+                       dtype=DTYPES[cfg.dtype],
                        logprobs_mode="processed_logprobs", generation_config="vllm",  # "vllm": the model's
                        **cpu)  # generation_config.json (top_k, ...) stays out
         self.cfg, self.eos, self.request = cfg, sorted(eos_ids), None

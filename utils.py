@@ -41,7 +41,7 @@ class ConfigError(ValueError):
 
 
 def closest(name: str, valid) -> str:
-    match = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.4)
+    match = difflib.get_close_matches(name, valid, n=1, cutoff=0.4)
     return f"; did you mean '{match[0]}'?" if match else ""
 
 
@@ -52,7 +52,7 @@ def coerce(field: dataclasses.Field, value, source: str):
     kind = field.type.__name__  # train.Config's annotations are types, not strings (no __future__ import)
     try:
         if kind == "str" or isinstance(value, bool) == (kind == "bool"):
-            typed = {"bool": bool, "int": int, "float": float, "str": str}[kind](value)
+            typed = field.type(value)
             if kind == "float" and not math.isfinite(typed):
                 kind = "a finite float"
             elif kind != "int" or typed == float(value):
@@ -267,7 +267,7 @@ def read_metrics(path: Path) -> dict[str, list[tuple[int, float, float]]]:
     return series
 
 
-def plot(out: Path, keys=("reward", "eval_return")) -> None:
+def plot(out: Path, keys: tuple[str, ...]) -> None:
     from matplotlib.figure import Figure  # lazily: only the end-of-run plot needs it (no pyplot: no GUI)
 
     series = read_metrics(out / "metrics.csv")
@@ -444,13 +444,16 @@ class Abandoned(BaseException):
 class StopSignals:
     """SIGINT / SIGTERM until restore(). The first sets `seen` for the loop, which finishes its step and
     checkpoints (never a half-applied update); inside `abandonable`'s code (the eval, which need not finish:
-    a long one would outlast a scheduler's grace before SIGKILL) it raises Abandoned, in one process only,
-    as torchrun's ranks must agree on the eval's all-reduce. The second raises KeyboardInterrupt at once."""
+    a long one would outlast a scheduler's grace before SIGKILL) it raises Abandoned. Under torchrun, whose
+    ranks must all reach the eval's all-reduce, it calls `save` instead, which the loop sets to checkpoint
+    the step the eval follows: a SIGKILL before the eval ends loses only the eval. The second signal
+    raises KeyboardInterrupt at once."""
     NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}  # a user's stop, or kill's and a scheduler's
 
     def __init__(self, abandonable):
         # unwrap: a decorator's wrapper (torch.no_grad's) has one code object for all it decorates
         self.seen, self.abandonable = False, inspect.unwrap(abandonable).__code__
+        self.save = lambda: None  # the evals before RL's first step (the warm-start's) save nothing early
         self.previous = {s: signal.signal(s, self.handle) for s in self.NAMES}
 
     def handle(self, signum: int, frame) -> None:
@@ -458,8 +461,10 @@ class StopSignals:
             raise KeyboardInterrupt
         self.seen, name = True, self.NAMES[signum]
         stderr(f"{name}: finishing this step and checkpointing; {name} again stops now")
-        if world() == 1 and any(f.f_code is self.abandonable for f, _ in traceback.walk_stack(frame)):
-            raise Abandoned
+        if any(f.f_code is self.abandonable for f, _ in traceback.walk_stack(frame)):
+            if world() == 1:
+                raise Abandoned
+            self.save()  # rank 0 writes it (nothing collective): the other ranks go on with the eval
 
     def restore(self) -> None:
         for s, handler in self.previous.items():

@@ -272,6 +272,39 @@ def test_a_failing_rank_stops_the_whole_run_with_a_message(tmp_path, action, tim
     assert not list((tmp_path / "run").glob("ckpt-*"))  # no checkpoint of a half-finished run
 
 
+KILLED_IN_EVAL = """
+import os, signal, sys
+import rollouts, train, utils
+real, evals = rollouts.ControlRollouts.evaluate, []
+def evaluate(self):
+    evals.append(1)
+    if len(evals) == 2:  # the eval after step 2: a scheduler's SIGTERM reaches every rank
+        os.kill(os.getpid(), signal.SIGTERM)
+        if utils.rank() == 0:  # and its SIGKILL comes before this eval would end
+            os._exit(137)
+    return real(self)
+rollouts.ControlRollouts.evaluate = evaluate
+utils.exit_process(utils.record(train.main)(sys.argv[1:]))
+"""
+
+
+def test_a_stop_during_an_eval_under_torchrun_saves_the_step_before_the_eval_ends(tmp_path):
+    """Ranks cannot all abandon an eval (each must reach its all-reduce), so it runs on after a stop; rank 0
+    checkpoints the step at once, so a SIGKILL after the scheduler's grace loses the eval, not the steps."""
+    script, run = tmp_path / "killed.py", tmp_path / "run"
+    script.write_text(KILLED_IN_EVAL)
+    argv = ["--task", "cartpole", "--algo", "reinforce", "--batch", "4", "--eval-every", "2",
+            "--eval-episodes", "2", "--no-progress", "--out", str(run)]  # --ckpt-every 50: none due
+    proc = torchrun(str(script), *argv, "--steps", "5", "--dist-timeout", "30", timeout=180)
+    assert proc.returncode != 0 and "SIGTERM: finishing this step and checkpointing" in proc.stderr
+    assert [c.name for c in utils.checkpoints(run)] == ["ckpt-0000002"]
+    meta = json.loads((run / "ckpt-0000002" / "meta.json").read_text())
+    assert meta["step"] == 2 and meta["source"] == {"position": 4}  # 2 steps x 2 ranks' seeds
+    train.train(cfg_from(*argv[:-2], "--resume", str(run), "--steps", "3"))
+    assert [s for s, _ in read_metrics(run)["loss"]] == [1, 2, 3]
+    assert [s for s, _ in read_metrics(run)["eval_return"]] == [0, 3]  # step 2's eval was lost, not logged
+
+
 if __name__ == "__main__":
     worker(Path(sys.argv[1]))
     utils.exit_process(0)

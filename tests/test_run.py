@@ -367,7 +367,7 @@ def test_a_stop_checkpoints_without_waiting_for_the_eval_it_skips_or_abandons(tm
 
 
 def test_stop_signals_abandon_only_the_code_named_and_only_in_one_process(monkeypatch):
-    """torchrun's ranks must all reach the eval's all-reduce: there a stop is only noted, as elsewhere.
+    """torchrun's ranks must all reach the eval's all-reduce: there a stop saves the step instead.
     Both are decorated alike, as a source's evaluate and train.prepare may be (one wrapper's code)."""
     @torch.no_grad()
     def evaluate():
@@ -381,16 +381,17 @@ def test_stop_signals_abandon_only_the_code_named_and_only_in_one_process(monkey
 
     before = signal.getsignal(signal.SIGTERM)
     for world, code, result in ((1, evaluate, utils.Abandoned), (1, elsewhere, "finished"),
-                                (2, evaluate, "finished")):
+                                (2, evaluate, "finished"), (2, elsewhere, "finished")):
         monkeypatch.setattr(utils, "world", lambda: world)
-        signals = utils.StopSignals(evaluate)
+        signals, saved = utils.StopSignals(evaluate), []
+        signals.save = lambda: saved.append(world)  # torchrun's stand-in for abandoning: never a half update
         try:
             if result is utils.Abandoned:
                 with pytest.raises(utils.Abandoned):
                     code()
             else:
                 assert code() == result
-            assert signals.seen
+            assert signals.seen and saved == ([2] if (world, code) == (2, evaluate) else [])
             with pytest.raises(KeyboardInterrupt):  # the second stop, wherever it comes
                 os.kill(os.getpid(), signal.SIGTERM)
         finally:
