@@ -284,7 +284,7 @@ def warm_start(policy, opt, source: BatchSource, cfg: Config, log, first: int, s
             return True
     opt.state.clear()
     opt.param_groups[0]["lr"] = cfg.lr
-    return False
+    return stop(0, log)  # after the reset: a resume at step 0 starts RL with RL's Adam
 
 
 # ---------------------------------------------------------------- stage 2: advantage
@@ -500,6 +500,7 @@ def start_run(cfg: Config, out: Path, policy, opt, source: BatchSource, meta: di
     stopped = start < 0 and warm_start(policy, opt, source, cfg, log, start, stop)
     if start <= 0 and not stopped:
         evaluate(source, log, 0, out)  # the starting point of the RL curve
+        stop(0, log)  # one during it (or its abandonment) saves step 0: the warm-start is not lost
     return log, max(start, 0)
 
 

@@ -281,6 +281,39 @@ def test_ctrl_c_in_the_warm_start_finishes_its_step_and_resume_alone_continues_i
     assert sorted(rows(out)) == sorted(rows(full))
 
 
+@pytest.mark.parametrize("during", ["last_sft_step", "step_0_eval"])
+def test_a_stop_right_after_the_warm_start_saves_it_at_step_0_with_rls_optimizer(tmp_path, monkeypatch, during):
+    """The warm-start can take most of an hour (sql on tiny). A stop in its last step, or in the step-0 eval
+    after it, checkpoints step 0 (after the reset to RL's Adam and lr), and --resume goes on bitwise."""
+    from modeldir import build_tiny_model
+    from rollouts import TaskRollouts
+
+    tiny = build_tiny_model(str(tmp_path / "tiny"), layers=2, hidden=128, heads=2, intermediate=256)
+    flags = ["--task", "arith", "--algo", "grpo", "--model", tiny, "--sft-steps", "3", "--steps", "1", "--batch", "4",
+             "--group-size", "2", "--eval-size", "2", "--max-new-tokens", "2", "--no-progress", "--lr", "0.002"]
+    full = train.train(utils.load_config(train.Config, [*flags, "--out", str(tmp_path / "full")]))
+    name = "demonstrations" if during == "last_sft_step" else "evaluate"
+    real, calls = getattr(TaskRollouts, name), []
+
+    def then_ctrl_c(self, *args):
+        calls.append(1)
+        if len(calls) == (3 if during == "last_sft_step" else 2):  # eval 1 is the one before the warm-start
+            os.kill(os.getpid(), signal.SIGINT)  # evaluate: the handler raises here, abandoning it
+        return real(self, *args)
+
+    monkeypatch.setattr(TaskRollouts, name, then_ctrl_c)
+    out = train.train(utils.load_config(train.Config, [*flags, "--out", str(tmp_path / "cut")]))
+    assert [c.name for c in utils.checkpoints(out)] == ["ckpt-0000000"]
+    state = torch.load(out / "ckpt-0000000" / "state.pt", weights_only=True)["optimizer"]
+    assert state["state"] == {} and state["param_groups"][0]["lr"] == 0.002  # not the warm-start's moments
+    assert "eval_accuracy" not in {k for s, k in rows(out) if s == 0}  # skipped, or abandoned: not logged
+    monkeypatch.setattr(TaskRollouts, name, real)
+    assert train.main(["--resume", str(out)]) == 0
+    a, b = final_weights(full), final_weights(out)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert sorted(rows(out)) == sorted(rows(full))
+
+
 def test_a_failed_checkpoint_write_keeps_the_previous_one_and_leaves_no_partial_one(tmp_path, monkeypatch):
     policy = MLPPolicy(4, 2)
     opt, meta = torch.optim.Adam(policy.parameters()), {"wall_s": 0.0, "source": {"position": 1}}
