@@ -432,13 +432,14 @@ def train(cfg: Config) -> Path:
     out, log, step, last_eval = run_dir(cfg), utils.Metrics(), 0, {}
 
     def stop(step: int, log) -> bool:  # after each step: a stop seen by one rank stops all here, saved
+        signals.save = lambda: checkpoint(cfg, out, step, policy, opt, source, log)  # see StopSignals
         if utils.reduce_dict({"stop": signals.seen})["stop"]:
             signals.seen = True  # also on a rank that saw no signal
             checkpoint(cfg, out, step, policy, opt, source, log)  # the caller's log: warm-start wall time too
             utils.stderr(f"interrupted: checkpoint saved; continue with --resume {out}")
         return signals.seen
 
-    signals = utils.StopSignals(type(source).evaluate)  # before the warm-start, which they stop alike
+    signals = utils.StopSignals(type(source).evaluate, type(source).next)  # before the warm-start, too
     try:
         log, step = start_run(cfg, out, policy, opt, source, meta, stop)
         bar = tqdm(range(step, cfg.steps), initial=step, total=cfg.steps, dynamic_ncols=True,
@@ -456,7 +457,6 @@ def train(cfg: Config) -> Path:
             if stop(step + 1, log):  # a stop during the step skips the eval (one during it abandons it)
                 break
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                signals.save = lambda: checkpoint(cfg, out, step + 1, policy, opt, source, log)  # torchrun
                 last_eval = evaluate(source, log, step + 1, out)
             bar.set_postfix(reward=f"{stats['reward']:.1f}", **{k: f"{v:.3g}" for k, v in last_eval.items()})
             solved = cfg.target and max(last_eval.get(k, -math.inf) for k in HEADLINE) >= cfg.target

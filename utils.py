@@ -443,17 +443,17 @@ class Abandoned(BaseException):
 
 class StopSignals:
     """SIGINT / SIGTERM until restore(). The first sets `seen` for the loop, which finishes its step and
-    checkpoints (never a half-applied update); inside `abandonable`'s code (the eval, which need not finish:
-    a long one would outlast a scheduler's grace before SIGKILL) it raises Abandoned. Under torchrun, whose
-    ranks must all reach the eval's all-reduce, it calls `save` instead, which the loop sets to checkpoint
-    the step the eval follows: a SIGKILL before the eval ends loses only the eval. The second signal
-    raises KeyboardInterrupt at once."""
+    checkpoints (never a half-applied update). A scheduler's SIGKILL follows after a grace that a step or an
+    eval can outlast, so inside `evaluate` (which need not finish) it raises Abandoned, in one process (under
+    torchrun every rank must reach the eval's all-reduce); elsewhere in `evaluate` or `rollout`, where the
+    weights are a finished step's, it first calls `save`, which the loop points at a checkpoint of that step:
+    a SIGKILL then loses only the step in progress. The second signal raises KeyboardInterrupt at once."""
     NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}  # a user's stop, or kill's and a scheduler's
 
-    def __init__(self, abandonable):
+    def __init__(self, evaluate, rollout):
         # unwrap: a decorator's wrapper (torch.no_grad's) has one code object for all it decorates
-        self.seen, self.abandonable = False, inspect.unwrap(abandonable).__code__
-        self.save = lambda: None  # the evals before RL's first step (the warm-start's) save nothing early
+        self.evaluate, self.rollout = (inspect.unwrap(f).__code__ for f in (evaluate, rollout))
+        self.seen, self.save = False, lambda: None  # no step finished yet: nothing to save
         self.previous = {s: signal.signal(s, self.handle) for s in self.NAMES}
 
     def handle(self, signum: int, frame) -> None:
@@ -461,10 +461,11 @@ class StopSignals:
             raise KeyboardInterrupt
         self.seen, name = True, self.NAMES[signum]
         stderr(f"{name}: finishing this step and checkpointing; {name} again stops now")
-        if any(f.f_code is self.abandonable for f, _ in traceback.walk_stack(frame)):
-            if world() == 1:
-                raise Abandoned
-            self.save()  # rank 0 writes it (nothing collective): the other ranks go on with the eval
+        running = {f.f_code for f, _ in traceback.walk_stack(frame)}
+        if self.evaluate in running and world() == 1:
+            raise Abandoned
+        if {self.evaluate, self.rollout} & running:
+            self.save()  # rank 0 writes it (nothing collective), then the step or the eval goes on
 
     def restore(self) -> None:
         for s, handler in self.previous.items():

@@ -425,6 +425,27 @@ def test_a_ctrl_c_at_the_terminal_finishes_the_step_on_the_batches_of_the_worker
     assert utils.checkpoints(tmp_path / "run")[-1].name == f"ckpt-{trained[-1]:07d}"
 
 
+def test_a_stop_while_the_trainer_waits_for_workers_that_never_come_saves_its_steps_at_once(tiny, tmp_path):
+    """No worker ever comes (or all died): the step cannot finish, so before, the first Ctrl-C changed
+    nothing and the second stopped the run unsaved, losing every step since the last checkpoint (here the
+    warm-start). Now the first saves the finished steps at once; the second then loses nothing."""
+    proc = launch(flags(tiny, tmp_path / "run", "--role", "trainer", "--sft-steps", "2", "--steps", "5"),
+                  tmp_path / "trainer.log")
+    try:
+        wait_for(lambda: "eval_accuracy" in metrics(tmp_path), proc, "the step-0 eval")
+        time.sleep(2)  # the step-0 version is published (milliseconds); the trainer waits for batches
+        proc.send_signal(signal.SIGINT)
+        wait_for(lambda: utils.checkpoints(tmp_path / "run"), proc, "a checkpoint", limit=60)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        proc.kill()
+    log = (tmp_path / "trainer.log").read_text()
+    assert "Traceback" not in log and f"stopped during step 1 (not saved); checkpoints so far" in log
+    assert [c.name for c in utils.checkpoints(tmp_path / "run")] == ["ckpt-0000000"]  # after the warm-start
+    assert [s for s, _, _ in metrics(tmp_path)["sft_loss"]] == [-1, 0]
+
+
 def test_rollout_options_work_on_workers_as_in_a_sync_run(tiny, tmp_path):
     """Dynamic sampling, prompt replay, the overlong penalty and debug samples run in the worker's
     own TaskRollouts (the sync source); the trainer logs and prints what the workers did."""

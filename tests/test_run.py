@@ -390,7 +390,9 @@ def test_a_stop_checkpoints_without_waiting_for_the_eval_it_skips_or_abandons(tm
         "SIGTERM: finishing this step and checkpointing; SIGTERM again stops now", *abandoned,
         f"interrupted: checkpoint saved; continue with --resume {out}"]
     assert evals == ([0, 1] if during == "eval" else [0]) and signal.getsignal(signal.SIGTERM) is handler
-    assert [p.name for p in utils.checkpoints(out)] == ["ckpt-0000002"]
+    # a stop in step 2's rollout first saves step 1, the last finished (a SIGKILL would lose only step 2)
+    saved = ["ckpt-0000001", "ckpt-0000002"] if during == "step" else ["ckpt-0000002"]
+    assert [p.name for p in utils.checkpoints(out)] == saved
     assert [s for s, k in rows(out) if k in ("loss", "eval_return")] == [0, 1, 2]  # no eval at step 2
     monkeypatch.setattr(ControlRollouts, "next", real_next)
     monkeypatch.setattr(ControlRollouts, "evaluate", real_eval)
@@ -401,9 +403,14 @@ def test_a_stop_checkpoints_without_waiting_for_the_eval_it_skips_or_abandons(tm
 
 def test_stop_signals_abandon_only_the_code_named_and_only_in_one_process(monkeypatch):
     """torchrun's ranks must all reach the eval's all-reduce: there a stop saves the step instead.
-    Both are decorated alike, as a source's evaluate and train.prepare may be (one wrapper's code)."""
+    All are decorated alike, as a source's evaluate and train.prepare may be (one wrapper's code)."""
     @torch.no_grad()
     def evaluate():
+        os.kill(os.getpid(), signal.SIGTERM)
+        return "finished"
+
+    @torch.no_grad()
+    def rollout():
         os.kill(os.getpid(), signal.SIGTERM)
         return "finished"
 
@@ -413,18 +420,21 @@ def test_stop_signals_abandon_only_the_code_named_and_only_in_one_process(monkey
         return "finished"
 
     before = signal.getsignal(signal.SIGTERM)
-    for world, code, result in ((1, evaluate, utils.Abandoned), (1, elsewhere, "finished"),
-                                (2, evaluate, "finished"), (2, elsewhere, "finished")):
+    # the state is saved at once in a rollout (where the weights are the last step's) and in an eval that
+    # cannot be abandoned; never elsewhere (e.g. in the update, or under a snapshot's weights in stage 2)
+    for world, code, result, saves in ((1, evaluate, utils.Abandoned, 0), (1, rollout, "finished", 1),
+                                       (1, elsewhere, "finished", 0), (2, evaluate, "finished", 1),
+                                       (2, rollout, "finished", 1), (2, elsewhere, "finished", 0)):
         monkeypatch.setattr(utils, "world", lambda: world)
-        signals, saved = utils.StopSignals(evaluate), []
-        signals.save = lambda: saved.append(world)  # torchrun's stand-in for abandoning: never a half update
+        signals, saved = utils.StopSignals(evaluate, rollout), []
+        signals.save = lambda: saved.append(code.__name__)
         try:
             if result is utils.Abandoned:
                 with pytest.raises(utils.Abandoned):
                     code()
             else:
                 assert code() == result
-            assert signals.seen and saved == ([2] if (world, code) == (2, evaluate) else [])
+            assert signals.seen and saved == [code.__name__] * saves
             with pytest.raises(KeyboardInterrupt):  # the second stop, wherever it comes
                 os.kill(os.getpid(), signal.SIGTERM)
         finally:
