@@ -1,13 +1,17 @@
-"""How long an async run with local workers takes to end, against what it used to wait for.
+"""How long a run takes to end, and to save its steps, once stopped, against what it used to wait for.
 
-An async trainer (`--role trainer --workers 1`, tiny model, completions of up to --max-new-tokens) runs
-in a session of its own, as a shell starts it. Two ends are timed, each --repeats times:
+An async trainer (`--role trainer --workers 1`, tiny model without its warm-start, so completions run to
+--max-new-tokens) runs in a session of its own, as a shell starts it. Two ends are timed, --repeats times:
 - "second Ctrl-C": two SIGINTs 0.5 s apart while the worker is generating; seconds from the first
   to the trainer's exit (the worker then generates a batch nobody takes);
 - "end of run": --steps 2; seconds from the final checkpoint to the trainer's exit.
 The peer, measured in the same runs: the seconds of a step (wall_s between step 1's and step 2's loss;
 with --max-staleness 0 mostly one worker batch), about what a trainer that waits for its workers' batches
 instead of stopping them waits at either end (it gave up at 60 s).
+A third case is a sync run (no workers, --ckpt-every 1000):
+- "SIGTERM mid-rollout": SIGTERM 1 s into step 2's rollout; seconds from it to step 1's checkpoint on disk
+  (saved at once), and, its peer in the same run, to step 2's, the first checkpoint a stop gave before
+  (a scheduler's SIGKILL in between lost every step since the last checkpoint).
 
     python bench/stop.py [--repeats 3] [--max-new-tokens 1024]
 
@@ -30,11 +34,12 @@ sys.path.insert(0, str(ROOT))
 import utils  # noqa: E402  (the repo root, as train.py sees it)
 
 
-def launch(out: Path, steps: int, max_new: int) -> subprocess.Popen:
+def launch(out: Path, steps: int, max_new: int, sync: bool = False) -> subprocess.Popen:
     flags = ["--task", "arith", "--steps", str(steps), "--eval-every", "100", "--eval-size", "4",
              "--max-new-tokens", str(max_new), "--batch", "16", "--group-size", "2", "--no-progress",
-             "--out", str(out), "--role", "trainer", "--workers", "1", "--max-staleness", "0",
-             "--ckpt-every", "1"]
+             "--out", str(out), "--sft-steps", "0"]  # random init: completions run to the budget
+    trainer = ["--role", "trainer", "--workers", "1", "--max-staleness", "0", "--ckpt-every", "1"]
+    flags += ["--ckpt-every", "1000"] if sync else trainer
     return subprocess.Popen([sys.executable, "train.py", *flags], cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -72,6 +77,21 @@ def end_of_run(out: Path, max_new: int) -> tuple[float, list[float]]:
     return time.perf_counter() - t, step_s(out)
 
 
+def sigterm_mid_rollout(out: Path, max_new: int) -> tuple[float, float]:
+    proc = launch(out, 1000, max_new, sync=True)
+    metrics = out / "metrics.csv"
+    wait_until(lambda: metrics.exists() and "loss" in utils.read_metrics(metrics), proc)  # step 1 is done
+    time.sleep(1.0)  # step 2's rollout
+    t = time.perf_counter()
+    proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: (out / "ckpt-0000001").exists(), proc)
+    early = time.perf_counter() - t
+    while not (out / "ckpt-0000002").exists() and proc.poll() is None:
+        time.sleep(0.05)
+    assert (out / "ckpt-0000002").exists() and proc.wait(timeout=300) == 0
+    return early, time.perf_counter() - t
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
@@ -92,6 +112,13 @@ def main() -> None:
                   f"{[round(e, 1) for e in exits]})")
         results["step_s_median"] = statistics.median(batches)  # the end-of-run runs' step 2
         print(f"peer: a step (mostly one worker batch) takes {results['step_s_median']:.1f} s")
+        runs = [sigterm_mid_rollout(Path(tmp) / f"sync-{i}", args.max_new_tokens)
+                for i in range(args.repeats)]
+        early, late = (statistics.median(r[i] for r in runs) for i in (0, 1))
+        results["SIGTERM mid-rollout"] = {"finished_steps_saved_s_median": early,
+                                          "step_end_saved_s_median": late, "runs": runs}
+        print(f"SIGTERM mid-rollout (sync): the finished steps on disk {early:.2f} s after it; the step in "
+              f"progress, the first checkpoint before, {late:.1f} s after it (medians)")
     (ROOT / "results").mkdir(exist_ok=True)
     (ROOT / "results" / "stop.json").write_text(json.dumps({"max_new_tokens": args.max_new_tokens,
                                                             **results}, indent=1) + "\n")
