@@ -396,6 +396,12 @@ def test_a_stop_checkpoints_without_waiting_for_the_eval_it_skips_or_abandons(tm
     assert [s for s, k in rows(out) if k in ("loss", "eval_return")] == [0, 1, 2]  # no eval at step 2
     monkeypatch.setattr(ControlRollouts, "next", real_next)
     monkeypatch.setattr(ControlRollouts, "evaluate", real_eval)
+    if during == "step":  # as a SIGKILL before step 2's end would have left it: the early save goes on
+        killed = tmp_path / "killed"
+        shutil.copytree(out, killed)
+        shutil.rmtree(killed / "ckpt-0000002")
+        assert train.main(["--resume", str(killed), "--no-progress"]) == 0
+        assert [s for s, k in rows(killed) if k == "loss"] == [1, 2, 3, 4]
     assert train.main(["--resume", str(out), "--no-progress"]) == 0
     assert [s for s, k in rows(out) if k == "eval_return"] == [0, 4]
     assert [s for s, k in rows(out) if k == "loss"] == [1, 2, 3, 4]
