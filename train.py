@@ -316,13 +316,12 @@ def old_scores(policy, batch: Batch, cfg: Config, weights) -> tuple[torch.Tensor
 
 def rollout_metrics(batch: Batch, rewards: torch.Tensor, cfg: Config) -> dict:
     """The batch as sampled, logged every step; reward (= reward_mean) is before any --kl-in-reward."""
-    mask, adv = batch.mask, batch.adv
-    score, length = (rewards * mask).sum(1), mask.sum(1)  # [N] task reward, [N] steps
-    adv_mean = masked_mean(adv, mask)
+    score, length = (rewards * batch.mask).sum(1), batch.mask.sum(1)  # [N] task reward, [N] steps
+    adv_mean = masked_mean(batch.adv, batch.mask)
     out = {"reward": score.mean(), "reward_mean": score.mean(), "reward_std": score.std(correction=0),
-           "adv_mean": adv_mean, "adv_std": masked_mean((adv - adv_mean) ** 2, mask).sqrt(),
+           "adv_mean": adv_mean, "adv_std": masked_mean((batch.adv - adv_mean) ** 2, batch.mask).sqrt(),
            "length_mean": length.mean(), "length_max": length.max(),
-           "truncated_frac": batch.truncated.float().mean(), "steps_env": mask.sum() * utils.world(),
+           "truncated_frac": batch.truncated.float().mean(), "steps_env": length.sum() * utils.world(),
            **{k: v.nanmean() for k, v in batch.stats.items()}}  # NaN: a judge gave no score
     if cfg.group_size > 1:  # a group whose rewards all agree gives GRPO/RLOO nothing to learn from
         out["frac_zero_std"] = (group_baseline(score, batch.group)[1] < EPS).float().mean()
@@ -432,10 +431,11 @@ def train(cfg: Config) -> Path:
     out, log, step, last_eval = run_dir(cfg), utils.Metrics(), 0, {}
 
     def stop(step: int, log) -> bool:  # after each step: a stop seen by one rank stops all here, saved
-        signals.save = lambda: checkpoint(cfg, out, step, policy, opt, source, log)  # see StopSignals
+        at = source.state(), torch.get_rng_state()  # as `step` leaves them: StopSignals may save them later
+        signals.save = lambda: checkpoint(cfg, out, step, policy, opt, log, *at)  # the caller's log (SFT's)
         if utils.reduce_dict({"stop": signals.seen})["stop"]:
             signals.seen = True  # also on a rank that saw no signal
-            checkpoint(cfg, out, step, policy, opt, source, log)  # the caller's log: warm-start wall time too
+            signals.save()
             utils.stderr(f"interrupted: checkpoint saved; continue with --resume {out}")
         return signals.seen
 
@@ -463,7 +463,7 @@ def train(cfg: Config) -> Path:
             if stop(step + 1, log):
                 break
             if (step + 1) % cfg.ckpt_every == 0 or solved or step + 1 == cfg.steps:
-                checkpoint(cfg, out, step + 1, policy, opt, source, log)
+                checkpoint(cfg, out, step + 1, policy, opt, log, source.state(), torch.get_rng_state())
             if solved:
                 break
         bar.close()
@@ -519,10 +519,10 @@ def evaluate(source: BatchSource, log, step: int, out: Path, suffix: str = "") -
     return metrics
 
 
-def checkpoint(cfg: Config, out: Path, step: int, policy, opt, source: BatchSource, log) -> None:
-    if utils.rank() == 0:
-        meta = {"wall_s": log.wall(), "source": source.state()}
-        utils.save_checkpoint(out, step, policy, opt, meta, cfg.keep_ckpts)  # a failed one: the others stay
+def checkpoint(cfg: Config, out: Path, step: int, policy, opt, log, state: dict, rng: torch.Tensor) -> None:
+    if utils.rank() == 0:  # state, rng: the source's and torch's, as `step` left them
+        meta = {"wall_s": log.wall(), "source": state}
+        utils.save_checkpoint(out, step, policy, opt, meta, cfg.keep_ckpts, rng)  # a failure keeps the rest
 
 
 def finish(cfg: Config, policy, out: Path, wall_s: float) -> None:

@@ -366,14 +366,16 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 def save_checkpoint(out: Path, step: int, policy: torch.nn.Module, opt: torch.optim.Optimizer, meta: dict,
-                    keep: int) -> Path:
-    """ckpt-<step>/ by atomic_dir, its files fsync'd: weights as safetensors, optimizer and RNG state a
-    tensors-only torch.save (read back weights_only=True), the rest JSON. Keeps the newest `keep`."""
+                    keep: int, rng: torch.Tensor | None = None) -> Path:
+    """ckpt-<step>/ by atomic_dir, its files fsync'd: weights as safetensors, optimizer and RNG state (`rng`,
+    else the current) a tensors-only torch.save (read back weights_only=True), the rest JSON. Keeps the
+    newest `keep`."""
     final = out / f"ckpt-{step:07d}"
     with atomic_dir(final) as tmp:
         weights = {n: p.detach().contiguous() for n, p in policy.named_parameters() if p.requires_grad}
         save_file(weights, str(tmp / "weights.safetensors"))
-        torch.save({"optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state()}, tmp / "state.pt")
+        rng = torch.get_rng_state() if rng is None else rng
+        torch.save({"optimizer": opt.state_dict(), "torch_rng": rng}, tmp / "state.pt")
         (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=1))
         for path in tmp.iterdir():  # on disk before the rename publishes them
             with open(path, "rb") as f:

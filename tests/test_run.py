@@ -372,9 +372,10 @@ def test_a_stop_checkpoints_without_waiting_for_the_eval_it_skips_or_abandons(tm
     handler, evals = signal.getsignal(signal.SIGTERM), []
 
     def sigterm_in_step_2(self, step):
-        if step == 1 and during == "step":
+        batch = real_next(self, step)
+        if step == 1 and during == "step":  # late in the rollout: its seed drawn, its actions sampled
             os.kill(os.getpid(), signal.SIGTERM)
-        return real_next(self, step)
+        return batch
 
     def sigterm_in_eval_2(self):  # the evals of steps 0 and 2
         evals.append(len(evals))
@@ -396,15 +397,18 @@ def test_a_stop_checkpoints_without_waiting_for_the_eval_it_skips_or_abandons(tm
     assert [s for s, k in rows(out) if k in ("loss", "eval_return")] == [0, 1, 2]  # no eval at step 2
     monkeypatch.setattr(ControlRollouts, "next", real_next)
     monkeypatch.setattr(ControlRollouts, "evaluate", real_eval)
-    if during == "step":  # as a SIGKILL before step 2's end would have left it: the early save goes on
-        killed = tmp_path / "killed"
+    killed = tmp_path / "killed"  # as a SIGKILL before step 2's end would have left it: the early save
+    if during == "step":
         shutil.copytree(out, killed)
         shutil.rmtree(killed / "ckpt-0000002")
         assert train.main(["--resume", str(killed), "--no-progress"]) == 0
-        assert [s for s, k in rows(killed) if k == "loss"] == [1, 2, 3, 4]
     assert train.main(["--resume", str(out), "--no-progress"]) == 0
     assert [s for s, k in rows(out) if k == "eval_return"] == [0, 4]
     assert [s for s, k in rows(out) if k == "loss"] == [1, 2, 3, 4]
+    if during == "step":  # it holds the data position and RNG of step 1's end: step 2 runs again alike
+        assert [s for s, k in rows(killed) if k == "loss"] == [1, 2, 3, 4]
+        a, b = final_weights(out), final_weights(killed)
+        assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_stop_signals_abandon_only_the_code_named_and_only_in_one_process(monkeypatch):
