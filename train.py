@@ -463,7 +463,7 @@ def train(cfg: Config) -> Path:
             if stop(step + 1, log):
                 break
             if (step + 1) % cfg.ckpt_every == 0 or solved or step + 1 == cfg.steps:
-                checkpoint(cfg, out, step + 1, policy, opt, log, source.state(), torch.get_rng_state())
+                signals.save()  # step + 1's checkpoint, as stop() just captured it
             if solved:
                 break
         bar.close()
