@@ -18,6 +18,11 @@ def test_masked_mean_ignores_masked_entries():
     assert algos.masked_mean(t([1.0, 100.0, 3.0]), t([1, 0, 1])).item() == 2.0
 
 
+
+def test_masked_mean_of_one_entry_is_that_entry_and_of_none_is_zero():
+    assert algos.masked_mean(t([5.0, 7.0]), t([0, 1])).item() == 7.0
+    assert algos.masked_mean(t([5.0, 7.0]), t([0, 0])).item() == 0.0  # an empty batch: 0, not nan
+
 def test_masked_whiten_has_zero_mean_unit_std_and_zeros_outside_mask():
     x, m = t([[1.0, 2.0, 3.0, 50.0]]), t([[1, 1, 1, 0]])
     w = algos.masked_whiten(x, m)
@@ -70,6 +75,14 @@ def test_gae_does_not_bootstrap_a_terminated_episode():
     assert torch.allclose(adv, t([[0.8125, 0.75, 0]]))
 
 
+
+def test_gae_bootstraps_each_row_of_a_batch_by_its_own_ending():
+    # row 0 as above, truncated (last value 2); row 1 terminated, so its last value 10 is never used
+    r, v, m = t([[1, 1, 0], [0, 1, 1]]), t([[0.5, 0.25, 0], [0, 0, 0.5]]), t([[1, 1, 0], [1, 1, 1]])
+    adv = algos.gae(r, v, m, t([2.0, 10.0]), torch.tensor([False, True]), 0.5, 0.5)
+    # row 1 deltas: 0, 1 + .5*.5 = 1.25, 1 - .5 = .5; adv1 = 1.25 + .25*.5 = 1.375, adv0 = .25*1.375
+    assert torch.allclose(adv, t([[1.0625, 1.75, 0], [0.34375, 1.375, 0.5]]))
+
 def test_gae_with_lambda_one_and_zero_values_is_the_discounted_return():
     r, m = t([[1, 2, 3]]), t([[1, 1, 1]])
     adv = algos.gae(r, torch.zeros_like(r), m, t([0.0]), torch.tensor([True]), 0.5, 1.0)
@@ -116,10 +129,35 @@ def test_dr_grpo_skips_the_std_division():
     assert torch.allclose(adv[:, 0], t([2, -2, 0, 0]))
 
 
+
+def test_grpo_divides_by_the_groups_population_std():
+    # scores 1, 0, 3: mean 4/3, variance (1 + 0 + 9) / 3 - 16 / 9 = 14 / 9
+    adv = algos.grpo(grouped([1, 0, 3], [5, 5, 5]), CFG)
+    std = math.sqrt(14) / 3
+    assert torch.allclose(adv[:, 0], t([-1 / 3, -4 / 3, 5 / 3]) / std, atol=1e-5)
+
+
+@pytest.mark.parametrize("algo, expected", [("grpo", [-1.5**0.5, 0, 1.5**0.5]), ("rloo", [-1.5, 0, 1.5])])
+def test_grouped_estimators_sum_each_rows_own_tokens_and_leave_padding_zero(algo, expected):
+    # rows of lengths 3, 2, 1, each rewarded on its last real token: returns 1, 2, 3, one group
+    rewards, mask = t([[0, 0, 1], [0, 2, 0], [3, 0, 0]]), t([[1, 1, 1], [1, 1, 0], [1, 0, 0]])
+    batch = SimpleNamespace(rewards=rewards, mask=mask, group=torch.tensor([0, 0, 0]))
+    adv = algos.ALGOS[algo](batch, CFG)
+    # grpo: (R - 2) / sqrt(2 / 3); rloo: R minus the mean of the other two
+    assert torch.allclose(adv, t(expected).unsqueeze(1) * mask, atol=1e-5)
+
 def test_rloo_baseline_is_the_mean_of_the_other_rows():
     adv = algos.rloo(grouped([3, 0, 0, 5, 1], [0, 0, 0, 1, 1]), CFG)
     assert torch.allclose(adv[:, 0], t([3, -1.5, -1.5, 4, -4]))
 
+
+
+def test_opd_is_teacher_minus_old_logp_plus_the_weighted_return_to_go():
+    batch = SimpleNamespace(teacher_logp=t([[-1, -2, 0]]), old_logp=t([[-1.5, -1, -3]]), mask=t([[1, 1, 0]]),
+                            rewards=t([[0, 1, 0]]))
+    cfg = SimpleNamespace(gamma=0.5, opd_reward_coef=0.5)
+    # teacher - old on policy tokens: 0.5, -1; return-to-go: 0.5, 1; the pad stays 0
+    assert torch.allclose(algos.opd(batch, cfg), t([[0.5 + 0.25, -1 + 0.5, 0]]))
 
 def test_ppo_whitens_gae_and_stores_critic_targets_from_old_values():
     b = gae_batch(terminated=False)
@@ -128,6 +166,25 @@ def test_ppo_whitens_gae_and_stores_critic_targets_from_old_values():
     assert abs(algos.masked_mean(adv, b.mask).item()) < 1e-6
     assert adv[0, 2] == 0
 
+
+
+@pytest.mark.parametrize("mode", algos.AGGREGATIONS)
+def test_loss_weights_of_a_batch_with_no_policy_token_are_zero_not_nan(mode):
+    w = algos.loss_weights(torch.zeros(2, 3), mode, constant=4)
+    assert torch.equal(w, torch.zeros(2, 3))
+
+
+
+@pytest.mark.parametrize("mode, expected", [("token_mean", 1.0), ("seq_mean", 1.0), ("constant", 0.5)])
+def test_loss_weights_of_a_one_token_batch_put_all_weight_on_it(mode, expected):
+    assert torch.equal(algos.loss_weights(t([[0, 1, 0]]), mode, constant=2), t([[0, expected, 0]]))
+
+def test_gspo_gives_a_fully_masked_row_no_loss_and_no_nan():
+    logp, mask = t([[0.1, -0.3], [0.7, 0.2]]).requires_grad_(), t([[1, 1], [0, 0]])
+    adv = t([[1.0], [1.0]]) * mask
+    loss, s = algos.policy_loss(logp, torch.zeros_like(logp), adv, t([[0.5, 0.5], [0, 0]]), mask, loss="gspo")
+    assert loss.item() == pytest.approx(-math.exp(-0.1), abs=1e-6)  # row 1 alone: -A s, s = e^mean(0.1, -0.3)
+    assert torch.equal(s["ratio"][1], t([1.0, 1.0]))  # the empty row's mean log-ratio is 0, so s = 1
 
 def test_loss_weights_sum_to_one_over_the_whole_batch():
     w = algos.loss_weights(t([[1, 1, 0], [1, 0, 0]]))
@@ -187,6 +244,15 @@ def test_dual_clip_caps_the_loss_of_a_negative_advantage_token_at_c_times_abs_ad
     plain, _ = algos.policy_loss(logp, torch.zeros_like(logp), adv, w, torch.ones_like(w))
     assert plain.item() == pytest.approx(4 + 2 - 1.2)
 
+
+
+def test_dual_clip_caps_at_c_times_abs_advantage_and_leaves_positive_advantages_alone():
+    # A=-2, r=4: plain max(8, 2.4) = 8, capped at c|A| = 6; A=+0.5, r=0.5: max(-0.25, -0.4) = -0.25, untouched
+    logp, adv, w = ratios(4.0, 0.5), t([[-2.0, 0.5]]), t([[1.0, 1.0]])
+    loss, _ = algos.policy_loss(logp, torch.zeros_like(logp), adv, w, torch.ones_like(w), dual_clip=3.0)
+    assert loss.item() == pytest.approx(6 - 0.25)
+    loss.backward()
+    assert torch.allclose(logp.grad, t([[0.0, -0.25]]))  # the capped token has none; -A r on the other
 
 def test_gspo_clips_the_length_normalised_sequence_ratio_and_its_gradient_is_gspos():
     # rows: log-ratios [0.1, -0.3] (mean -0.1), [0.5, pad], [0.5, pad]; A = +1, -1, +1; seq_mean weights 1/6, 1/3, 1/3

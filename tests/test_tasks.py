@@ -1,11 +1,13 @@
 """Invariants of tasks.py: reward functions on hand-worked (and nasty) completions, the safe
 evaluator's refusals, split disjointness and determinism, dataset loading, pass@k."""
 import json
+import math
 import operator
 import os
 import sys
 import textwrap
 import types
+import warnings
 from fractions import Fraction
 from pathlib import Path
 
@@ -47,6 +49,11 @@ def mixed(bad_rows="skip", **kw):
 def test_parse_number_is_exact_and_accepts_only_one_number(text, value):
     assert parse_number(text) == value
 
+
+
+def test_parse_number_takes_up_to_40_digits_counting_a_fractions_both_parts():
+    assert parse_number("7" * 40) == int("7" * 40) and parse_number("7" * 41) is None
+    assert parse_number("3" * 20 + "/" + "3" * 20) == 1 and parse_number("3" * 21 + "/" + "3" * 20) is None
 
 def test_completion_number_takes_the_last_and_respects_separators_and_signs():
     assert completion_number("48 + 24 = 72") == 72
@@ -167,6 +174,11 @@ def test_overlong_penalty_is_zero_then_linear_to_minus_one():
     assert by_words("p", "a b c", "a") == -0.5 and by_words("p", "abcdefgh", "a") == 0
     with pytest.raises(ValueError, match="buffer"):
         overlong_penalty(4, 5)
+    with pytest.raises(ValueError, match="buffer"):
+        overlong_penalty(4, 0)
+    assert [overlong_penalty(4, 1)("p", "x" * n, "a") for n in (3, 4)] == [0, -1]  # the smallest buffer
+    whole = overlong_penalty(4, 4)  # a buffer of the whole length is allowed: linear from the first character
+    assert [whole("p", "x" * n, "a") for n in (0, 1, 4)] == [0, -0.25, -1]
 
 
 # ---------------------------------------------------------------- safe evaluator
@@ -189,6 +201,24 @@ def test_safe_eval_refuses_with_the_reason(src, reason):
     with pytest.raises(ExprError, match=reason):
         safe_eval(src)
 
+
+
+@pytest.mark.parametrize("src, limit, fits", [
+    ("1+1", "max_chars", 3), ("1+1", "max_nodes", 3), ("-(1)", "max_nodes", 2),  # -(1): UnaryOp, Constant
+    ("1+1", "max_depth", 1), ("-(1)", "max_depth", 1),  # the operator at depth 0, its operands at 1
+    ("(1+1)+1", "max_depth", 2), ("1+(1+1)", "max_depth", 2),  # either side's depth counts
+])
+def test_safe_eval_limits_are_inclusive(src, limit, fits):
+    assert safe_eval(src, **{limit: fits})[0] == eval(src)
+    with pytest.raises(ExprError, match="longer|nodes|depth"):
+        safe_eval(src, **{limit: fits - 1})
+
+
+def test_safe_eval_takes_literals_up_to_64_bits_and_every_allowed_character():
+    assert safe_eval(str(2**64 - 1)) == (2**64 - 1, [2**64 - 1])
+    with pytest.raises(ExprError, match="64 bits"):
+        safe_eval(str(2**64))
+    assert safe_eval("(0 + 1 - 2)\t* 3 / (4 + 5 * 6 + 7 - 8 - 9)")[0] == Fraction(-3, 24)
 
 def test_safe_eval_catches_parser_errors_on_pathological_nesting():
     with pytest.raises(ExprError, match="SyntaxError"):  # parser's own nesting limit
@@ -240,6 +270,18 @@ def test_countdown_problems_are_always_solved_by_their_own_solver():
             pytest.approx(1.1), {"countdown_correct": 1.0, "format_reward": 1.0})
 
 
+def test_countdown_targets_are_positive_integers_and_an_unsolvable_problem_is_refused():
+    task, drawn = make_task("countdown", seed=1, eval_size=10), set()
+    for p in [task.train_problem(i) for i in range(300)]:
+        ref = json.loads(p.answer)
+        assert type(ref["target"]) is int and 1 <= ref["target"] <= 2 * task.max_target  # (a*b) + (c*d) at most
+        assert 3 <= len(ref["numbers"]) <= 4 and all(1 <= n <= task.max_number for n in ref["numbers"])
+        drawn.update(ref["numbers"])
+    assert drawn == set(range(1, task.max_number + 1))
+    with pytest.raises(ValueError, match="countdown problem has no solution"):
+        task.solve(Problem("p", json.dumps({"target": 7, "numbers": [2, 2]}), key="k"))  # 4, 4, 0, 1 only
+
+
 def test_solve_countdown_finds_exact_solutions_and_reports_none():
     assert safe_eval(solve_countdown([4, 7, 8, 8], 24))[0] == 24  # (7 - 8/8) * 4
     assert safe_eval(solve_countdown([3, 3, 8, 8], 24))[0] == 24  # 8 / (3 - 8/3): needs fractions
@@ -268,6 +310,22 @@ def test_arith_rejects_an_eval_split_that_starves_training():
     with pytest.raises(ValueError, match="--eval-size to 100 or less"):
         make_task("arith", seed=0, eval_size=101)  # 10 * 10 * 2 = 200 distinct problems
 
+
+
+def test_arith_counts_its_problems_and_refuses_knobs_below_the_smallest_task():
+    # four operands 0..2 and three signs between them: 3^4 * 2^3; the smallest task (a+b, 0..1) is allowed
+    assert make_task("arith", seed=0, eval_size=1, max_operand=2, n_operands=4).n_distinct() == 81 * 8
+    assert make_task("arith", seed=0, eval_size=1, max_operand=1, n_operands=2, ops="+").n_distinct() == 4
+    for knobs in ({"max_operand": 0}, {"n_operands": 1}, {"ops": ""}, {"ops": "+%"}):
+        with pytest.raises(ValueError, match="needs max_operand >= 1, n_operands >= 2 and ops from"):
+            make_task("arith", seed=0, eval_size=1, **knobs)
+
+
+@pytest.mark.parametrize("name, size", [("arith", 10 * 10 * 2), ("add", 21 * 21)])
+def test_every_problem_of_a_procedural_task_is_drawn_operands_from_zero(name, size):
+    task = make_task(name, seed=0, eval_size=50)
+    keys = {p.key for p in task.eval_problems()} | {task.train_problem(i).key for i in range(5000)}
+    assert task.n_distinct() == size and len(keys) == size  # 0+0 and the largest sums included
 
 def test_arith_chain_answers_three_signed_digits_within_four_tokens():
     task = make_task("arith_chain", seed=0, eval_size=200)
@@ -319,6 +377,21 @@ def test_score_weights_and_breaks_down_each_reward():
     assert parts == {"format_reward": 1.0, "format_reward_1": 1.0, "overlong_penalty": -1.0}
     assert total == pytest.approx(2.0)
 
+
+
+def test_score_raises_a_judges_outage_unless_asked_to_drop_the_sample():
+    from judge import JudgeUnavailable
+
+    def judge(prompt, completion, answer):
+        raise JudgeUnavailable("judge down")
+
+    task = make_task("countdown", seed=0, eval_size=0)
+    task.rewards = [(format_reward, 1.0), (judge, 0.5)]
+    with pytest.raises(JudgeUnavailable, match="judge down"):
+        task.score("p", "<answer>1</answer>", CD24)
+    with pytest.warns(UserWarning, match="a sample is dropped: judge down"):
+        total, parts = task.score("p", "<answer>1</answer>", CD24, drop=True)
+    assert math.isnan(total) and parts["format_reward"] == 1.0 and math.isnan(parts["judge"])
 
 # ---------------------------------------------------------------- dataset tasks
 def test_dataset_rows_parse_to_exact_canonical_answers():
@@ -390,6 +463,40 @@ def test_dataset_eval_size_must_leave_training_rows():
     with pytest.raises(ValueError, match="0 usable rows\\); add rows"):  # no eval size helps
         make_task("gsm8k", seed=0, eval_size=1, data=os.devnull)
 
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_a_clean_file_loads_silently_and_many_bad_rows_are_listed_twenty_at_most(tmp_path):
+    good = [{"question": f"What is {i} plus 1?", "answer": str(i + 1)} for i in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning at all for a file without a bad row
+        assert make_task("gsm8k", seed=0, eval_size=1, data=write_rows(tmp_path / "ok.jsonl", good)).skipped == []
+    for bad, more in ((20, False), (21, True)):  # twenty are listed in full, more end in " ..."
+        path = write_rows(tmp_path / "bad.jsonl", [{"question": f"q{i}"} for i in range(bad)] + good)
+        with pytest.warns(UserWarning, match=f"skipped {bad} malformed rows") as record:
+            task = make_task("gsm8k", seed=0, eval_size=1, data=path)
+        shown = str(record[0].message)
+        assert f"{path}:20 (missing field 'answer')" in shown and f"{path}:21 " not in shown
+        assert shown.endswith(" ...") == more and len(task.skipped) == bad
+
+
+def test_a_long_answer_that_is_not_a_number_is_named_by_its_last_40_characters(tmp_path):
+    answer = "x" * 50 + "the answer is forty-two and no digits at all"
+    path = write_rows(tmp_path / "rows.jsonl", [{"question": "q", "answer": answer}])
+    with pytest.raises(ValueError, match="rows.jsonl:1: malformed row") as e:
+        make_task("gsm8k", seed=0, eval_size=1, data=path, bad_rows="error")
+    assert f"(answer {answer[-40:]!r} is not a number)" in str(e.value)
+
+
+@pytest.mark.parametrize("usable, fix", [(1, "add rows"), (2, "lower --eval-size to 1")])
+def test_too_few_rows_for_the_eval_split_name_the_fix_that_helps(tmp_path, usable, fix):
+    rows = [{"question": f"What is {i} plus 1?", "answer": str(i + 1)} for i in range(usable)]
+    with pytest.raises(ValueError, match=rf"\({usable} usable rows\); {fix}$"):
+        make_task("gsm8k", seed=0, eval_size=usable, data=write_rows(tmp_path / "rows.jsonl", rows))
 
 def test_missing_datasets_package_says_to_pass_data(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
