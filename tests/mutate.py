@@ -49,7 +49,8 @@ def sites(fn: ast.AST):
                 if type(op) in COMPARE:
                     yield i, f"{type(op).__name__}->{COMPARE[type(op)].__name__}", n.lineno, _swap_compare(k)
         if isinstance(n, ast.BoolOp):
-            yield i, "and<->or", n.lineno, _set("op", lambda m: ast.Or() if isinstance(m.op, ast.And) else ast.And())
+            other = ast.Or if isinstance(n.op, ast.And) else ast.And
+            yield i, "and<->or", n.lineno, _set("op", lambda m, other=other: other())
         if isinstance(n, ast.UnaryOp) and isinstance(n.op, (ast.Not, ast.USub)):
             yield i, f"drop {type(n.op).__name__}", n.lineno, "unwrap"
         if isinstance(n, ast.Constant) and type(n.value) in (int, float):
@@ -105,7 +106,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("tests", nargs="+", help="pytest arguments, e.g. tests/test_algos.py -k grpo")
     ap.add_argument("--only", default="", help="comma-separated function names (default: all)")
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--timeout", type=int, default=120, help="seconds; a mutant that hangs the tests is caught")
+    ap.add_argument("--timeout", type=int, default=120, help="seconds: a mutant that hangs counts as caught")
     ap.add_argument("--again", help="a survivors file: run only those mutants")
     ap.add_argument("--out", default="survivors.json")
     args = ap.parse_args(argv)
@@ -114,7 +115,8 @@ def main(argv: list[str]) -> int:
         keep = {tuple(s) for s in json.loads(Path(args.again).read_text())}
         todo = [m for m in todo if m[:3] in keep]
     print(f"{len(todo)} mutants of {args.module}", flush=True)
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
+    files = listed.stdout.split()
     copies = [tempfile.mkdtemp(prefix="mutate-") for _ in range(args.jobs)]
     for d in copies:  # the working tree as it is now: edited tests included
         subprocess.run(["cp", "--parents", *files, d], cwd=ROOT, check=True)
@@ -124,7 +126,8 @@ def main(argv: list[str]) -> int:
         k, (name, line, what, source) = job
         d = copies[k % args.jobs]  # job k runs in copy k mod jobs: the pool never runs two in one copy
         (Path(d) / args.module).write_text(source)
-        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *args.tests]
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+               *args.tests]
         try:
             passed = subprocess.run(cmd, cwd=d, capture_output=True, timeout=args.timeout).returncode == 0
         except subprocess.TimeoutExpired:

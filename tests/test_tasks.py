@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import tasks
+from judge import JudgeUnavailable
 from tasks import (ExprError, Problem, countdown_correct, extract_answer, format_reward,
                    int_correct, last_boxed, completion_number, make_task,
                    numeric_correct, overlong_penalty, parse_number, pass_at_k, safe_eval,
@@ -31,6 +32,10 @@ def mixed(bad_rows="skip", **kw):
     with pytest.warns(UserWarning, match="skipped 4 malformed rows"):
         return make_task("gsm8k", seed=0, eval_size=kw.pop("eval_size", 2), data=MIXED,
                          bad_rows=bad_rows, **kw)
+
+
+def plus_one_rows(n):
+    return [{"question": f"What is {i} plus 1?", "answer": str(i + 1)} for i in range(n)]
 
 
 # ---------------------------------------------------------------- numbers and tags
@@ -274,7 +279,8 @@ def test_countdown_targets_are_positive_integers_and_an_unsolvable_problem_is_re
     task, drawn = make_task("countdown", seed=1, eval_size=10), set()
     for p in [task.train_problem(i) for i in range(300)]:
         ref = json.loads(p.answer)
-        assert type(ref["target"]) is int and 1 <= ref["target"] <= 2 * task.max_target  # (a*b) + (c*d) at most
+        # at most (a*b) + (c*d), each product capped at max_target
+        assert type(ref["target"]) is int and 1 <= ref["target"] <= 2 * task.max_target
         assert 3 <= len(ref["numbers"]) <= 4 and all(1 <= n <= task.max_number for n in ref["numbers"])
         drawn.update(ref["numbers"])
     assert drawn == set(range(1, task.max_number + 1))
@@ -309,7 +315,6 @@ def test_arith_difficulty_knobs_keep_answers_integral():
 def test_arith_rejects_an_eval_split_that_starves_training():
     with pytest.raises(ValueError, match="--eval-size to 100 or less"):
         make_task("arith", seed=0, eval_size=101)  # 10 * 10 * 2 = 200 distinct problems
-
 
 
 def test_arith_counts_its_problems_and_refuses_knobs_below_the_smallest_task():
@@ -380,8 +385,6 @@ def test_score_weights_and_breaks_down_each_reward():
 
 
 def test_score_raises_a_judges_outage_unless_asked_to_drop_the_sample():
-    from judge import JudgeUnavailable
-
     def judge(prompt, completion, answer):
         raise JudgeUnavailable("judge down")
 
@@ -423,7 +426,7 @@ def test_malformed_rows_are_skipped_with_file_and_line():
 def test_data_lines_are_read_as_jsonl_bytes(tmp_path):
     """A line that is not UTF-8 is one malformed row (it stopped the whole file); U+2028 inside a question
     does not end its line (str.splitlines split it); an editor's BOM does not spoil the first row."""
-    rows = [{"question": f"What is {i} plus 1?", "answer": str(i + 1)} for i in range(4)]
+    rows = plus_one_rows(4)
     lines = [json.dumps(r, ensure_ascii=False).encode() for r in rows]
     lines[0] = b"\xef\xbb\xbf" + lines[0]  # BOM
     lines[1] = json.dumps({"question": "Two\u2028lines: 5 + 5?", "answer": "10"}, ensure_ascii=False).encode()
@@ -471,10 +474,11 @@ def write_rows(path, rows):
 
 
 def test_a_clean_file_loads_silently_and_many_bad_rows_are_listed_twenty_at_most(tmp_path):
-    good = [{"question": f"What is {i} plus 1?", "answer": str(i + 1)} for i in range(3)]
+    good = plus_one_rows(3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning at all for a file without a bad row
-        assert make_task("gsm8k", seed=0, eval_size=1, data=write_rows(tmp_path / "ok.jsonl", good)).skipped == []
+        task = make_task("gsm8k", seed=0, eval_size=1, data=write_rows(tmp_path / "ok.jsonl", good))
+    assert task.skipped == []
     for bad, more in ((20, False), (21, True)):  # twenty are listed in full, more end in " ..."
         path = write_rows(tmp_path / "bad.jsonl", [{"question": f"q{i}"} for i in range(bad)] + good)
         with pytest.warns(UserWarning, match=f"skipped {bad} malformed rows") as record:
@@ -494,7 +498,7 @@ def test_a_long_answer_that_is_not_a_number_is_named_by_its_last_40_characters(t
 
 @pytest.mark.parametrize("usable, fix", [(1, "add rows"), (2, "lower --eval-size to 1")])
 def test_too_few_rows_for_the_eval_split_name_the_fix_that_helps(tmp_path, usable, fix):
-    rows = [{"question": f"What is {i} plus 1?", "answer": str(i + 1)} for i in range(usable)]
+    rows = plus_one_rows(usable)
     with pytest.raises(ValueError, match=rf"\({usable} usable rows\); {fix}$"):
         make_task("gsm8k", seed=0, eval_size=usable, data=write_rows(tmp_path / "rows.jsonl", rows))
 
