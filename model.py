@@ -160,6 +160,8 @@ class LLMPolicy(nn.Module):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device("meta" if cfg.vllm else device)
         self.temperature, self.top_p, self.thinking = cfg.temperature, cfg.top_p, cfg.thinking
+        # --ent-coef's gradient keeps a second [k, V] tensor for backward: only when the bonus is on
+        self.entropy_grad = cfg.ent_coef > 0
         self.share_prompts = True  # score each group's prompt once; exact either way (tests compare the two)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.path)
@@ -308,7 +310,7 @@ class LLMPolicy(nn.Module):
         lse = lg.logsumexp(-1)  # [k]
         logp, entropy, values = (torch.zeros(n, L, device=dev) for _ in range(3))  # [n, L] each
         logp[:, first:end][sel] = lg.gather(-1, tokens[:, first:end][sel][:, None]).squeeze(-1) - lse
-        with torch.no_grad():
+        with contextlib.nullcontext() if self.entropy_grad else torch.no_grad():
             entropy[:, first:end][sel] = lse - (lg.softmax(-1) * lg).sum(-1)
         if head is not None:
             hidden = fwd.hidden_states[-1][:, first - 1 : end - 1][sel]  # [k, H]: the states predicting them

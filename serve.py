@@ -168,8 +168,8 @@ class Inbox:
             texts = meta.get("texts") or [["", "", ""]] * len(tensors["tokens"])
             rows = [(tensors["group"] == g).nonzero()[:, 0] for g in tensors["group"].unique()]  # [k] each
             groups = [({n: x[r] for n, x in tensors.items()}, [texts[i] for i in r.tolist()]) for r in rows]
-            # waits (up to LONG_POLL) for room: a worker told to retry later idles while the queue drains
-            room = lambda: self.finished or not self.queue or len(self.queue) + len(groups) <= self.capacity
+            # waits up to LONG_POLL for room (a POST holds <= capacity groups); told to retry, a worker idles
+            room = lambda: self.finished or len(self.queue) + len(groups) <= self.capacity
             if not self.cond.wait_for(room, timeout=LONG_POLL):
                 return 429, {"error": f"queue full ({len(self.queue)} groups); retry shortly"}
             if self.finished:
@@ -398,10 +398,15 @@ def hello(client: Client, cfg) -> int | None:
     if (answer := post(client, "/hello", body, lost)) is None:
         raise utils.ConfigError(f"no trainer answered at {cfg.trainer_url} for {cfg.worker_patience:.0f} s")
     status, reply = answer
-    if status not in (200, 410):
-        why = json.loads(reply).get("error", reply[:200])
-        raise utils.ConfigError(f"the trainer refused this worker ({status}): {why}")
-    return json.loads(reply)["worker"] if status == 200 else None
+    try:
+        said = json.loads(reply)
+        if status in (200, 410):  # 410: the run is already over
+            return said["worker"] if status == 200 else None
+        why = said["error"]
+    except (ValueError, KeyError, TypeError):  # e.g. another server on that port
+        raise utils.ConfigError(f"{cfg.trainer_url} is no nanorl trainer: POST /hello got {status} "
+                                f"{bytes(reply[:80])!r}; check --trainer-url") from None
+    raise utils.ConfigError(f"the trainer refused this worker ({status}): {why}")
 
 
 class _Sampler:

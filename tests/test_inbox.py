@@ -110,8 +110,6 @@ def test_a_hello_that_is_not_a_fingerprint_gets_400_and_no_worker_id(inbox, body
 
 
 def encode_hello(inbox) -> bytes:
-    import json
-
     return json.dumps({"fingerprint": serve.fingerprint(inbox.cfg)}).encode()
 
 
@@ -266,3 +264,128 @@ def test_a_fresh_group_of_a_version_without_a_snapshot_is_dropped_and_counted(in
     rows, meta = taken[0]
     assert rows["version"].tolist() == [1] * 2 * K
     assert (meta["dropped_no_snapshot"], meta["dropped_stale"]) == (1, 0)
+
+
+def test_inbox_refusals_name_the_first_rule_a_batch_breaks_one_past_each_limit(inbox):
+    """Each batch breaks one rule by the smallest step; the same batch one step inside is accepted."""
+    def edited(**fields):  # forge() with some rows' values changed: a 1 on row 0, column 5 by default
+        t = forge()
+        for name, (value, where) in fields.items():
+            t[name][where] = value
+        return t
+    ids = "token ids outside the vocabulary [0, 50)"
+    masks = "mask and attn must be 0/1, mask inside attn and 0 in column 0"
+    refused = [
+        (forge(mask=None), "batch keys: missing ['mask'], unexpected []"),
+        (forge(note=torch.zeros(K)), "batch keys: missing [], unexpected ['note']"),
+        (forge(group=torch.tensor([0, 0, 0, 1])), "every group needs exactly group_size=4 rows"),
+        ({k: v[:0] for k, v in forge().items()}, "every group needs exactly group_size=4 rows"),  # N == 0
+        (edited(tokens=(VOCAB, (0, 5))), ids), (edited(tokens=(-1, (3, 11))), ids),
+        (edited(version=(1, 2)), "versions 0..1 outside the published 0..0"),
+        (edited(version=(-1, 0)), "versions -1..0 outside the published 0..0"),
+        (edited(mask=(0.5, (0, 5))), masks), (edited(attn=(2.0, (0, 5))), masks),
+        (edited(attn=(0.0, (0, 5))), masks), (edited(mask=(1.0, (0, 0)), attn=(1.0, (0, 0))), masks),
+    ]
+    for batch, why in refused:
+        assert post(inbox, batch) == (400, {"error": why})
+    assert inbox.counts["batches_rejected"] == len(refused) and inbox.queue == []
+    inside = edited(tokens=(VOCAB - 1, (0, 5)), mask=(0.0, (0, 5)), attn=(0.0, (0, 5)))  # a hole: 0 in both
+    inside["tokens"][1, 5] = 0
+    assert post(inbox, inside) == (200, {"queued": 1, "dropped": 0})
+    assert post(inbox, forge(length=MAX_LEN, version=torch.zeros(K, dtype=torch.int64)))[0] == 200
+    with_other_keys = forge(reward_int_correct=None, reward_other=torch.zeros(K))
+    assert post(inbox, with_other_keys)[1]["error"] == (
+        "batch keys ['attn', 'group', 'logp', 'mask', 'reward_other', 'rewards', 'tokens', 'truncated', "
+        "'version']; this run's: ['attn', 'group', 'logp', 'mask', 'reward_int_correct', 'rewards', "
+        "'tokens', 'truncated', 'version'] (['solved', 'solved_first_turn', 'turns']: all or none)")
+
+
+def drained(box, seconds: float = 10.0) -> bool:
+    """Whether a step waiting in take() has emptied the queue within `seconds` (a hang fails, not waits)."""
+    deadline = time.time() + seconds
+    while box.queue and time.time() < deadline:
+        time.sleep(0.01)
+    return not box.queue
+
+
+def test_a_group_may_lag_max_staleness_versions_when_it_arrives_and_when_it_is_taken(inbox):
+    """max_staleness 2: a group of version v is used at step v + 2 and dropped (counted) at v + 3, both
+    when it is received and when a step takes it. Each step takes batch / group_size = 2 groups."""
+    inbox.serve(2, bytearray(b"v2"), 0.0)
+    assert post(inbox, forge()) == (200, {"queued": 1, "dropped": 0})  # lags 2
+    inbox.serve(3, bytearray(b"v3"), 0.0)
+    assert post(inbox, forge()) == (200, {"queued": 0, "dropped": 1})  # lags 3
+    assert post(inbox, forge(version=torch.full((K,), 3))) == (200, {"queued": 1, "dropped": 0})
+    taken = []
+    taking = threading.Thread(target=lambda: taken.append(inbox.take(3, {0, 2, 3})), daemon=True)
+    taking.start()  # version 0 now lags 3: dropped; the step waits for a second group
+    assert drained(inbox)
+    assert post(inbox, forge(version=torch.full((K,), 2))) == (200, {"queued": 1, "dropped": 0})
+    taking.join(10)
+    rows, meta = taken[0]
+    assert rows["version"].tolist() == [2] * K + [3] * K  # sorted by version
+    assert (meta["dropped_stale"], meta["groups_received"], meta["sync_apply_s"]) == (2, 4, 0.0)
+
+
+def test_a_step_takes_only_the_groups_it_lacks_and_leaves_the_rest_queued(inbox):
+    assert post(inbox, forge())[0] == 200
+    taken = []
+    taking = threading.Thread(target=lambda: taken.append(inbox.take(0, {0})), daemon=True)
+    taking.start()  # takes the one group, waits for one more
+    assert drained(inbox)
+    assert post(inbox, forge(groups=2))[0] == 200
+    taking.join(10)
+    assert taken[0][0]["tokens"].shape == (2 * K, 12) and len(inbox.queue) == 1
+
+
+@pytest.mark.parametrize("first, second, median", [(0.0, 0.5, 0.25), (3600.0, 0.5, 0.5),
+                                                   (3599.5, 0.5, 1800.0)])
+def test_sync_times_from_0_up_to_an_hour_are_kept(inbox, first, second, median):
+    assert post(inbox, forge(), apply_s=first)[0] == post(inbox, forge(), apply_s=second)[0] == 200
+    assert inbox.take(0, {0})[1]["sync_apply_s"] == median
+
+
+def test_worker_metrics_of_1e12_or_more_are_dropped_and_the_rest_averaged(inbox):
+    assert post(inbox, forge(), metrics={"gen_rounds": 1e12, "turns_mean": 1e12 - 1})[0] == 200
+    assert post(inbox, forge(), metrics={"gen_rounds": 2, "Bad": 1.0, "x" * 41: 1.0})[0] == 200
+    meta = inbox.take(0, {0})[1]
+    assert (meta["gen_rounds"], meta["turns_mean"]) == (2.0, 1e12 - 1) and "Bad" not in meta
+
+
+def test_a_full_queue_answers_429_and_a_post_waiting_for_room_hears_410_when_the_run_ends(inbox, monkeypatch):
+    monkeypatch.setattr(serve, "LONG_POLL", 0.2)
+    assert post(inbox, forge(groups=2))[0] == 200  # capacity: (max_staleness - 1) * 2 groups
+    assert post(inbox, forge()) == (429, {"error": "queue full (2 groups); retry shortly"})
+    monkeypatch.setattr(serve, "LONG_POLL", 30.0)
+    replies = []
+    waiting = threading.Thread(target=lambda: replies.append(post(inbox, forge())), daemon=True)
+    waiting.start()
+    time.sleep(0.3)  # inside its wait for room
+    inbox.close()
+    waiting.join(10)
+    assert replies == [(410, {"finished": True})] and inbox.counts["groups_received"] == 2
+
+
+def test_adapter_polls_get_the_newest_version_once_then_204_and_410_after_the_run(inbox, monkeypatch):
+    monkeypatch.setattr(serve, "LONG_POLL", 0.1)
+    poll = lambda have: inbox.adapter(Request("/adapter", {"have": str(have), "worker": "0"}, b""))
+    assert poll(-1) == (200, b"v0") and poll(0) == (204, None)
+    assert poll(5) == (200, b"v0")  # a worker ahead of a resumed trainer takes its weights
+    assert inbox.counts["adapters_sent"] == 2
+    inbox.close()
+    assert poll(0) == poll(-1) == (410, {"finished": True})
+
+
+def test_hello_waits_for_the_checkpoint_then_issues_ids_from_it_and_410_after_the_run(monkeypatch):
+    monkeypatch.setattr(serve, "LONG_POLL", 0.1)
+    cfg = utils.load_config(train.Config, ["--task", "arith", "--role", "trainer"])
+    box = serve.Inbox(cfg, VOCAB, 0, MAX_LEN)
+    hello = lambda: box.hello(Request("/hello", {}, encode_hello(box)))
+    try:
+        assert hello() == (503, {"error": "the trainer is loading its checkpoint; ask again shortly"})
+        box.restore(64)
+        assert hello() == (200, {"worker": 64}) and hello() == (200, {"worker": 65})
+        monkeypatch.setattr(serve, "HEARTBEAT", 0.0)  # or close() waits for them to poll
+    finally:
+        box.close()
+    assert hello() == (410, {"finished": True}) and box.next_worker == 67

@@ -1,5 +1,6 @@
 """transport.py: payload codec and the authenticated HTTP transport, over real 127.0.0.1 sockets."""
 import contextlib
+import hashlib
 import io
 import json
 import pickle
@@ -161,6 +162,74 @@ def test_decode_of_a_non_bytes_object_raises_payload_error_and_a_memoryview_deco
     assert decode(memoryview(bytes(VALID)))[1] == META
 
 
+def test_the_sha256_is_over_the_entries_as_sorted_key_json_then_the_tensor_bytes():
+    # the wire format: a worker of another version (or language) must compute the same digest
+    blob = encode({"x": torch.tensor([1.0, 2.0])}, {})
+    n = int.from_bytes(blob[:8], "little")
+    entries = b'{"x": {"data_offsets": [0, 8], "dtype": "F32", "shape": [2]}}'
+    want = hashlib.sha256(entries + struct.pack("<2f", 1.0, 2.0)).hexdigest()
+    assert json.loads(json.loads(blob[8:8 + n])["__metadata__"]["nanorl"])["sha256"] == want
+
+
+@pytest.mark.parametrize("pad", range(8))  # meta grows a byte at a time: every header length mod 8
+def test_encode_pads_the_header_with_under_8_spaces_so_the_data_starts_8_byte_aligned(pad):
+    blob = encode({"x": torch.tensor([1.5])}, {"s": "a" * pad})
+    n = int.from_bytes(blob[:8], "little")
+    header = bytes(blob[8:8 + n])
+    assert n % 8 == 0 and n - len(header.rstrip(b" ")) < 8 and header.rstrip(b" ").endswith(b"}")
+    assert len(blob) == 8 + n + 4 and decode(blob)[0]["x"].tolist() == [1.5]
+
+
+def test_decode_of_fewer_than_8_bytes_is_refused_by_size_and_8_reads_a_header_length():
+    with pytest.raises(PayloadError, match="^payload is 7 bytes; a safetensors blob has at least 8$"):
+        decode(bytes(7))
+    with pytest.raises(PayloadError, match="^safetensors or nanorl header is not valid JSON: Expecting val"):
+        decode(bytes(8))  # a header length of 0: an empty header
+
+
+def test_a_header_length_one_past_the_payload_is_refused_naming_both():
+    blob = encode({}, {})  # no tensors: the header ends the payload
+    n = len(blob) - 8
+    assert int.from_bytes(blob[:8], "little") == n and decode(blob) == ({}, {})
+    with pytest.raises(PayloadError, match=rf"^header length {n + 1} exceeds the payload \({n} bytes\) or "
+                                           rf"{transport.MAX_HEADER}$"):
+        decode(struct.pack("<Q", n + 1) + blob[8:])
+
+
+@pytest.mark.parametrize("shape", [[-1], [True], [2.0], "1", None, [1] * 9])
+def test_decode_refuses_a_shape_that_is_not_a_list_of_at_most_8_non_negative_ints(shape):
+    # each would otherwise reach the offsets check (or math.prod) with a misleading message, or pass it
+    head = json.dumps({"format": transport.FORMAT, "sha256": "0" * 64, "meta": {}})
+    blob = raw_safetensors({"__metadata__": {"nanorl": head},
+                            "x": {"dtype": "U8", "shape": shape, "data_offsets": [0, 1]}}, b"\x07")
+    said = f"tensor 'x': shape {shape!r} is not a list of <= 8 sizes"
+    with pytest.raises(PayloadError, match=re.escape(said) + "$"):
+        decode(blob)
+
+
+def test_a_tensor_of_exactly_8_dimensions_round_trips():
+    x = torch.arange(2 * 3, dtype=torch.int16).reshape(1, 2, 1, 3, 1, 1, 1, 1)
+    out, _ = decode(encode({"x": x}, {}))
+    assert out["x"].shape == (1, 2, 1, 3, 1, 1, 1, 1) and torch.equal(out["x"], x)
+
+
+def test_decode_views_aligned_tensors_in_place_and_copies_misaligned_ones_after_any_header_length():
+    blob = encode({"x": torch.tensor([1.0, 2.0])}, {})
+    out, _ = decode(blob)
+    blob[-4:] = struct.pack("<f", 7.0)  # the tensors view the payload: a weight push is not copied again
+    assert out["x"].tolist() == [1.0, 7.0]
+    # Another writer need not pad its header: the data starts at byte 13 here, so "b" lies at byte 14.
+    entries = {"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+               "b": {"dtype": "F32", "shape": [1], "data_offsets": [1, 5]}}
+    data = b"\x07" + struct.pack("<f", 1.5)
+    sha = hashlib.sha256(json.dumps(entries, sort_keys=True).encode() + data).hexdigest()
+    head = {"__metadata__": {"nanorl": json.dumps({"format": transport.FORMAT, "sha256": sha, "meta": {}})}}
+    header = json.dumps({**head, **entries}).encode()
+    header += b" " * ((5 - len(header)) % 4)  # 8 + len(header) = 1 (mod 4)
+    out, meta = decode(struct.pack("<Q", len(header)) + header + data)
+    assert (out["a"].tolist(), out["b"].tolist(), meta) == ([7], [1.5], {})
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=600))
 def test_decode_of_random_bytes_raises_only_payload_error(blob):
@@ -313,7 +382,8 @@ def test_malformed_content_length_gets_400(server, length):
 
 def test_conflicting_content_lengths_get_400(server):
     head = post_head("10").replace(b"\r\n\r\n", b"\r\nContent-Length: 20\r\n\r\n")
-    assert raw(server, head, bytes(20))[0] == 400
+    status, body = raw(server, head, bytes(20))
+    assert (status, json.loads(body)) == (400, {"error": "conflicting Content-Length headers: ['10', '20']"})
     assert_still_serves_valid_batch(server)
 
 
@@ -364,7 +434,8 @@ def test_route_exception_gets_json_500_and_server_survives(server):
 
 def test_unknown_path_404_wrong_method_405_unsupported_method_501_all_json(server):
     c = Client(server.url, TOKEN)
-    assert json.loads(c.get("/nope")[1]) == {"error": "no route '/nope'"}
+    status, body = c.get("/nope")
+    assert (status, json.loads(body)) == (404, {"error": "no route '/nope'"})
     assert c.post("/hello", b"")[0] == 405
     status, body = raw(server, b"PUT /batch HTTP/1.1\r\nContent-Length: 0\r\n\r\n")  # http.server's own error
     assert status == 501 and "PUT" in json.loads(body)["error"]
@@ -377,6 +448,83 @@ def test_a_payload_of_another_format_version_gets_400_naming_the_expected_format
     status, body = Client(server.url, TOKEN).post("/batch", blob)
     assert (status, json.loads(body)) == (400, {"error": "bad payload: nanorl header must be an object with "
                                                          "format='nanorl/1', sha256 and meta"})
+    assert_still_serves_valid_batch(server)
+
+
+@pytest.fixture(scope="module")
+def echo():
+    """A server whose bodies are limited to 64 bytes and whose route answers what it was given."""
+    answer = lambda req: (200, {"bytes": len(req.body), "query": req.query})
+    with Server({("POST", "/echo"): answer}, token=TOKEN, max_body=64) as srv:
+        yield srv
+
+
+def wait_idle(srv):
+    """Until the handler threads of earlier requests have given back their bytes and connections: each does
+    so just after its reply."""
+    for _ in range(500):
+        with srv.lock:
+            if srv.held == 0 and not srv.conns:
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"the server still holds {srv.held} bytes and {len(srv.conns)} connections")
+
+
+def test_a_body_of_exactly_max_body_is_taken_and_one_byte_more_gets_413(echo):
+    c = Client(echo.url, TOKEN)
+    assert c.post("/echo", b"x" * 64) == (200, b'{"bytes": 64, "query": {}}')
+    status, body = c.post("/echo", b"x" * 65)
+    assert (status, json.loads(body)) == (413, {"error": "body of 65 bytes exceeds the server limit of 64 "
+                                                         "bytes"})
+
+
+def test_the_byte_budget_holds_exactly_max_body_in_all_and_refuses_one_byte_more(echo):
+    wait_idle(echo)
+    refused = echo.counts["bodies_refused"]
+    # exactly max_body fits; a 1-byte chunk past it is refused like any other
+    assert (echo.hold(63), echo.hold(1), echo.hold(1)) == (True, True, False)
+    assert (echo.held, echo.counts["bodies_refused"] - refused) == (64, 1)
+    assert echo.hold(-64) and echo.held == 0
+
+
+def test_query_values_reach_the_route_blank_ones_included(echo):
+    assert json.loads(Client(echo.url, TOKEN).post("/echo?have=&v=3", b"")[1]) == {
+        "bytes": 0, "query": {"have": "", "v": "3"}}
+
+
+def test_the_body_is_read_to_content_length_and_not_a_byte_further(echo):
+    u = urlsplit(echo.url)
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        s.sendall(post_head("5", path="/echo") + b"hel")
+        time.sleep(0.2)  # the server reads those 3 bytes first, then asks for the 2 still missing
+        s.sendall(b"lo" + b"EXTRA")  # bytes past Content-Length (a pipelined request) are not the body's
+        reply = b""
+        with contextlib.suppress(ConnectionResetError):  # the server closes with EXTRA unread: a reset
+            while chunk := s.recv(65536):
+                reply += chunk
+    assert reply.startswith(b"HTTP/1.0 200 ") and reply.endswith(b'{"bytes": 5, "query": {}}')
+
+
+def test_an_authenticated_upload_is_given_body_s_plus_a_second_per_body_rate_bytes(echo, monkeypatch):
+    monkeypatch.setattr(transport, "BODY_S", 5.0)
+    monkeypatch.setattr(transport, "BODY_RATE", 10)  # 60 bytes announced: 5 + 6 = 11 s to finish
+    u = urlsplit(echo.url)
+    wait_idle(echo)  # the one admitted connection below is then this test's
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        s.sendall(post_head("60", path="/echo") + b"x" * 10)
+        for _ in range(200):
+            with echo.lock:
+                left = [until - time.monotonic() for until, admitted in echo.conns.values() if admitted]
+            if left:
+                break
+            time.sleep(0.01)
+        assert len(left) == 1 and 10.0 < left[0] <= 11.0
+
+
+def test_a_long_malformed_content_length_is_quoted_cut_to_40_characters(server):
+    status, body = raw(server, post_head("1" * 50))  # 50 digits: more than an int64 holds
+    assert (status, json.loads(body)) == (400, {"error": f"malformed Content-Length {'1' * 40!r}; "
+                                                         "expected an integer >= 0"})
     assert_still_serves_valid_batch(server)
 
 
@@ -418,6 +566,22 @@ def test_unsendable_token_is_refused_with_a_hint(monkeypatch):
 
 
 # ---------------------------------------------------------------- client
+
+@pytest.mark.parametrize("url,expected", [("http://10.0.0.2:8000", ("10.0.0.2", 8000)),
+                                          ("http://[::1]:8000/", ("::1", 8000)),
+                                          ("http://trainer", ("trainer", None))])
+def test_split_url_gives_the_host_and_port_of_an_http_url(url, expected):
+    assert transport.split_url(url) == expected
+
+
+@pytest.mark.parametrize("url", ["https://trainer:8000", "http://:8000", "trainer:8000", "http://[::1:8000",
+                                 "http://trainer:65536"])
+def test_split_url_refuses_anything_but_http_host_port_naming_the_url(url):
+    # a scheme other than http, no host, an unclosed [IPv6 or a port past 65535: said at start-up, not later
+    said = f"--trainer-url must look like http://HOST:PORT, got {url!r}"
+    with pytest.raises(ValueError, match=re.escape(said) + "$"):
+        transport.split_url(url)
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 import rollouts
 import train
 import utils
-from algos import group_baseline
+from algos import group_baseline, masked_mean
 from envs import CartPole
 from model import MLPPolicy
 from rollouts import rollout_control
@@ -85,6 +85,157 @@ def test_sync_prepare_recomputes_old_logp_once_a_correction_is_on():
     ratio = torch.tensor(0.1).exp()  # trainer / sampler = e^0.1 on every step
     assert torch.allclose(batch.is_weight[batch.mask > 0], ratio)
     assert batch.metrics["is_ratio_mean"] == pytest.approx(ratio.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("argv, edit", [
+    ((), {}), (("--inner-epochs", "2"), {}), (("--minibatches", "2"), {}), (("--tis", "token"), {}),
+    (("--mis", "sequence"), {}), (("--algo", "ppo"), {}), ((), {"role": "trainer"}),
+])
+def test_stage_2_rescores_the_batch_exactly_when_the_update_is_off_policy(argv, edit):
+    """Plain sync REINFORCE: the update's first forward is the old policy, so stage 2 runs none; every
+    other mode rescores each row (a worker's rows under their version's weights), critic values too."""
+    cfg = dataclasses.replace(cfg_from("--algo", "reinforce", *argv), **edit)
+    policy, batch = cartpole(cfg)
+    batch = train.prepare(policy, batch, cfg)
+    if not argv and not edit:
+        assert batch.old_logp is None and batch.values is None and "logp_gap" not in batch.metrics
+        return
+    logp, _, values = policy.score(batch, slice(None))
+    torch.testing.assert_close(batch.old_logp, logp * batch.mask, rtol=0, atol=1e-6)
+    assert batch.metrics["logp_gap"] == pytest.approx(0.0, abs=1e-6)  # the sampler was this policy
+    if cfg.algo == "ppo":
+        torch.testing.assert_close(batch.values, values * batch.mask, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("group_size, frac", [(1, None), (2, 0.5)])
+def test_rollout_metrics_count_the_groups_whose_rewards_all_agree(group_size, frac):
+    cfg = cfg_from("--algo", "reinforce", "--group-size", str(group_size))
+    policy, batch = cartpole(cfg)
+    score = torch.tensor([1.0, 1.0, 0.0, 1.0, 2.0, 2.0, 3.0, 0.0]).repeat(2)  # groups of 2: =, !=, =, !=, ...
+    rewards = torch.zeros_like(batch.mask)
+    rewards[torch.arange(cfg.batch), batch.mask.sum(1).long() - 1] = score  # on each episode's last step
+    batch.group = torch.arange(cfg.batch) // group_size
+    batch = train.prepare(policy, batch, cfg)
+    out = train.rollout_metrics(batch, rewards, cfg)
+    assert out.get("frac_zero_std") == frac and out["reward"] == pytest.approx(10 / 8)
+    assert out["reward_std"] == pytest.approx((7.5 / 8) ** 0.5)  # the population std of the scores
+    adv = batch.adv[batch.mask > 0]  # the advantages of the policy's steps
+    assert out["adv_mean"] == pytest.approx(adv.mean().item())
+    assert out["adv_std"] == pytest.approx(adv.std(correction=0).item())
+    assert out["steps_env"] == batch.mask.sum().item() and out["length_max"] == batch.mask.sum(1).max().item()
+
+
+# ---------------------------------------------------------------- the loss's terms, the update's arithmetic
+def kl_reference(policy, batch):  # k1 = logp - ref: ref is the sampler's log-prob + 0.5, no gradient
+    policy.ref_logp = lambda b, rows: b.logp[rows] + 0.5
+
+
+def term_grad(cfg, term) -> list[torch.Tensor]:
+    """The gradient of term(logp [N, T], entropy [N, T], values [N, T] | None, batch) at the start weights,
+    computed here from the networks' outputs, not by policy.score."""
+    policy, batch = cartpole(cfg)
+    kl_reference(policy, batch)
+    batch = train.prepare(policy, batch, cfg)
+    logits = torch.log_softmax(policy.pi(batch.obs), -1)  # [N, T, A]
+    logp = logits.gather(-1, batch.tokens.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logits.exp() * logits).sum(-1)
+    values = policy.v(batch.obs).squeeze(-1) if policy.v is not None else None
+    params = list(policy.parameters())
+    return torch.autograd.grad(term(logp, entropy, values, batch), params, allow_unused=True)
+
+
+@pytest.mark.parametrize("extra, term", [
+    (("--ent-coef", "0.3"), lambda lp, h, v, b: -0.3 * (h * b.weights).sum()),  # a bonus: the loss falls
+    (("--kl-coef", "0.2", "--kl-estimator", "k1"), lambda lp, h, v, b: 0.2 * (lp * b.weights).sum()),
+    (("--algo", "ppo", "--vf-coef", "0.7", "--critic-max-grad-norm", "1e9"),
+     lambda lp, h, v, b: 0.7 * 0.5 * ((v - b.returns) ** 2 * b.weights).sum()),
+])
+def test_each_extra_loss_term_adds_its_coefficient_times_its_own_gradient(extra, term):
+    """SGD(lr=1) moves the weights by the gradient; a term switched on adds exactly its gradient."""
+    on = cfg_from("--algo", "reinforce", "--max-grad-norm", "1e9", *extra)
+    off = dataclasses.replace(on, ent_coef=0.0, kl_coef=0.0, vf_coef=0.0)
+    (with_term, stats, _), (without, _, _) = sgd_delta(on, kl_reference), sgd_delta(off, kl_reference)
+    for a, b, g in zip(with_term, without, term_grad(on, term)):
+        torch.testing.assert_close(a - b, torch.zeros_like(a) if g is None else g, rtol=1e-4, atol=1e-6)
+    if on.kl_coef:
+        assert stats["kl"] == pytest.approx(-0.5)  # the logged token mean of k1
+
+
+class Recording(torch.optim.SGD):
+    """lr 0: the weights stay put; keeps each step's gradient."""
+    def __init__(self, params):
+        super().__init__(params, lr=0.0)
+        self.grads = []
+
+    def step(self, closure=None):
+        self.grads.append([p.grad.clone() for g in self.param_groups for p in g["params"]])
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean"])
+def test_minibatch_gradients_are_weighted_by_their_share_of_the_batch(agg):
+    """Each random minibatch is scaled up as if it were the batch (by its share of the tokens, or of the
+    rows that have any): weighted by those shares, the minibatches' gradients add up to the batch's."""
+    cfg = cfg_from("--algo", "reinforce", "--max-grad-norm", "1e9", "--loss-agg", agg)
+    stats, grads = [], []
+    for mb, epochs in ((1, 1), (2, 1), (1, 2)):
+        policy, batch = cartpole(cfg)
+        batch.mask[0], batch.mask[1, 1:] = 0, 0  # a row without tokens (no share of the rows), one with 1
+        run = dataclasses.replace(cfg, minibatches=mb, inner_epochs=epochs)
+        batch, opt = train.prepare(policy, batch, run), Recording(policy.parameters())
+        torch.manual_seed(7)
+        order = torch.randperm(len(batch)).chunk(2)  # the minibatches update() draws under the same seed
+        torch.manual_seed(7)
+        stats.append(train.update(policy, opt, batch, run))
+        grads.append(opt.grads)
+    unit = batch.mask if agg == "token_mean" else (batch.mask.sum(1) > 0).float()[:, None]
+    shares = [unit[rows].sum() / unit.sum() for rows in order]
+    assert 0 < shares[0] < 1 and len(grads[1]) == 2
+    for g1, g2, whole in zip(*grads[1], grads[0][0]):
+        torch.testing.assert_close(shares[0] * g1 + shares[1] * g2, whole, rtol=1e-4, atol=1e-7)
+    # on-policy, ratio 1: the loss is -sum(weights * adv); two epochs of unmoved weights log its mean
+    assert stats[0]["loss"] == pytest.approx(-(batch.weights * batch.adv).sum().item(), rel=1e-5)
+    for k in ("loss", "grad_norm", "entropy"):
+        assert stats[2][k] == pytest.approx(stats[0][k], rel=1e-5) and stats[0]["entropy"] > 0
+    assert "critic_grad_norm" not in stats[0]
+
+
+@pytest.mark.parametrize("kept", [0, 1])
+def test_a_step_with_0_or_1_tokens_left_logs_their_token_means_and_skips_only_the_empty_one(kept):
+    cfg = cfg_from("--algo", "reinforce", "--mask-truncated")
+    policy, batch = cartpole(cfg)
+    batch.truncated[:] = True  # --mask-truncated drops every row ...
+    batch.truncated[0], batch.mask[0, kept:] = False, 0  # ... but row 0, cut to `kept` tokens
+    before = [p.detach().clone() for p in policy.parameters()]
+    entropy = policy.score(batch, slice(0, 1))[1][0, 0].item()
+    batch = train.prepare(policy, batch, cfg)
+    stats = train.update(policy, torch.optim.SGD(policy.parameters(), lr=1.0), batch, cfg)
+    moved = any(not torch.equal(b, p) for b, p in zip(before, policy.parameters()))
+    assert (stats["skipped"], moved) == (1 - kept, kept == 1)
+    assert stats["entropy"] == pytest.approx(entropy * kept, rel=1e-5)  # 0 tokens: 0, never NaN
+
+
+def test_truncated_is_scales_the_policy_gradient_by_the_trainer_over_sampler_ratio():
+    cfg = cfg_from("--algo", "reinforce", "--max-grad-norm", "1e9")
+
+    def less_sure(policy, batch):  # the sampler: 10% less sure of every action than the trainer
+        batch.logp = batch.logp - 0.1 * batch.mask
+
+    plain, _, _ = sgd_delta(cfg, less_sure)
+    corrected, _, _ = sgd_delta(dataclasses.replace(cfg, tis="token"), less_sure)
+    for a, b in zip(plain, corrected):
+        torch.testing.assert_close(b, a * torch.tensor(0.1).exp(), rtol=1e-4, atol=1e-7)
+
+
+def test_ppo_clips_actor_and_critic_gradients_each_on_its_own():
+    cfg = cfg_from("--algo", "ppo", "--max-grad-norm", "1e9", "--critic-max-grad-norm", "1e9")
+    policy, batch = cartpole(cfg)
+    opt = Recording(policy.parameters())
+    stats = train.update(policy, opt, train.prepare(policy, batch, cfg), cfg)
+    norms = [g.norm() ** 2 for g in opt.grads[0]]
+    critic = list(policy.v.parameters())
+    actor = sum(n for n, p in zip(norms, policy.parameters()) if all(p is not c for c in critic))
+    assert stats["grad_norm"] == pytest.approx(actor.sqrt().item(), rel=1e-5)
+    assert stats["critic_grad_norm"] == pytest.approx((sum(norms) - actor).sqrt().item(), rel=1e-5)
 
 
 # ---------------------------------------------------------------- KL in the reward, overlong masking
@@ -219,6 +370,25 @@ def test_llm_values_sit_on_completion_tokens_only():
     assert torch.equal(values, batch.mask)  # a bias-only head: value 1 exactly where a token is scored
     batch = train.prepare(policy, batch, cfg)
     assert batch.last_value.shape == (8,) and not batch.last_value.any()  # nothing to bootstrap
+
+
+def test_ent_coef_raises_the_llms_entropy_and_off_leaves_it_untouched():
+    """GRPO on rewards that are all 0 has no policy gradient: what moves the weights is the bonus alone."""
+    cfg = cfg_from(*LLM, "--algo", "grpo", "--ent-coef", "1.0", "--max-grad-norm", "1e9")
+    entropies = []
+    for coef in (0.0, 1.0):
+        run = dataclasses.replace(cfg, ent_coef=coef)
+        torch.manual_seed(0)
+        policy = train.build(run)[0]
+        batch = rollouts.TaskRollouts(run, policy).next(0)
+        batch.rewards.zero_()
+        batch = train.prepare(policy, batch, run)
+        mean_entropy = lambda: masked_mean(policy.score(batch, slice(None))[1], batch.mask).item()
+        before = mean_entropy()
+        train.update(policy, torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.5),
+                     batch, run)
+        entropies.append((before, mean_entropy()))
+    assert entropies[0][1] == entropies[0][0] and entropies[1][1] > entropies[1][0]
 
 
 @pytest.mark.parametrize("argv, message", [

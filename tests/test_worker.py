@@ -63,6 +63,20 @@ def test_a_worker_that_reaches_no_trainer_stops_in_one_line_with_exit_2(capsys, 
     assert (rc, err) == (2, [f"error: no trainer answered at {url} for 1 s"])
 
 
+@pytest.mark.parametrize("status, body", [(200, b"<html>welcome</html>"), (404, b"Not Found"),
+                                          (200, b'{"id": 3}'), (409, b"[1, 2]")])
+def test_a_worker_pointed_at_another_server_stops_in_one_line_naming_the_url(capsys, monkeypatch, status,
+                                                                             body):
+    """A port that answers HTTP, with the token, but is no nanorl trainer (its replies are not ours)."""
+    token = "worker-test-token-0123456789"
+    monkeypatch.setenv("NANORL_TOKEN", token)
+    with transport.Server({("POST", "/hello"): lambda req: (status, body)}, token=token) as other:
+        rc = train.main(["--task", "arith", "--role", "rollout", "--trainer-url", other.url])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (rc, err) == (2, [f"error: {other.url} is no nanorl trainer: POST /hello got {status} {body!r}; "
+                             "check --trainer-url"])
+
+
 def test_a_worker_that_joins_a_finished_run_exits_0_before_loading_its_model(inbox, capsys, monkeypatch):
     trainer_inbox = inbox("/no/such/model")
     monkeypatch.setattr(serve, "LONG_POLL", 60.0)  # close() now waits 121 s for worker 0 to hear it
