@@ -17,16 +17,18 @@ import numpy as np
 import pytest
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from envs import (TEXT_ENVS, CountdownEnv, PythonTask, PythonToolEnv, SQLEnv, SQLTask, TextEnv, SQL,
+from envs import (TEXT_ENVS, CartPole, CountdownEnv, PythonTask, PythonToolEnv, SQLEnv, SQLTask, TextEnv, SQL,
                   _gold_rows, format_rows, run_sql, sql_correct, sql_database)
 import train
 from exact import assert_sampled_ids_are_trained
-from model import LLMPolicy, Sample
+from judge import JudgeUnavailable
+from model import LLMPolicy, MLPPolicy, Sample
 from modeldir import build_tiny_model
-from rollouts import EnvRollouts, rollout_multiturn
-from tasks import Problem, ProceduralTask, completion_number
+from rollouts import (WIRE, EnvRollouts, Episode, collate, encode_reply, from_wire, make_batch,
+                      rollout_control, rollout_multiturn, rollout_single, sample_rows)
+from tasks import Problem, ProceduralTask, Task, completion_number
 from utils import UMASK
 
 
@@ -524,3 +526,212 @@ def test_multiturn_rollout_on_the_tiny_model_rescores_to_the_sampled_logps(one_t
         logp, _, _ = policy.score(batch, slice(None))
     mask = batch.mask.bool()
     torch.testing.assert_close(logp[mask], batch.logp[mask], atol=2e-4, rtol=0)
+
+
+# ---------------------------------------------------------------- make_batch and the wire, by hand
+def test_make_batch_without_a_loss_mask_trains_every_completion_token_with_neutral_defaults():
+    samples = [Sample([7, 8, 9], [-1.0, -2.0, -3.0], False), Sample([4], [-0.5], True)]
+    batch = make_batch([[1, 2], [3]], samples, [5.0, 6.0], pad_id=0)
+    assert batch.tokens.tolist() == [[1, 2, 7, 8, 9], [3, 4, 0, 0, 0]]
+    assert batch.mask.tolist() == [[0, 0, 1, 1, 1], [0, 1, 0, 0, 0]]
+    assert batch.logp.tolist() == [[0, 0, -1, -2, -3], [0, -0.5, 0, 0, 0]]
+    assert batch.rewards.tolist() == [[0, 0, 0, 0, 5], [0, 6, 0, 0, 0]]
+    # no group_size: every row its own group; no version: 0; LLM rows have no obs and no bootstrap value
+    assert batch.group.tolist() == [0, 1] and batch.version.tolist() == [0, 0]
+    assert batch.obs.shape == (2, 0, 0) and batch.last_value.tolist() == [0, 0]
+    assert batch.stats == {} and batch.texts == [("", "", "")] * 2
+    assert batch.truncated.tolist() == [False, True]
+
+
+def test_make_batch_groups_consecutive_rows_and_keeps_version_stats_and_texts():
+    samples = [Sample([5], [-1.0], False)] * 4
+    texts = [(f"p{i}", f"c{i}", f"a{i}") for i in range(4)]
+    batch = make_batch([[1]] * 4, samples, [0.0] * 4, 0, group_size=2, version=7,
+                       stats={"turns": torch.ones(4)}, texts=texts)
+    assert batch.group.tolist() == [0, 0, 1, 1] and batch.version.tolist() == [7] * 4
+    assert batch.texts == texts and list(batch.stats) == ["turns"]
+
+
+def test_make_batch_puts_a_fully_masked_rows_reward_on_its_last_token_and_checks_mask_lengths():
+    # A row with no policy token (a dropped judge group) still has a place for its (zeroed) reward:
+    # its last real token, not past it and not the token before.
+    samples = [Sample([7, 8, 9], [-1.0, -2.0, -3.0], False), Sample([4, 5, 6, 7, 8], [-1.0] * 5, False)]
+    batch = make_batch([[1], [1]], samples, [3.0, 0.0], 0, [[0, 0, 0], [1, 1, 1, 1, 1]])
+    assert batch.rewards[0].tolist() == [0, 0, 0, 3, 0, 0] and batch.mask[0].sum() == 0
+    with pytest.raises(ValueError, match="row 1: loss_mask has 4 entries for 5 completion tokens"):
+        make_batch([[1], [1]], samples, [0.0, 0.0], 0, [[1, 1, 1], [1, 1, 1, 1]])
+
+
+def test_a_batch_sent_over_the_wire_comes_back_as_the_same_rows():
+    policy = ScriptedPolicy(chat_tokenizer(), think_then_answer)
+    batch = rollout_multiturn(policy, CountdownEnv, [countdown_problem([3, 5], 15)], 2, max_turns=3,
+                              max_new_tokens=64, max_len=512, version=4)
+    wire = batch.wire()
+    assert set(wire) == set(WIRE) | {"solved", "solved_first_turn", "turns"}  # stats under their own names
+    back = from_wire({k: v.double() if k == "turns" else v for k, v in wire.items()}, batch.texts)
+    for name in WIRE:
+        assert torch.equal(getattr(back, name), getattr(batch, name)), name
+    # stats only (no wire field among them), as float32; no obs and no bootstrap value for LLM rows
+    assert back.stats.keys() == batch.stats.keys() and back.stats["turns"].dtype == torch.float32
+    assert back.obs.shape == (2, 0, 0) and back.last_value.tolist() == [0, 0] and back.texts == batch.texts
+    half = back.select(slice(1, 2))
+    assert half.tokens.tolist() == batch.tokens[1:].tolist() and half.texts == batch.texts[1:]
+    assert half.stats["turns"].tolist() == [2.0] and half.version.tolist() == [4]
+
+
+# ---------------------------------------------------------------- rollout functions at their boundaries
+def test_rollout_control_rows_are_their_own_groups_by_default_and_nothing_is_logged_after_an_end():
+    torch.manual_seed(0)
+    b = rollout_control(CartPole(), MLPPolicy(4, 2), 4, seed=1)
+    assert b.group.tolist() == [0, 1, 2, 3] and b.version.tolist() == [0] * 4
+    assert (b.mask == 0).any() and (b.logp[b.mask == 0] == 0).all()  # ended rows: logp 0, not inf or NaN
+    short = rollout_control(CartPole(max_steps=3), MLPPolicy(4, 2), 2, seed=1, version=5)
+    assert short.version.tolist() == [5, 5]
+
+
+class Recording(ScriptedPolicy):
+    """Records each generate call's (gen_batch, greedy)."""
+
+    def __init__(self, tokenizer, script):
+        super().__init__(tokenizer, script)
+        self.calls = []
+
+    def generate(self, prefixes, max_new_tokens, gen_batch=64, greedy=False):
+        self.calls.append((gen_batch, greedy))
+        return super().generate(prefixes, max_new_tokens)
+
+
+def exact(prompt, completion, answer):
+    return float(completion == answer)
+
+
+def judged(prompt, completion, answer):
+    if completion == "?":
+        raise JudgeUnavailable("the judge is down")
+    return 1.0
+
+
+class Judged(Task):
+    name, rewards = "judged", [(exact, 1.0), (judged, 0.5)]
+
+
+def test_rollout_single_groups_scores_and_masks_each_completion():
+    outputs = iter(["a", "x", "?", "b"])  # rows in order: problem a twice, then problem b twice
+    policy = Recording(chat_tokenizer(), lambda text: next(outputs))
+    pa, pb = Problem("say a", "a", "ka"), Problem("say b", "b", "kb")
+    cfg = train.Config(max_new_tokens=8, gen_batch=4, judge_down="drop")
+    with pytest.warns(UserWarning, match="dropped"):
+        groups = rollout_single(policy, Judged(), [pa, pb], 2, cfg)
+    assert [[e.problem for e in g] for g in groups] == [[pa, pa], [pb, pb]] and policy.calls == [(4, False)]
+    assert [[e.text for e in g] for g in groups] == [["a", "x"], ["?", "b"]]
+    rewards = [e.reward for g in groups for e in g]
+    # 1 * exact + 0.5 * judged; the unscored sample: NaN
+    assert rewards[:2] == [1.5, 0.5] and math.isnan(rewards[2]) and rewards[3] == 1.5
+    assert groups[0][1].parts == {"exact": 0.0, "judged": 1.0}
+    first = groups[0][0]
+    assert first.prompt == policy.encode_prompt("say a") and first.mask == [1, 1] and len(first.ids) == 2
+    outputs = iter(["a", "x", "?", "b"])
+    with pytest.raises(JudgeUnavailable):  # --judge-down fail: the run stops
+        rollout_single(policy, Judged(), [pa, pb], 2, train.Config(max_new_tokens=8))
+
+
+def test_collate_masks_out_a_group_with_an_unscored_sample_and_counts_it_when_dropping():
+    problem = Problem("q", "a", "k")
+    ep = lambda reward, n: Episode(problem, [1, 2], None, [5] * n, [-1.0] * n, [1] * n, reward,
+                                   {"judge": reward})
+    groups = [[ep(1.0, 2), ep(0.0, 3)], [ep(math.nan, 2), ep(1.0, 2)]]
+    batch = collate(groups, 0, 3, drop=True)
+    assert batch.stats["judge_dropped_frac"].tolist() == [0, 0, 1, 1]
+    assert batch.rewards.sum(1).tolist() == [1, 0, 0, 0] and batch.mask.sum(1).tolist() == [2, 3, 0, 0]
+    assert batch.group.tolist() == [0, 0, 1, 1] and batch.version.tolist() == [3] * 4
+    assert "judge_dropped_frac" not in collate(groups, 0, 3).stats
+
+
+NO_END = """{%- for m in messages -%}{{- m['role'] + ': ' + m['content'] + '\n' -}}{%- endfor -%}
+{%- if add_generation_prompt -%}{{- 'assistant: ' -}}{%- endif -%}"""
+
+
+def test_encode_reply_keeps_everything_after_the_turn_when_the_template_writes_no_end_token():
+    tok = chat_tokenizer()
+    tok.chat_template = NO_END
+    reply = encode_reply(ScriptedPolicy(tok, bisect), [{"role": "user", "content": "hi"}], tok.eos_token_id)
+    assert reply == tok.encode("\nuser: hi\nassistant: ", add_special_tokens=False)
+
+
+def test_encode_reply_adds_no_bos_with_a_tokenizer_that_would():
+    tok = AutoTokenizer.from_pretrained(build_tiny_model(layers=1, hidden=64, heads=1, intermediate=128))
+    assert tok.encode("a")[0] == tok.bos_token_id  # this tokenizer adds one unless told not to
+    reply = encode_reply(ScriptedPolicy(tok, bisect), [{"role": "user", "content": "hi"}], tok.eos_token_id)
+    assert reply == tok.encode("\nhi\n", add_special_tokens=False)
+
+
+def countdown_episode(script, **kw):
+    policy = Recording(chat_tokenizer(), script)
+    problem = countdown_problem([3, 5], 15)
+    kw = {"max_turns": 3, "max_new_tokens": 64, "max_len": 512} | kw
+    batch = rollout_multiturn(policy, CountdownEnv, [problem], 1, **kw)
+    return policy, batch, len(policy.encode_prompt(problem.prompt))
+
+
+TURN1 = len("<think>try</think><answer>3 + 5</answer>") + 1  # + the end token
+REPLY = len(chat_tokenizer().encode("\n<|im_start|>user\n3 + 5 = 8, but the target is 15. Try again."
+                                   "<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False))
+
+
+def test_a_multiturn_episode_solved_on_turn_one_counts_as_solved_first_turn_with_default_options():
+    policy, batch, _ = countdown_episode(lambda text: "<answer>3 * 5</answer>")
+    assert batch.stats["solved"].tolist() == [1] and batch.stats["solved_first_turn"].tolist() == [1]
+    assert batch.stats["turns"].tolist() == [1] and batch.version.tolist() == [0]
+    assert policy.calls == [(64, False)]  # gen_batch 64, sampled (not greedy) unless asked
+
+
+def test_a_turn_that_ends_exactly_at_its_token_budget_is_not_truncated():
+    _, batch, _ = countdown_episode(think_then_answer, max_new_tokens=TURN1)
+    # turn 1 (end token included) fits exactly and goes on; turn 2 is 3 tokens longer and is cut
+    assert batch.stats["turns"].tolist() == [2] and batch.truncated.tolist() == [True]
+
+
+def test_a_turn_cut_by_its_token_budget_ends_the_episode():
+    _, batch, prompt = countdown_episode(think_then_answer, max_new_tokens=5)
+    assert batch.stats["turns"].tolist() == [1] and batch.truncated.tolist() == [True]
+    assert batch.attn.sum(1).tolist() == [prompt + 5]
+
+
+PROMPT = len(ScriptedPolicy(chat_tokenizer(), bisect).encode_prompt(countdown_problem([3, 5], 15).prompt))
+
+
+def test_a_reply_that_would_reach_max_len_exactly_ends_the_episode_without_it():
+    _, batch, _ = countdown_episode(think_then_answer, max_len=PROMPT + TURN1 + REPLY)
+    assert batch.stats["turns"].tolist() == [1] and batch.truncated.tolist() == [True]
+    assert batch.attn.sum(1).tolist() == [PROMPT + TURN1]
+
+
+def test_a_later_turns_budget_is_what_is_left_of_max_len():
+    _, batch, _ = countdown_episode(think_then_answer, max_len=PROMPT + TURN1 + REPLY + 10)
+    # the reply fits, then turn 2 gets the last 10 positions: the row is exactly max_len long
+    assert batch.stats["turns"].tolist() == [2] and batch.truncated.tolist() == [True]
+    assert batch.attn.sum(1).tolist() == [PROMPT + TURN1 + REPLY + 10] and batch.mask.sum() == TURN1 + 10
+
+
+def test_sample_rows_count_trained_tokens_and_report_advantage_version_and_staleness():
+    policy = ScriptedPolicy(chat_tokenizer(), think_then_answer)
+    batch = rollout_multiturn(policy, CountdownEnv, [countdown_problem([3, 5], 15)], 2, max_turns=3,
+                              max_new_tokens=64, max_len=512, version=3)
+    batch.adv = batch.mask * torch.tensor([[0.5], [-1.0]])
+    row, = sample_rows(batch, 1, "train", step=5)
+    turn2 = len("<think>again</think><answer>3 * 5</answer>") + 1
+    assert (row["tokens"], row["finish"], row["reward"], row["adv"]) == (TURN1 + turn2, "end", 1.0, 0.5)
+    assert (row["version"], row["staleness"]) == (3, 1)  # sampled by version 3, trained at step 5
+    evals = sample_rows(batch, 2, "eval", step=5)
+    assert len(evals) == 2 and "version" not in evals[0] and evals[1]["adv"] == -1.0
+    batch.adv = None
+    assert sample_rows(batch, 1, "eval", step=5)[0]["adv"] is None
+
+
+def test_env_rollouts_episodes_are_version_0_unless_given_one():
+    cfg = train.Config(task="countdown_multiturn", algo="grpo", batch=2, group_size=1, eval_size=4,
+                       max_new_tokens=32, max_turns=1)
+    source = EnvRollouts(cfg, ScriptedPolicy(chat_tokenizer(), lambda text: "<answer>1 + 1</answer>"))
+    problems = source.task.eval_problems()[:2]
+    assert source.episodes(problems, 1).version.tolist() == [0, 0]
+    assert source.episodes(problems, 1, version=2).version.tolist() == [2, 2]
