@@ -102,11 +102,12 @@ class Judge:
 
     def __call__(self, prompt: str, completion: str, answer: str) -> float:
         key = (prompt, completion, self.rubric)
-        if key not in self.cache:  # two threads asking for one key at once both get the same score
+        if (score := self.cache.get(key)) is None:  # two threads asking for one key get the same score
             if len(self.cache) >= CACHE_ROWS:  # a long run judges millions of rows: start afresh
                 self.cache.clear()
-            self.cache[key] = self.ask(prompt, completion)
-        return self.cache[key]
+            # returned from here, not read back: another thread may clear the cache in between
+            score = self.cache[key] = self.ask(prompt, completion)
+        return score
 
     def ask(self, prompt: str, completion: str) -> float:
         system = f"{self.rubric}\nEnd your reply with 'Score: N', N a whole number from 0 to {self.high}."

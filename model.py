@@ -81,11 +81,11 @@ def lora_layers(lm: nn.Module) -> dict[str, bool]:
             if isinstance(m, kinds) and m is not head}
 
 
-def add_lora(lm: nn.Module, targets: str, rank: int, alpha: int) -> nn.Module:
-    """`lm` under a PEFT LoRA adapter on `targets` ("all-linear" or a comma list), fp32 over any base."""
+def add_lora(lm: nn.Module, cfg) -> nn.Module:
+    """`lm` under a PEFT LoRA adapter on --lora-targets ("all-linear" or a comma list), fp32 over any base."""
     from peft import LoraConfig, get_peft_model
 
-    layers = lora_layers(lm)
+    targets, layers = cfg.lora_targets, lora_layers(lm)
     found = sorted(n for n, projection in layers.items() if projection)
     names = found if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
     if not names or set(names) - set(layers):
@@ -94,8 +94,13 @@ def add_lora(lm: nn.Module, targets: str, rank: int, alpha: int) -> nn.Module:
                else f"; it has no layer LoRA adapts, only {','.join(sorted(types))}" if not layers else "")
         raise utils.ConfigError(f"--lora-targets {targets}: this model's linear layers are {','.join(found)} "
                                 f"(or all-linear){has}")
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=names, task_type="CAUSAL_LM")
-    return get_peft_model(lm, config)
+    model = get_peft_model(lm, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=names,
+                                          task_type="CAUSAL_LM"))
+    # autocast feeds LoRA bf16 already: PEFT's cast of each input to fp32 is a copy autocast undoes (~8%)
+    for m in model.modules() if cfg.dtype == "bf16" else []:
+        if hasattr(m, "cast_input_dtype_enabled"):  # a LoRA layer
+            m.cast_input_dtype_enabled = False
+    return model
 
 
 def learned_positions(lm: nn.Module) -> int | None:
@@ -170,11 +175,7 @@ class LLMPolicy(nn.Module):
                                     f"({str(e).splitlines()[0]}); {LOAD_HINT}") from None
         lm = load_lm(self.path, cfg, self.device)
         self.positions = learned_positions(lm)  # None: no end (before LoRA wraps an embedding, if named)
-        self.model = add_lora(lm, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha) if self.lora else lm
-        # autocast feeds LoRA bf16 already: PEFT's cast of each input to fp32 is a copy autocast undoes (~8%)
-        for m in self.model.modules() if self.bf16 else []:
-            if hasattr(m, "cast_input_dtype_enabled"):  # a LoRA layer
-                m.cast_input_dtype_enabled = False
+        self.model = add_lora(lm, cfg) if self.lora else lm
         # PPO's critic: a linear head on the last hidden state, trained through the same adapter (or
         # weights); zero-initialised so the first values are 0 rather than noise of the reward's scale.
         self.has_critic = critic = cfg.algo == "ppo"

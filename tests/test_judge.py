@@ -89,6 +89,8 @@ def test_request_carries_rubric_prompt_completion_and_key_from_env(server, monke
     assert judge("Say hi", "Hello!", "") == 0.6
     path, body, headers = server.requests[0]
     assert path == "/v1/chat/completions" and body["model"] == "judge-model" and body["max_tokens"] == 8
+    Judge("r", server.url, "m")("p", "c", "")  # without `extra`: room for a short reason and "Score: N"
+    assert server.requests[1][1]["max_tokens"] == 64
     assert body["temperature"] == 0
     assert "Grade politeness." in body["messages"][0]["content"]
     assert "Say hi" in body["messages"][1]["content"] and "Hello!" in body["messages"][1]["content"]
@@ -123,6 +125,21 @@ def test_the_cache_is_bounded_and_keeps_serving_repeats(server, monkeypatch):
     assert len(server.requests) == 7
 
 
+class ClearedAfterEachStore(dict):
+    """The cache as a thread sees it when another, finding it full, clears it right after this one's store."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.clear()
+
+
+def test_a_score_survives_another_thread_clearing_the_full_cache_before_it_is_returned(server):
+    judge = Judge("r", server.url, "m")
+    judge.cache = ClearedAfterEachStore()
+    assert judge("p", "c", "") == 0.6 and judge("p", "c", "") == 0.6  # was a KeyError: the run died
+    assert len(server.requests) == 2  # nothing cached: asked twice
+
+
 def test_retries_with_backoff_then_succeeds(server):
     server.fail = 2
     judge = Judge("r", server.url, "m", retries=3, backoff=0.1)
@@ -132,10 +149,33 @@ def test_retries_with_backoff_then_succeeds(server):
     assert time.perf_counter() - start >= 0.1 + 0.2  # slept backoff, then 2 x backoff
 
 
-def test_gives_up_after_retries_naming_cause_and_fix(server):
-    server.fail = 10
+class Clock:
+    """judge's `time`, recording its sleeps instead of sleeping (the deadline reads the real monotonic)."""
+    monotonic = staticmethod(time.monotonic)
+
+    def __init__(self):
+        self.slept = []
+
+    def sleep(self, seconds):
+        self.slept.append(seconds)
+
+
+def test_the_backoff_doubles_from_none_before_the_first_try(server, monkeypatch):
+    monkeypatch.setattr(judge_module, "time", clock := Clock())
+    server.fail = 2
+    assert Judge("r", server.url, "m", retries=3, backoff=0.5)("p", "c", "") == 0.6
+    assert clock.slept == [0, 0.5, 1.0]
+    server.requests, server.fail, clock.slept = [], 10, []
+    with pytest.raises(JudgeUnavailable, match=r"after 4 tries \(HTTP 503"):
+        Judge("r", server.url, "m", retries=3, backoff=0.5)("p", "c2", "")
+    assert clock.slept == [0, 0.5, 1.0, 2.0] and len(server.requests) == 4
+
+
+@pytest.mark.parametrize("status", [429, 500, 503])  # too many requests, and the server's own failures
+def test_gives_up_after_retries_naming_cause_and_fix(server, status):
+    server.fail, server.status = 10, status
     judge = Judge("r", server.url, "m", retries=2, backoff=0.01)
-    with pytest.raises(JudgeUnavailable, match=r"after 3 tries \(HTTP 503.*--judge-down drop") as e:
+    with pytest.raises(JudgeUnavailable, match=rf"after 3 tries \(HTTP {status} .*--judge-down drop") as e:
         judge("p", "c", "")
     assert len(server.requests) == 3 and "\n" not in str(e.value)
     assert ("p", "c", "r") not in judge.cache  # a failure is never cached as a score
@@ -173,6 +213,16 @@ def test_a_reply_over_the_byte_cap_raises_without_being_parsed(server, monkeypat
     assert Judge("r", server.url, "m", retries=0)("p", "c", "") == 0.7
 
 
+def test_a_reply_of_exactly_the_byte_cap_is_read_and_one_byte_more_is_not(server, monkeypatch):
+    server.reply = "Score: 7"
+    body = json.dumps({"choices": [{"message": {"role": "assistant", "content": server.reply}}]}).encode()
+    monkeypatch.setattr(judge_module, "REPLY_BYTES", len(body))
+    assert Judge("r", server.url, "m", retries=0)("p", "c", "") == 0.7
+    monkeypatch.setattr(judge_module, "REPLY_BYTES", len(body) - 1)
+    with pytest.raises(JudgeUnavailable, match=rf"a reply over {len(body) - 1} bytes"):
+        Judge("r", server.url, "m", retries=0)("p", "c2", "")
+
+
 class Redirecting(BaseHTTPRequestHandler):
     """Answers every request with `server.code` to `server.location`; records the Authorization it got."""
 
@@ -189,7 +239,7 @@ class Redirecting(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.mark.parametrize("code", [301, 302, 303, 307, 308])
+@pytest.mark.parametrize("code", [300, 301, 302, 303, 307, 308])
 def test_a_redirect_is_not_followed_so_the_key_goes_to_no_other_host(monkeypatch, code):
     monkeypatch.setenv("NANORL_JUDGE_KEY", "sekrit")
     servers = [ThreadingHTTPServer(("127.0.0.1", 0), Redirecting) for _ in range(2)]
@@ -209,6 +259,19 @@ def test_a_redirect_is_not_followed_so_the_key_goes_to_no_other_host(monkeypatch
         for s in servers:
             s.shutdown()
             s.server_close()
+
+
+def test_a_client_error_with_a_location_is_no_redirect_and_is_not_retried():
+    endpoint = ThreadingHTTPServer(("127.0.0.1", 0), Redirecting)
+    endpoint.seen, endpoint.code, endpoint.location = [], 400, "http://elsewhere.invalid/v1/chat/completions"
+    threading.Thread(target=endpoint.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(JudgeUnavailable, match=r"after 1 tries \(HTTP 400 Bad Request\); check that it is up"):
+            Judge("r", f"http://127.0.0.1:{endpoint.server_port}/v1", "m", backoff=0.01)("p", "c", "")
+        assert len(endpoint.seen) == 1
+    finally:
+        endpoint.shutdown()
+        endpoint.server_close()
 
 
 def test_judge_down_raises_after_retries():

@@ -593,4 +593,4 @@ def test_lora_target_errors_list_what_the_model_has(gpt2):
             return None
 
     with pytest.raises(utils.ConfigError, match="no layer LoRA adapts, only LayerNorm,NoProjections$"):
-        add_lora(NoProjections(), "all-linear", 4, 8)
+        add_lora(NoProjections(), train.Config(lora_targets="all-linear"))
