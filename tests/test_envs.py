@@ -29,7 +29,7 @@ from modeldir import build_tiny_model
 from rollouts import (WIRE, EnvRollouts, Episode, collate, encode_reply, from_wire, make_batch,
                       rollout_control, rollout_multiturn, rollout_single, sample_rows)
 from tasks import Problem, ProceduralTask, Task, completion_number
-from utils import UMASK
+from utils import UMASK, ConfigError
 
 
 # ---------------------------------------------------------------- the README example
@@ -315,9 +315,11 @@ def test_python_tool_runs_code_then_scores_the_final_answer():
     env = PythonToolEnv()
     env.reset(Problem("What is 6 * 7?", "42", "k"))
     assert env.step("Let me think.")[0][0]["content"].startswith("Run code in a ```python block")
+    two = env.step("```python\nprint('first')\n```\nOr rather:\n```python\nprint('second')\n```")
+    assert two[0][0]["content"] == "stdout:\nsecond\n\n(exit code 0)"  # the last block: a model's correction
     obs, reward, done, _ = env.step("```python\nprint(6 * 7)\nimport sys; print('warn', file=sys.stderr)\n```")
     assert obs[0]["content"] == "stdout:\n42\n\nstderr:\nwarn\n\n(exit code 0)" and (reward, done) == (0.0, False)
-    assert env.step("<answer>42</answer>") == (None, 1.0, True, {"turns": 3, "solved_at_turn": 3})
+    assert env.step("<answer>42</answer>") == (None, 1.0, True, {"turns": 4, "solved_at_turn": 4})
     env.reset(Problem("What is 6 * 7?", "42", "k"))
     assert env.step("<answer>41</answer>") == (None, 0.0, True, {"turns": 1, "solved_at_turn": 0})
 
@@ -350,6 +352,25 @@ def test_python_task_answers_match_an_independent_computation():
     assert seen == {"primes", "fib", "digits", "divisible"}
 
 
+class Lowest:
+    """An rng that draws problem `kind`, then each range's lowest value and each list's first."""
+
+    def __init__(self, kind):
+        self.randrange = lambda n: kind
+
+    randint, choice = staticmethod(lambda a, b: a), staticmethod(lambda xs: xs[0])
+
+
+@pytest.mark.parametrize("kind, answer", [
+    (0, 76127),  # the primes below 1000: 961 = 31^2 sits just under it, and 31 is the last prime to sieve
+    (1, 75),  # F(100) = 354224848179261915075
+    (2, 117),  # 30! = 265252859812191058636308480000000
+    (3, 3501),  # 3333 + 500 - 2 x 166 (multiples of 60) in 1..10000
+])
+def test_python_task_answers_at_the_low_end_of_each_range_by_hand(kind, answer):
+    assert PythonTask(seed=0, eval_size=1).generate(Lowest(kind)).answer == str(answer)
+
+
 # ---------------------------------------------------------------- sql
 def db_hash(path: str) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
@@ -376,8 +397,20 @@ def test_a_built_database_is_readable_by_the_users_who_share_the_cache(tmp_path,
         assert path.parent == tmp_path / "sql" and path.stat().st_mode & 0o777 == 0o666 & ~UMASK  # mkstemp's: 0600
         rows = SQL["shop"]["tables"]["customers"]["rows"]
         assert run_sql(str(path), "SELECT COUNT(*) FROM customers")[1] == [(len(rows),)]
+        assert Path(sql_database("school")).parent == path.parent  # a second one beside it
     finally:
         sql_database.cache_clear()  # the other tests' cache again
+
+
+def test_a_cache_that_is_a_file_stops_the_run_in_one_line(tmp_path, monkeypatch):
+    (tmp_path / "cache").write_text("")
+    monkeypatch.setenv("NANORL_CACHE", str(tmp_path / "cache"))
+    sql_database.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match=r"cannot write .*/cache/sql/shop-\w+\.db \(\[Errno 20\] Not a dir"):
+            sql_database("shop")
+    finally:
+        sql_database.cache_clear()
 
 
 FULL_CACHE = """
@@ -735,3 +768,31 @@ def test_env_rollouts_episodes_are_version_0_unless_given_one():
     problems = source.task.eval_problems()[:2]
     assert source.episodes(problems, 1).version.tolist() == [0, 0]
     assert source.episodes(problems, 1, version=2).version.tolist() == [2, 2]
+
+
+def test_format_rows_shows_20_rows_and_2000_characters_whole_by_default():
+    twenty = [(i,) for i in range(20)]
+    assert format_rows(["n"], twenty, False) == "\n".join(["n"] + [str(i) for i in range(20)])  # no footer
+    assert format_rows(["n"], twenty + [(20,)], False).endswith("\n18\n19\n... (21 rows)")
+    exact = format_rows(["a"], [("y" * 1998,)], False)  # "a\n" and 1998: 2000 characters
+    assert len(exact) == 2000 and "truncated" not in exact
+    assert format_rows(["a"], [("y" * 1999,)], False) == "a\n" + "y" * 1998 + "\n... (truncated)"
+
+
+def test_sql_reward_ignores_float_noise_below_a_millionth_and_no_more():
+    gold = json.dumps({"db": "shop", "gold": "SELECT 0.3"})
+    assert sql_correct("", "<answer>SELECT 0.1 + 0.2</answer>", gold) == 1.0  # 0.30000000000000004
+    assert sql_correct("", "<answer>SELECT 0.3000004</answer>", gold) == 1.0
+    assert sql_correct("", "<answer>SELECT 0.300004</answer>", gold) == 0.0
+
+
+def test_a_query_of_10000_rows_can_score_and_one_of_10001_cannot():
+    count = lambda n: f"WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < {n}) SELECT x FROM c"
+    for n, score in ((10_000, 1.0), (10_001, 0.0)):
+        gold = json.dumps({"db": "shop", "gold": count(n)})
+        assert sql_correct("", f"<answer>{count(n)}</answer>", gold) == score
+
+
+def test_cartpole_episodes_start_from_distinct_states_unless_grouped():
+    assert len({tuple(s) for s in CartPole().reset(4, seed=0).state.T.tolist()}) == 4
+    assert len({tuple(s) for s in CartPole().reset(4, seed=0, group_size=2).state.T.tolist()}) == 2

@@ -247,6 +247,28 @@ def test_top_p_below_one_warns_once_that_the_ratio_is_approximate(tiny):
         pol = policy(tiny, top_p=0.5)
         rollout(pol, n=2)
     assert [str(w.message)[:30] for w in caught] == ["top_p=0.5: samples come from a"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        policy(tiny, top_p=1.0)
+    assert [str(w.message) for w in caught if "top_p" in str(w.message)] == []  # exact: nothing to warn of
+
+
+def test_top_p_samples_exactly_the_nucleus_and_records_the_full_softmaxs_logp(tiny):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # that the ratio is then approximate
+        pol = policy(tiny, top_p=0.5, temperature=0.8)
+    randomise_adapter(pol)
+    prefix = pol.encode_prompt(PROMPTS[0])
+    with torch.no_grad():
+        p = (pol.model(input_ids=torch.tensor([prefix])).logits[0, -1] / 0.8).softmax(-1)
+    order = p.argsort(descending=True)
+    before = p[order].cumsum(0) - p[order]  # the mass of the tokens more probable than each
+    nucleus = set(order[before <= 0.5].tolist())  # the most probable until 0.5, and the first past it
+    torch.manual_seed(0)
+    samples = pol.generate([prefix] * 2000, 1, gen_batch=2000)  # each nucleus token ~50 times
+    assert {s.ids[0] for s in samples} == nucleus and 10 < len(nucleus) < len(p) - 10
+    for s in samples[:100]:  # what the loss models: the full softmax, not the renormalised nucleus
+        assert abs(s.logps[0] - p[s.ids[0]].log().item()) < 1e-5
 
 
 # ---------------------------------------------------------------- stop tokens and batches

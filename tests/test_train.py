@@ -117,6 +117,30 @@ def test_a_grouped_estimator_on_cartpole_gets_its_presets_groups_by_default_and_
 
 
 # ---------------------------------------------------------------- environment
+def test_mlp_policy_samples_from_its_softmax_and_greedy_takes_the_likeliest_action():
+    """Three actions: with two, argmax(logp - Gumbel) would sample the softmax too (a logistic is symmetric)."""
+    policy, probs = MLPPolicy(4, 3), torch.tensor([0.1, 0.3, 0.6])
+    with torch.no_grad():
+        policy.pi[-1].weight.zero_()
+        policy.pi[-1].bias.copy_(probs.log())
+    torch.manual_seed(0)
+    actions, logp = policy.act(torch.zeros(40_000, 4))
+    assert (torch.bincount(actions, minlength=3) / 40_000 - probs).abs().max() < 0.01  # sd <= 0.0025
+    torch.testing.assert_close(logp, probs.log()[actions])
+    assert policy.act(torch.randn(5, 4), greedy=True)[0].tolist() == [2] * 5
+
+
+def test_mlp_policy_rescores_its_rollouts_logps_and_its_entropy_is_the_softmaxs():
+    torch.manual_seed(0)
+    policy = MLPPolicy(4, 2, critic=True)
+    b = rollout_control(CartPole(), policy, 4, seed=1)
+    logp, entropy, values = policy.score(b, slice(None))  # [4, T] each
+    mask = b.mask > 0
+    torch.testing.assert_close(logp[mask], b.logp[mask])  # what act() recorded for the actions it took
+    torch.testing.assert_close(entropy, torch.distributions.Categorical(logits=policy.pi(b.obs)).entropy())
+    assert values.shape == logp.shape and values.requires_grad  # the critic trains through them
+
+
 def test_cartpole_rollout_masks_steps_after_each_episode_ends():
     torch.manual_seed(0)
     policy = MLPPolicy(4, 2)
