@@ -592,6 +592,13 @@ def test_gpt2_completions_and_episodes_end_where_its_learned_positions_do(gpt2, 
     torch.testing.assert_close(pol.score(batch, slice(None))[0][mask], batch.logp[mask], rtol=0, atol=1e-5)
     with pytest.raises(utils.ConfigError, match="^a prompt of 256 tokens fills all 256 learned positions"):
         pol.generate([[5] * 256], 4)
+    with pytest.raises(utils.ConfigError, match="^a prompt of 257 tokens fills all 256"):
+        pol.generate([[5] * 257], 4)
+    last, = pol.generate([[5] * 255], 4)  # room for exactly one token
+    assert len(last.ids) == 1 and (last.truncated or last.ids[0] in pol.eos_ids)
+    for bad in (([[1, 2]], 0), ([[1, 2], []], 4)):  # validate() and the rollouts never pass these
+        with pytest.raises(ValueError, match="^generate needs max_new_tokens >= 1"):
+            pol.generate(*bad)
     cfg = train.Config(task="countdown_multiturn", model=gpt2, algo="grpo", batch=2, group_size=2, eval_size=1,
                        max_new_tokens=64, max_turns=4)  # max_len 2048: an episode would run past 256
     torch.manual_seed(0)

@@ -294,6 +294,27 @@ def test_second_ctrl_c_stops_a_source_that_never_returns_and_keeps_the_checkpoin
     assert signal.getsignal(signal.SIGINT) is before  # the handler was put back
 
 
+class Planted:
+    """Pickled as a call: a full unpickler (torch.load(weights_only=False)) writes `path` while loading."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return Path.write_text, (self.path, "code ran")
+
+
+def test_a_state_file_that_would_run_code_is_skipped_unrun(tmp_path, capsys):
+    policy = MLPPolicy(4, 2)
+    opt, marker = torch.optim.Adam(policy.parameters()), tmp_path / "ran"
+    for step in (1, 2):
+        utils.save_checkpoint(tmp_path, step, policy, opt, {"wall_s": 0.0, "source": {"position": step}}, keep=3)
+    state = torch.load(tmp_path / "ckpt-0000002" / "state.pt", weights_only=True)
+    torch.save({**state, "extra": Planted(marker)}, tmp_path / "ckpt-0000002" / "state.pt")  # all keys present
+    assert utils.resume_checkpoint(tmp_path, policy, opt)["step"] == 1 and not marker.exists()
+    assert "skipping " + str(tmp_path / "ckpt-0000002") + ": UnpicklingError" in capsys.readouterr().err
+
+
 def test_resume_refuses_a_checkpoint_of_another_policy(tmp_path):
     out = train.train(quick(tmp_path, "--steps", "1"))
     with pytest.raises(ValueError, match="do not match this policy"):
