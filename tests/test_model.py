@@ -207,6 +207,20 @@ def test_sampler_logps_equal_recomputed_logps(tiny):
     assert (singles[mask] - batch.logp[mask]).abs().max() < 1e-5
 
 
+def test_ppo_values_are_the_critic_on_the_last_hidden_state_that_predicts_each_token(tiny):
+    pol = policy(tiny, algo="ppo")
+    randomise_adapter(pol)  # the critic head too: it starts at zero
+    assert pol.v.weight.abs().sum() > 0
+    _, _, batch = rollout(pol, max_new=6, n=1)
+    logp, _, values = pol.score(batch, slice(None))
+    with torch.no_grad():  # right-padded rows: the plain forward's positions are theirs
+        out = pol.model(input_ids=batch.tokens, attention_mask=batch.attn, output_hidden_states=True)
+        before = pol.v(out.hidden_states[-1][:, :-1]).squeeze(-1)  # [n, L-1]: the state before token t
+    mask = batch.mask > 0
+    torch.testing.assert_close(values[:, 1:][mask[:, 1:]], before[mask[:, 1:]], rtol=0, atol=1e-5)
+    assert (values[~mask] == 0).all() and values.requires_grad  # the critic trains through them
+
+
 def test_entropy_is_the_full_distribution_entropy_at_temperature(tiny):
     pol = policy(tiny, temperature=0.7)
     randomise_adapter(pol)
@@ -418,6 +432,34 @@ def test_lora_targets_comma_list_and_unknown_name(tiny):
     assert len(pol.trainable_state()) == 2 * 2 * 2
     with pytest.raises(utils.ConfigError, match="linear layers are down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj"):
         policy(tiny, lora_targets="q_proj,qkv_proj")
+
+
+def test_export_writes_an_adapter_or_a_merged_model_and_never_into_a_directory_that_holds_anything(tiny, tmp_path):
+    pol = policy(tiny)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match="that directory is not empty"):
+        pol.export(str(tmp_path / "mine"))  # validate() checked it; something was put there since
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+    assert pol.export(str(tmp_path / "adapter")) == str(tmp_path / "adapter")  # LoRA: the adapter by default
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file() and not (tmp_path / "adapter" / "config.json").exists()
+    assert pol.export(str(tmp_path / "full"), merged=True) == str(tmp_path / "full")
+    assert (tmp_path / "full" / "config.json").is_file() and not (tmp_path / "full" / "adapter_config.json").exists()
+
+
+def test_adapter_config_is_peft_s_own_for_lora_and_empty_for_full_fine_tuning(tiny):
+    config = json.loads(policy(tiny, lora_rank=4, lora_alpha=8).adapter_config())
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8, "LORA")
+    assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj"}  # all-linear: every projection of a Llama layer
+    assert policy(tiny, lora=False).adapter_config() == ""  # workers then receive whole weights
+
+
+def test_ref_logp_without_a_reference_is_refused_rather_than_scoring_the_policy(tiny):
+    pol = policy(tiny, lora=False)  # full fine-tuning keeps a frozen copy only when kl_coef > 0
+    _, _, batch = rollout(pol, max_new=2, n=1)
+    with pytest.raises(utils.ConfigError, match=r"^ref_logp under full fine-tuning needs kl_coef > 0"):
+        pol.ref_logp(batch, slice(None))
 
 
 def test_ref_logp_is_the_base_model_with_the_adapter_off(tiny):

@@ -1,6 +1,7 @@
 """The loop on CartPole: config handling, validation, invariants of one update, resume."""
 import copy
 import dataclasses
+import errno
 import os
 import signal
 import time
@@ -292,6 +293,19 @@ def test_second_ctrl_c_stops_a_source_that_never_returns_and_keeps_the_checkpoin
     out = Path(cfg.out)
     assert utils.checkpoints(out)[-1].name == "ckpt-0000002"  # steps 1 and 2 finished; step 3 never did
     assert signal.getsignal(signal.SIGINT) is before  # the handler was put back
+
+
+def test_refused_names_a_full_disk_or_exhausted_memory_and_nothing_else():
+    fix = "then --resume the run or run again"
+    assert utils.refused(OSError(errno.ENOSPC, "No space left on device")) == (
+        f"a write failed ([Errno 28] No space left on device); make room, {fix}")
+    cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you "
+                       "tried to allocate 40000000000 bytes. Error code 12 (Cannot allocate memory)")
+    assert utils.refused(cpu) == ("out of memory (allocate 40000000000 bytes); lower --micro-batch, --gen-batch, "
+                                  f"--batch or an eval's size, {fix}")
+    assert utils.refused(MemoryError()).startswith("out of memory (MemoryError); lower --micro-batch")
+    for bug in (OSError(errno.ENOENT, "No such file"), ValueError("a bug"), RuntimeError("shape mismatch")):
+        assert utils.refused(bug) is None  # shown whole: a bug's traceback is what fixes it
 
 
 class Planted:
