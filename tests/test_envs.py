@@ -698,12 +698,15 @@ def test_encode_reply_adds_no_bos_with_a_tokenizer_that_would():
     assert reply == tok.encode("\nhi\n", add_special_tokens=False)
 
 
+PROMPT = len(ScriptedPolicy(chat_tokenizer(), bisect).encode_prompt(countdown_problem([3, 5], 15).prompt))
+
+
 def countdown_episode(script, **kw):
     policy = Recording(chat_tokenizer(), script)
     problem = countdown_problem([3, 5], 15)
     kw = {"max_turns": 3, "max_new_tokens": 64, "max_len": 512} | kw
     batch = rollout_multiturn(policy, CountdownEnv, [problem], 1, **kw)
-    return policy, batch, len(policy.encode_prompt(problem.prompt))
+    return policy, batch
 
 
 TURN1 = len("<think>try</think><answer>3 + 5</answer>") + 1  # + the end token
@@ -712,35 +715,32 @@ REPLY = len(chat_tokenizer().encode("\n<|im_start|>user\n3 + 5 = 8, but the targ
 
 
 def test_a_multiturn_episode_solved_on_turn_one_counts_as_solved_first_turn_with_default_options():
-    policy, batch, _ = countdown_episode(lambda text: "<answer>3 * 5</answer>")
+    policy, batch = countdown_episode(lambda text: "<answer>3 * 5</answer>")
     assert batch.stats["solved"].tolist() == [1] and batch.stats["solved_first_turn"].tolist() == [1]
     assert batch.stats["turns"].tolist() == [1] and batch.version.tolist() == [0]
     assert policy.calls == [(64, False)]  # gen_batch 64, sampled (not greedy) unless asked
 
 
 def test_a_turn_that_ends_exactly_at_its_token_budget_is_not_truncated():
-    _, batch, _ = countdown_episode(think_then_answer, max_new_tokens=TURN1)
+    _, batch = countdown_episode(think_then_answer, max_new_tokens=TURN1)
     # turn 1 (end token included) fits exactly and goes on; turn 2 is 3 tokens longer and is cut
     assert batch.stats["turns"].tolist() == [2] and batch.truncated.tolist() == [True]
 
 
 def test_a_turn_cut_by_its_token_budget_ends_the_episode():
-    _, batch, prompt = countdown_episode(think_then_answer, max_new_tokens=5)
+    _, batch = countdown_episode(think_then_answer, max_new_tokens=5)
     assert batch.stats["turns"].tolist() == [1] and batch.truncated.tolist() == [True]
-    assert batch.attn.sum(1).tolist() == [prompt + 5]
-
-
-PROMPT = len(ScriptedPolicy(chat_tokenizer(), bisect).encode_prompt(countdown_problem([3, 5], 15).prompt))
+    assert batch.attn.sum(1).tolist() == [PROMPT + 5]
 
 
 def test_a_reply_that_would_reach_max_len_exactly_ends_the_episode_without_it():
-    _, batch, _ = countdown_episode(think_then_answer, max_len=PROMPT + TURN1 + REPLY)
+    _, batch = countdown_episode(think_then_answer, max_len=PROMPT + TURN1 + REPLY)
     assert batch.stats["turns"].tolist() == [1] and batch.truncated.tolist() == [True]
     assert batch.attn.sum(1).tolist() == [PROMPT + TURN1]
 
 
 def test_a_later_turns_budget_is_what_is_left_of_max_len():
-    _, batch, _ = countdown_episode(think_then_answer, max_len=PROMPT + TURN1 + REPLY + 10)
+    _, batch = countdown_episode(think_then_answer, max_len=PROMPT + TURN1 + REPLY + 10)
     # the reply fits, then turn 2 gets the last 10 positions: the row is exactly max_len long
     assert batch.stats["turns"].tolist() == [2] and batch.truncated.tolist() == [True]
     assert batch.attn.sum(1).tolist() == [PROMPT + TURN1 + REPLY + 10] and batch.mask.sum() == TURN1 + 10

@@ -212,7 +212,7 @@ def test_ppo_values_are_the_critic_on_the_last_hidden_state_that_predicts_each_t
     randomise_adapter(pol)  # the critic head too: it starts at zero
     assert pol.v.weight.abs().sum() > 0
     _, _, batch = rollout(pol, max_new=6, n=1)
-    logp, _, values = pol.score(batch, slice(None))
+    _, _, values = pol.score(batch, slice(None))
     with torch.no_grad():  # right-padded rows: the plain forward's positions are theirs
         out = pol.model(input_ids=batch.tokens, attention_mask=batch.attn, output_hidden_states=True)
         before = pol.v(out.hidden_states[-1][:, :-1]).squeeze(-1)  # [n, L-1]: the state before token t
