@@ -63,6 +63,9 @@ def main(argv: list[str]) -> int:
         utils.stderr(f"{argv[0]}: cannot read its config.yaml, metrics.csv or samples.jsonl ("
                      f"{type(e).__name__}: {' '.join(str(e).split())}); fix or delete the damaged line")
         return 2
+    except OSError as e:  # a run this user may read, not write (another's, a read-only mount)
+        utils.stderr(f"{argv[0]}: cannot write its report.html ({e}); copy the run to a writable place")
+        return 1
     return 0
 
 

@@ -50,6 +50,9 @@ def coerce(field: dataclasses.Field, value, source: str):
     bool; an int takes YAML's 3.0 (not 3.5, nor "3.0" on the CLI); a float is finite (a NaN lr would pass
     every range check)."""
     kind = field.type.__name__  # train.Config's annotations are types, not strings (no __future__ import)
+    if kind == "str" and (value is None or isinstance(value, bool)):  # `tis: off` would be tis "False"
+        raise ConfigError(f"{source}: '{field.name}' must be text, got {value!r}: quote it, as in 'off' "
+                          "(YAML reads an unquoted off, no, yes or null as no text)")
     try:
         if kind == "str" or isinstance(value, bool) == (kind == "bool"):
             typed = field.type(value)

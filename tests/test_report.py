@@ -130,6 +130,15 @@ def test_a_damaged_log_is_one_line_naming_the_fix(tmp_path, capsys, name, text):
     assert len(err) == 1 and err[0].startswith(f"{tmp_path}: cannot read") and "delete the damaged line" in err[0]
 
 
+def test_a_report_that_cannot_be_written_is_one_line_and_the_run_is_untouched(tmp_path, capsys):
+    (tmp_path / "config.yaml").write_text("task: cartpole\n")
+    (tmp_path / "report.html").mkdir()  # in report.html's way as a read-only mount is (to root, too)
+    assert report.main([str(tmp_path)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"{tmp_path}: cannot write its report.html (")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "report.html"]  # no .tmp left
+
+
 def test_samples_reach_wandb_as_one_table_per_eval(run):
     from test_run import wandb_records
 

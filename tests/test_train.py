@@ -59,6 +59,11 @@ def test_unknown_flag_names_the_closest_valid_flag():
         cfg_from(["--group-sise", "4"])
 
 
+def test_a_flag_is_never_taken_as_an_abbreviation():  # --step 3 is a typo, not a silent --steps 3
+    with pytest.raises(utils.ConfigError, match="unknown flag --step; did you mean '--steps'"):
+        cfg_from(["--step", "3"])
+
+
 def test_badly_typed_value_names_the_key():
     with pytest.raises(utils.ConfigError, match="'batch' must be int"):
         cfg_from(["--batch", "many"])
@@ -84,6 +89,27 @@ def test_a_yaml_nan_or_inf_is_no_float_setting(tmp_path):
     (tmp_path / "nan.yaml").write_text("lr: .nan\ntis_cap: .inf\n")
     with pytest.raises(utils.ConfigError, match="nan.yaml: 'lr' must be a finite float, got nan"):
         cfg_from(["--config", str(tmp_path / "nan.yaml")])
+
+
+@pytest.mark.parametrize("text, message", [
+    ("steps: true\n", "'steps' must be int, got True"),  # YAML's true is no number
+    ("lora: 1\n", "'lora' must be bool, got 1"),  # nor its 1 a bool
+    ("steps: 3.5\n", "'steps' must be int, got 3.5"),  # not rounded down to 3 steps
+    ("tis: off\n", "'tis' must be text, got False: quote it, as in 'off'"),  # was "unknown --tis 'False'"
+    ("export: null\n", "'export' must be text, got None"),  # was an export into a directory named None
+])
+def test_a_yaml_value_of_another_type_names_the_key_and_the_fix(tmp_path, text, message):
+    (tmp_path / "p.yaml").write_text(text)
+    with pytest.raises(utils.ConfigError, match=f"p.yaml: {message}"):
+        cfg_from(["--config", str(tmp_path / "p.yaml")])
+
+
+def test_a_whole_yaml_float_is_an_int_a_quoted_off_is_text_and_a_flag_takes_no_float_for_an_int(tmp_path):
+    (tmp_path / "p.yaml").write_text("steps: 3.0\ntis: 'off'\nlora: off\n")
+    cfg = cfg_from(["--config", str(tmp_path / "p.yaml")])
+    assert (cfg.steps, type(cfg.steps), cfg.tis, cfg.lora) == (3, int, "off", False)
+    with pytest.raises(utils.ConfigError, match="--steps: 'steps' must be int, got '3.0'"):
+        cfg_from(["--steps", "3.0"])
 
 
 @pytest.mark.parametrize("argv, message", [
