@@ -491,6 +491,10 @@ def test_vllm_worker_trains_with_advancing_versions_and_exact_old_logprobs(tiny,
     assert max(v for _, _, v in m["staleness_max"]) <= 2 and "dropped_no_snapshot" not in m
     assert m["sft_loss"][-1][2] < m["sft_loss"][0][2]  # the adapter the worker got is not the identity
     assert m["adapters_sent"][-1][2] >= 2 and m["sync_bytes"][-1][2] < 2_000_000
+    # vLLM's finish_reason: a completion cut at --max-new-tokens 8 is "budget", one that ended sooner "end"
+    rows = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    ends = {(r["finish"], r["tokens"] == 8) for r in rows if r["kind"] == "train"}
+    assert ends and ends <= {("budget", True), ("end", False), ("end", True)}  # end, True: the end token 8th
 
 
 @pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.skipif(
