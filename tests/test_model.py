@@ -2,6 +2,7 @@
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import threading
@@ -80,6 +81,14 @@ def test_build_tiny_model_is_idempotent_and_loads_in_transformers_and_peft(tiny)
     assert tok.decode(ids, skip_special_tokens=True) == text
     peft_lm = get_peft_model(lm, LoraConfig(r=4, target_modules=["q_proj"]))
     assert peft_lm(input_ids=torch.tensor([ids])).logits.shape == (1, len(ids), 83)
+
+
+@pytest.mark.parametrize("dims, fix", [(dict(hidden=256, heads=2), "got 256 / 2); try heads=4"),
+                                       (dict(hidden=100, heads=2), "got 100 / 2); try hidden=128")])
+def test_a_tiny_model_whose_heads_are_not_64_wide_is_refused_naming_the_fix(tmp_path, dims, fix):
+    with pytest.raises(utils.ConfigError, match=re.escape(f"tiny model needs hidden / heads == 64 ({fix}")):
+        build_tiny_model(str(tmp_path / "m"), **dims)  # its head_dim is 64: heads * 64 is the width
+    assert not (tmp_path / "m").exists()
 
 
 def test_resolve_tiny_builds_under_nanorl_cache(tmp_path, monkeypatch):
