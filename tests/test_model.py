@@ -62,12 +62,13 @@ def rollout(pol: LLMPolicy, max_new: int = 12, n: int = 2, seed: int = 0):
 
 
 # ---------------------------------------------------------------- the tiny model
-def test_build_tiny_model_is_idempotent_and_loads_in_transformers_and_peft(tiny):
+def test_build_tiny_model_is_idempotent_and_loads_in_transformers_and_peft(tiny, monkeypatch):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     weights = os.path.join(tiny, "model.safetensors")
     stamp = os.stat(weights).st_mtime_ns
+    monkeypatch.setattr(modeldir, "publish", lambda *a: pytest.fail("built again"))  # found before building
     assert build_tiny_model(tiny, **DIMS) == tiny and os.stat(weights).st_mtime_ns == stamp  # reused, not rewritten
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= set(os.listdir(tiny))
     assert not [f for f in os.listdir(os.path.dirname(tiny)) if f.startswith(".tmp")]

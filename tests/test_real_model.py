@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import modeldir
 import train
 import utils
 from envs import TextEnv
@@ -42,9 +43,10 @@ def pol(converted) -> LLMPolicy:
 
 
 # ---------------------------------------------------------------- GGUF conversion
-def test_conversion_is_reused_not_rewritten(converted):
+def test_conversion_is_reused_not_rewritten(converted, monkeypatch):
     weights = Path(converted) / "model.safetensors"
     stamp = weights.stat().st_mtime_ns
+    monkeypatch.setattr(modeldir, "publish", lambda *a: pytest.fail("converted again"))  # found, not redone
     assert resolve_model("smollm2-135m") == converted == resolve_model(str(GGUF))
     assert weights.stat().st_mtime_ns == stamp
     assert not [p for p in Path(converted).parent.iterdir() if p.name.startswith(".tmp-")]  # no half-written dirs
