@@ -93,11 +93,23 @@ def test_a_tiny_model_whose_heads_are_not_64_wide_is_refused_naming_the_fix(tmp_
 
 
 def test_resolve_tiny_builds_under_nanorl_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("NANORL_CACHE", str(tmp_path))
+    cache = tmp_path / "home" / ".cache" / "nanorl"  # a fresh home has no ~/.cache yet
+    monkeypatch.setenv("NANORL_CACHE", str(cache))
     path = resolve_model("tiny")
-    assert os.path.dirname(path) == str(tmp_path) and os.path.basename(path) == "tiny-v1-l4-d256-h4-f512-n1024-s0"
+    assert os.path.dirname(path) == str(cache) and os.path.basename(path) == "tiny-v1-l4-d256-h4-f512-n1024-s0"
     modes = {f.name: f.stat().st_mode & 0o777 for f in Path(path).iterdir()}  # a cache users share: safetensors'
     assert modes == dict.fromkeys(modes, 0o666 & ~utils.UMASK), modes  # own file was 0600, theirs to read
+    lock = cache / ".lock-tiny-v1-l4-d256-h4-f512-n1024-s0"  # another user's builds open it too
+    assert lock.stat().st_mode & 0o777 == 0o666 & ~utils.UMASK
+
+
+def test_a_builder_that_waited_for_the_lock_finds_the_model_written_and_writes_nothing(tiny):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    stamps = {f.name: f.stat().st_mtime_ns for f in Path(tiny).iterdir()}
+    lm, tok = AutoModelForCausalLM.from_pretrained(tiny), AutoTokenizer.from_pretrained(tiny)
+    assert modeldir.publish(Path(tiny), lm, tok) == tiny  # as the second of two runs building at once
+    assert {f.name: f.stat().st_mtime_ns for f in Path(tiny).iterdir()} == stamps
 
 
 def test_a_build_killed_mid_write_is_swept_by_the_next_and_a_live_one_is_waited_for(tmp_path, monkeypatch):
