@@ -113,6 +113,13 @@ def test_a_sample_that_reads_as_html_is_shown_as_text_and_the_page_still_draws(r
     assert drawn == len(utils.read_metrics(run / "metrics.csv")) and page.title() != "pwned"
 
 
+def test_a_long_curve_is_thinned_to_evenly_spaced_steps_and_keeps_its_last():
+    points = [[s, float(s)] for s in range(1001)]  # ceil(1001 / 400) = 3: steps 0, 3, ..., 999, then 1000
+    assert report.thin(points) == points[::3] + [points[-1]] and len(report.thin(points)) == 335
+    assert report.thin(points[:1000]) == points[:1000:3]  # step 999 is last already: not twice
+    assert report.thin(points[:400]) == points[:400]
+
+
 def test_rebuild_command_writes_the_same_page(run, tmp_path):
     before = (run / "report.html").read_text()
     assert report.main([str(run)]) == 0 and (run / "report.html").read_text() == before
