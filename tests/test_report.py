@@ -120,6 +120,19 @@ def test_a_long_curve_is_thinned_to_evenly_spaced_steps_and_keeps_its_last():
     assert report.thin(points[:400]) == points[:400]
 
 
+def test_the_summary_names_the_best_and_final_evals_the_newest_checkpoint_and_the_export(tmp_path):
+    (tmp_path / "metrics.csv").write_text("step,wall_s,key,value\n5,1,eval_return,100\n10,2,eval_return,480.5\n"
+                                          "15,3,eval_return,300\n15,3,reward,9\n")
+    for step in (10, 15):
+        (tmp_path / f"ckpt-{step:07d}").mkdir()
+    assert report.summary(tmp_path, 3.04, "out/adapter").splitlines() == [
+        f"run saved to {tmp_path} (3.0 s of training)", "  eval_return: best 480.5 (step 10), final 300 (step 15)",
+        f"  report: {tmp_path / 'report.html'}", f"  checkpoints: {tmp_path / 'ckpt-0000015'}", "  export: out/adapter"]
+    for step in (10, 15):
+        (tmp_path / f"ckpt-{step:07d}").rmdir()
+    assert report.summary(tmp_path, 0.0, "").splitlines()[-1] == "  checkpoints: none"  # and no export line
+
+
 def test_rebuild_command_writes_the_same_page(run, tmp_path):
     before = (run / "report.html").read_text()
     assert report.main([str(run)]) == 0 and (run / "report.html").read_text() == before
