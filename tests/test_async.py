@@ -151,7 +151,9 @@ def worker_batch(policy, versions, offset=0):
 def test_old_logp_is_scored_under_the_exact_version_that_sampled_each_row(policy):
     src, policy = source_for(policy)
     try:
+        started = time.perf_counter()
         src.publish(0)
+        assert 0 <= src.inbox.publish_s <= time.perf_counter() - started  # the encode's seconds, logged
         v0 = policy.trainable_state()
         rows_v0 = worker_batch(policy, [0] * 4)
         nudge(policy, 1)
@@ -190,12 +192,25 @@ def test_groups_older_than_max_staleness_are_dropped_and_counted_never_trained(p
         src.close()
 
 
+def test_closing_the_trainers_source_ends_the_run_for_workers_and_closes_its_port(policy):
+    src, _ = source_for(policy)
+    client = transport.Client(src.inbox.server.url, src.inbox.server.token, timeout=5, retries=1)
+    src.publish(0)
+    assert client.get("/adapter?have=-1&worker=0")[0] == 200  # the run goes on: version 0
+    src.close()
+    assert src.inbox.finished
+    with pytest.raises(transport.ServeError):  # nothing listens there any more
+        client.get("/adapter?have=-1&worker=0")
+
+
 def test_a_sync_runs_checkpoint_starts_the_workers_past_the_problems_it_drew(policy):
     src, policy = source_for(policy)  # a sync run resumed with --role trainer: worker w draws w*STRIDE, ...
     try:
         for position, first_worker in ((0, 0), (5, 1), (serve.STRIDE, 1), (serve.STRIDE + 1, 2)):
             src.load_state({"position": position})
             assert src.inbox.next_worker == first_worker
+        src.load_state({})  # a fresh run's
+        assert src.inbox.next_worker == 0
         src.load_state({"next_worker": 3, "position": 3 * serve.STRIDE})  # an async run's own: see below
         first = 3 + serve.SURVIVORS
         assert src.state() == {"next_worker": first, "position": first * serve.STRIDE}

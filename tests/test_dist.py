@@ -136,11 +136,11 @@ def worker(out: Path) -> None:
 
 
 # ---------------------------------------------------------------- helpers for the tests
-def torchrun(*args, timeout=300, env=None):
-    """`torchrun --standalone --nproc_per_node=2 ARGS` from the repo root; returns the CompletedProcess."""
+def torchrun(*args, timeout=300, env=None, cwd=ROOT):
+    """`torchrun --standalone --nproc_per_node=2 ARGS` in `cwd`; returns the CompletedProcess."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -214,10 +214,11 @@ def test_world_size_must_split_the_global_batch_into_whole_groups(monkeypatch):
 
 
 def test_two_rank_cartpole_run_checkpoints_once_and_resumes_on_one_rank(tmp_path):
-    run = tmp_path / "run"
-    proc = torchrun("train.py", "--task", "cartpole", "--algo", "reinforce_pp", "--batch", "8", "--steps", "3",
-                    "--eval-every", "3", "--eval-episodes", "2", "--no-progress", "--out", str(run))
+    proc = torchrun(str(ROOT / "train.py"), "--task", "cartpole", "--algo", "reinforce_pp", "--batch", "8",
+                    "--steps", "3", "--eval-every", "3", "--eval-episodes", "2", "--no-progress", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    run, = (tmp_path / "runs").iterdir()  # without --out: rank 0 alone makes the run directory (one)
+    assert run.name.startswith("cartpole-reinforce_pp-") and not run.name.endswith("-2")
     assert proc.stdout.count("run saved to") == 1  # rank 0 alone reports, logs and checkpoints
     assert [s for s, _ in read_metrics(run)["loss"]] == [1, 2, 3]
     meta = json.loads((utils.checkpoints(run)[-1] / "meta.json").read_text())

@@ -244,6 +244,9 @@ def test_a_start_that_failed_before_logging_a_step_leaves_its_directory_to_the_f
     assert {line.split(",")[0] for line in (out / "metrics.csv").read_text().splitlines()[1:]} == {"0", "1"}
     (out / "ckpt-0000001").rename(tmp_path / "moved")  # logged steps alone still make it a run
     assert "holds a run" in one_line_error(capsys, quick)
+    header, first, *_ = (out / "metrics.csv").read_text().splitlines(keepends=True)
+    (out / "metrics.csv").write_text(header + first)  # so does one logged number
+    assert "holds a run" in one_line_error(capsys, quick)
 
 
 @pytest.mark.parametrize("argv, fix", [

@@ -267,6 +267,9 @@ def test_vllm_logps_agree_with_the_trainer_and_a_published_adapter_changes_the_s
     assert before.max() < 1e-3 and on.max() < 1e-3  # fp32 vLLM vs fp32 scoring of the same tokens
     assert off.mean() > 0.1  # the adapter's samples are not the base model's: vLLM really applied it
     assert [s.ids for s in tuned] != [s.ids for s in base]
+    greedy = [tuple(s.ids) for s in engine.generate(prefixes, 16, 64, greedy=True)]
+    assert all(len(set(greedy[i : i + 4])) == 1 for i in (0, 4, 8))  # the 4 copies of a prompt: one answer
+    assert len({tuple(s.ids) for s in base}) > 3  # where sampling (temperature 1) told them apart
 
 
 def test_a_version_number_sent_again_with_other_weights_is_sampled_with_those(pol, engine):
@@ -281,5 +284,6 @@ def test_a_version_number_sent_again_with_other_weights_is_sampled_with_those(po
             payload = encode(pol.wire_state(), {"version": version, "adapter_config": pol.adapter_config()})
             engine.load(version, *decode(payload), payload)
             assert gap(pol, prefixes, engine.generate(prefixes, 16, 64)).max() < 1e-3  # sampled by these weights
+            assert [p.name for p in engine.dir.iterdir()] == [f"v{version}"]  # the one in use: no adapter piles up
     finally:
         pol.load_trainable(fresh)

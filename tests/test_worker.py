@@ -1,6 +1,8 @@
 """A rollout worker (serve.run_worker, in process) against a real trainer inbox on 127.0.0.1: it stops
 in one line when no trainer answers, exits 0 from a finished run, and goes on past an adapter it cannot
-use or a batch the trainer refuses, and unwinds on SIGTERM; the trainer stops its worker processes."""
+use or a batch the trainer refuses, and unwinds on SIGTERM; the trainer starts its worker processes
+with its config and token, and stops them."""
+import dataclasses
 import os
 import signal
 import socket
@@ -229,3 +231,32 @@ class Impatient(subprocess.Popen):
 
     def wait(self, timeout=None):
         return super().wait(timeout if timeout is None else min(timeout, 2.0))
+
+
+def test_spawned_workers_get_the_run_config_by_pipe_the_token_and_no_torchrun_rank(tmp_path, monkeypatch):
+    """--workers 2: each local worker is a process of its own session whose stdin is this run's config
+    as a worker ("--config /dev/stdin"), with the environment less torchrun's rank variables (a worker
+    is no rank) plus the token. The interpreter is stood in for by a script that records what it got."""
+    record = tmp_path / "python"
+    record.write_text('#!/bin/sh\nd="$(dirname "$0")/$$"; mkdir "$d"; echo "$@" > "$d/argv"; env > "$d/env"; '
+                      'cat > "$d/config"; cut -d " " -f 6 /proc/$$/stat > "$d/sid"\n')
+    record.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(record))
+    for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                        "NANORL_TEST_KEPT": "yes", "NANORL_TOKEN": "the trainer's own"}.items():
+        monkeypatch.setenv(name, value)
+    cfg = train.parse(argv("tiny", "--role", "trainer", "--workers", "2", "--out", str(tmp_path / "run")))
+    procs = serve.spawn_workers(cfg, "http://127.0.0.1:5", "t0ken")
+    assert [p.wait(timeout=30) for p in procs] == [0, 0]
+    runs = sorted(tmp_path.glob("[0-9]*"))
+    assert sorted(int(d.name) for d in runs) == sorted(p.pid for p in procs)
+    for d in runs:
+        assert (d / "argv").read_text().split()[1:] == ["--config", "/dev/stdin"]
+        assert (d / "argv").read_text().split()[0].endswith("/train.py")
+        env = dict(line.split("=", 1) for line in (d / "env").read_text().splitlines() if "=" in line)
+        assert env["NANORL_TOKEN"] == "t0ken" and env["NANORL_TEST_KEPT"] == "yes"
+        assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"} & env.keys()
+        assert int((d / "sid").read_text()) == int(d.name)  # a session of its own: Ctrl-C is the trainer's
+        got = train.parse(["--config", str(d / "config")])
+        assert got == dataclasses.replace(cfg, role="rollout", trainer_url="http://127.0.0.1:5", workers=0,
+                                          out="", resume="")
