@@ -251,8 +251,8 @@ def test_spawned_workers_get_the_run_config_by_pipe_the_token_and_no_torchrun_ra
     runs = sorted(tmp_path.glob("[0-9]*"))
     assert sorted(int(d.name) for d in runs) == sorted(p.pid for p in procs)
     for d in runs:
-        assert (d / "argv").read_text().split()[1:] == ["--config", "/dev/stdin"]
-        assert (d / "argv").read_text().split()[0].endswith("/train.py")
+        script, *flags = (d / "argv").read_text().split()
+        assert script.endswith("/train.py") and flags == ["--config", "/dev/stdin"]
         env = dict(line.split("=", 1) for line in (d / "env").read_text().splitlines() if "=" in line)
         assert env["NANORL_TOKEN"] == "t0ken" and env["NANORL_TEST_KEPT"] == "yes"
         assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"} & env.keys()
