@@ -259,9 +259,8 @@ def load_teacher(cfg: Config, student):
         raise utils.ConfigError(str(e).replace("--model", "--teacher", 1)) from None
     a, b = student.tokenizer, teacher.tokenizer
     if a.get_vocab() != b.get_vocab() or student.eos_ids != teacher.eos_ids:
-        raise utils.ConfigError(f"--teacher {cfg.teacher}: its tokenizer differs from the student's "
-                                f"({len(b)} vs {len(a)} tokens, or other ids); it scores the student's "
-                                "token ids, so pick a teacher of the student's family")
+        raise utils.ConfigError(f"--teacher {cfg.teacher}: its tokenizer differs from the student's ({len(b)}"
+                                f" vs {len(a)} tokens, or other ids); pick a teacher of the student's family")
     return teacher.requires_grad_(False).to(DTYPES[cfg.dtype])  # frozen: --dtype bf16 halves its memory
 
 
@@ -506,8 +505,9 @@ def start_run(cfg: Config, out: Path, policy, opt, source: BatchSource, meta: di
 
 def evaluate(source: BatchSource, log, step: int, out: Path, suffix: str = "") -> dict:
     """Held-out metrics and each eval problem's sample (rank 0's share under torchrun), logged at `step`."""
-    try:
-        metrics = source.evaluate()
+    try:  # on a fork of the RNGs (this GPU's too): --pass-k's samples and --eval-every leave training alike
+        with torch.random.fork_rng([torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            metrics = source.evaluate()
     except utils.Abandoned:  # a stop: the step's checkpoint does not wait for the eval
         utils.stderr(f"the eval at step {step} is abandoned (not logged)")
         return {}

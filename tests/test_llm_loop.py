@@ -132,3 +132,17 @@ def test_the_random_init_tiny_model_gets_a_warm_start_and_full_fine_tuning_by_de
     lora = parse("--task", "arith", "--lora", "--sft-steps", "0")  # what is given still wins
     assert (lora.sft_steps, lora.lora, lora.lr) == (0, True, 5e-4)
     train.validate(tiny)
+
+
+def test_eval_sampling_never_changes_the_training_run(tmp_path, tiny):
+    """--pass-k samples at every eval from a fork of the RNG, so neither it nor --eval-every changes what
+    training samples: the two runs below train alike. (A stop during an eval saves the step's checkpoint
+    with the RNG as the step left it; with the fork, that is the RNG the next step draws from.)"""
+    common = ["--task", "digits", "--algo", "grpo", "--steps", "3", "--max-new-tokens", "4", "--lr", "1e-2"]
+    sampled = run(tmp_path / "a", tiny, *common, "--eval-every", "1", "--pass-k", "2")
+    greedy = run(tmp_path / "b", tiny, *common, "--eval-every", "3")
+    a, b = (utils.read_metrics(out / "metrics.csv") for out in (sampled, greedy))
+    assert [s for s, _, _ in a["eval_pass@2"]] == [0, 1, 2, 3] and "eval_pass@2" not in b
+    assert [v for _, _, v in a["reward"]] == [v for _, _, v in b["reward"]]
+    assert [v for _, _, v in a["loss"]] == [v for _, _, v in b["loss"]]
+    assert all(torch.equal(w, adapter(greedy)[k]) for k, w in adapter(sampled).items())
