@@ -72,7 +72,7 @@ class Config:
     progress: bool = True  # tqdm progress bar; --no-progress for logs and CI
     log: str = ""  # loggers besides metrics.csv, comma-separated: tensorboard, wandb (offline by default)
     samples: int = 4  # training rollouts a step written to samples.jsonl (every eval problem always is)
-    # ---- language-model tasks (everything below is ignored by cartpole)
+    # ---- language-model tasks (cartpole refuses these)
     model: str = "tiny"  # HF hub id or local dir; "tiny" builds a small Llama locally, no download
     lora: bool = True  # LoRA: ~1% of the weights train and the KL reference costs no memory
     lora_rank: int = 16  # rank 16 is where RL fine-tuning results stop improving in most reports
@@ -132,7 +132,8 @@ def task_defaults(given: dict) -> dict:
     if kind is None:  # CartPole (GRPO, RLOO: its presets' 4 start states x 8), or a name validate() rejects
         return {"group_size": 8, "batch": 32} if given.get("algo", Config.algo) in GROUPED else {}
     tiny = given.get("model", Config.model) == "tiny"  # random init: every reward 0 (no gradient) until SFT
-    lora = given.get("lora", Config.lora and not tiny)  # a random-init model has nothing worth freezing
+    # a random-init model has nothing worth freezing, unless --lora-rank (-alpha, -targets) asks for LoRA
+    lora = given.get("lora", Config.lora and (not tiny or any(k.startswith("lora_") for k in given)))
     return {"algo": "grpo", "group_size": 8, "batch": 64,  # 8 prompts x 8: a spread at 10-90% accuracy
             "lora": lora, "lr": 5e-4 if lora else 5e-5,  # a low-rank update: ~10x the rate
             "sft_steps": 200 if tiny else 0,  # arith_chain: 32 s to 15% held-out; sql: ~39 min (2 cores)
@@ -209,18 +210,17 @@ def validate_modes(cfg: Config) -> None:
     if cfg.overlong_buffer and (not single or not 0 < cfg.overlong_buffer <= cfg.max_new_tokens):
         raise err(f"--overlong-buffer is for single-turn LLM tasks, in 1..--max-new-tokens "
                   f"(got {cfg.overlong_buffer})")
-    if (cfg.algo == "opd") != bool(cfg.teacher) or (cfg.teacher and cfg.task in CONTROL):
+    if (cfg.algo == "opd") != bool(cfg.teacher):  # CartPole refuses --teacher below, as other LLM options
         raise err("--algo opd and --teacher MODEL go together, and only on LLM tasks")
     if cfg.task == "python_tool":  # model code runs only where the sandbox isolates it, or weakly by name
         try:
             sandbox.use(cfg.sandbox)
         except sandbox.SandboxUnavailable as e:
             raise err(str(e)) from None
-    llm = [f for f in ("sft_steps", "mask_truncated", "kl_coef", "pass_k", "debug_samples", "data")
-           if getattr(cfg, f)]  # the other text options are refused for CartPole above
-    if cfg.task in CONTROL and llm:  # no text, no tokens
-        raise err(f"--{llm[0].replace('_', '-')} is for LLM tasks; {cfg.task} has no text (CartPole's "
-                  "time limit is handled by bootstrapping); drop it or pick an LLM --task")
+    llm = [f.name.replace("_", "-") for f in dataclasses.fields(Config) if getattr(cfg, f.name) != f.default
+           and utils.field_docs(Config)[f.name][0].startswith("language-model")]  # CartPole would ignore them
+    if cfg.task in CONTROL and llm:  # no text, no tokens (--model, --temperature, ...)
+        raise err(f"--{llm[0]} is for LLM tasks, not {cfg.task}: drop it or pick an LLM --task")
     if cfg.role != "sync" and cfg.task in CONTROL:
         raise err(f"--role {cfg.role} is for LLM tasks; {cfg.task} runs in one process (--role sync)")
     if cfg.role != "sync" and cfg.algo == "ppo":

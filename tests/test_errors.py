@@ -34,6 +34,9 @@ def one_line_error(capsys, argv) -> str:
 @pytest.mark.parametrize("argv, fix", [
     (["--task", "cartpole", "--sft-steps", "5"], "--sft-steps is for LLM tasks"),
     (["--task", "cartpole", "--data", MIXED], "--data is for LLM tasks"),  # was ignored
+    # the forgotten --task: a CartPole run with --model (or any LLM option) was trained, the option unused
+    (["--model", "Qwen/Qwen3-0.6B", "--algo", "grpo"], "--model is for LLM tasks, not cartpole: drop it or pick an LLM --task"),
+    (["--temperature", "0.7"], "--temperature is for LLM tasks, not cartpole"),
     (LLM + ["--gen-batch", "0"], "need --gen-batch >= 1 (got 0)"),
     (LLM + ["--gen-batch", "-1"], "need --gen-batch >= 1 (got -1)"),
     (LLM + ["--eval-size", "0"], "need --eval-size >= 1 (got 0)"),

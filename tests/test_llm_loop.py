@@ -132,6 +132,10 @@ def test_the_random_init_tiny_model_gets_a_warm_start_and_full_fine_tuning_by_de
     lora = parse("--task", "arith", "--lora", "--sft-steps", "0")  # what is given still wins
     assert (lora.sft_steps, lora.lora, lora.lr) == (0, True, 5e-4)
     train.validate(tiny)
+    for flag, value in (("--lora-rank", "8"), ("--lora-alpha", "8"), ("--lora-targets", "q_proj")):
+        shaped = parse("--task", "arith", flag, value)  # a LoRA option asks for LoRA: it was silently unused
+        assert (shaped.lora, shaped.lr) == (True, 5e-4)
+    assert parse("--task", "arith", "--no-lora", "--lora-rank", "8").lora is False  # given: it wins
 
 
 def test_eval_sampling_never_changes_the_training_run(tmp_path, tiny):

@@ -98,7 +98,7 @@ def test_reward_coef_mixes_the_task_return_in(models):
 @pytest.mark.parametrize("argv, message", [
     (["--algo", "opd"], "--algo opd and --teacher MODEL go together"),
     (["--algo", "grpo", "--teacher", "tiny"], "--algo opd and --teacher MODEL go together"),
-    (["--task", "cartpole", "--algo", "opd", "--teacher", "tiny"], "on LLM tasks"),
+    (["--task", "cartpole", "--algo", "opd", "--teacher", "tiny"], "--teacher is for LLM tasks, not cartpole"),
 ])
 def test_opd_flags_are_checked_up_front(argv, message):
     cfg = utils.load_config(train.Config, ["--task", "arith", "--group-size", "4", "--batch", "8", *argv])
