@@ -58,9 +58,7 @@ class Config:
     vf_clip: float = 0.0  # keeps new values within this distance of the pre-update ones (PPO); 0 = off
     critic_max_grad_norm: float = 0.0  # > 0 clips the critic's gradient on its own (actor: max_grad_norm)
     dr_grpo: bool = False  # GRPO without std scaling (Dr. GRPO): no up-weighting of near-uniform groups
-    hidden: int = 64  # MLP width: CartPole needs little, and small is fast
     eval_every: int = 5  # steps between greedy evals; one 10-episode eval costs about one step
-    eval_episodes: int = 10  # held-out greedy episodes per eval (the solve criterion uses 10)
     target: float = 475.0  # stop at this eval score: 475 solves CartPole; LLM accuracy e.g. 0.9; 0 = never
     out: str = ""  # run directory; empty = runs/<task>-<algo>-<timestamp>
     resume: str = ""  # a run directory (its config.yaml, newest checkpoint that loads) or a ckpt-* in one
@@ -72,7 +70,10 @@ class Config:
     progress: bool = True  # tqdm progress bar; --no-progress for logs and CI
     log: str = ""  # loggers besides metrics.csv, comma-separated: tensorboard, wandb (offline by default)
     samples: int = 4  # training rollouts a step written to samples.jsonl (every eval problem always is)
-    # ---- language-model tasks (cartpole refuses these)
+    # ---- cartpole (LLM tasks refuse these)
+    hidden: int = 64  # MLP width: CartPole needs little, and small is fast
+    eval_episodes: int = 10  # held-out greedy episodes per eval (the solve criterion uses 10)
+    # ---- LLM tasks (cartpole refuses these)
     model: str = "tiny"  # HF hub id or local dir; "tiny" builds a small Llama locally, no download
     lora: bool = True  # LoRA: ~1% of the weights train and the KL reference costs no memory
     lora_rank: int = 16  # rank 16 is where RL fine-tuning results stop improving in most reports
@@ -114,7 +115,7 @@ class Config:
     sandbox: str = "strict"  # python_tool: strict refuses where code cannot be isolated; weak: rlimits only
     # ---- torchrun (`torchrun --nproc_per_node=N train.py ...`: --batch stays the global batch)
     dist_timeout: float = 1800.0  # seconds a rank waits in a collective before failing: > any checkpoint
-    # ---- disaggregated training (serve.py): a trainer process and any number of rollout workers
+    # ---- LLM tasks: disaggregated training (serve.py), a trainer and any number of rollout workers
     role: str = "sync"  # sync: one process; trainer + rollout: generation moves to workers that come and go
     trainer_url: str = ""  # rollout: the trainer's url; trainer: where to listen (empty: a free port)
     vllm: bool = False  # rollout workers generate with vLLM (LoRA only: a full model per sync is too slow)
@@ -217,12 +218,11 @@ def validate_modes(cfg: Config) -> None:
             sandbox.use(cfg.sandbox)
         except sandbox.SandboxUnavailable as e:
             raise err(str(e)) from None
-    llm = [f.name.replace("_", "-") for f in dataclasses.fields(Config) if getattr(cfg, f.name) != f.default
-           and utils.field_docs(Config)[f.name][0].startswith("language-model")]  # CartPole would ignore them
-    if cfg.task in CONTROL and llm:  # no text, no tokens (--model, --temperature, ...)
-        raise err(f"--{llm[0]} is for LLM tasks, not {cfg.task}: drop it or pick an LLM --task")
-    if cfg.role != "sync" and cfg.task in CONTROL:
-        raise err(f"--role {cfg.role} is for LLM tasks; {cfg.task} runs in one process (--role sync)")
+    other = "LLM" if cfg.task in CONTROL else "cartpole"  # each kind of task refuses the other's options
+    for f in dataclasses.fields(Config):  # instead of ignoring them: a forgotten --task trained CartPole
+        if getattr(cfg, f.name) != f.default and utils.field_docs(Config)[f.name][0].startswith(other):
+            raise err(f"--{f.name.replace('_', '-')} is for {other} tasks, not {cfg.task}: drop it or "
+                      "pick another --task")
     if cfg.role != "sync" and cfg.algo == "ppo":
         raise err("--algo ppo trains a critic the workers cannot score with; use --role sync, or a "
                   "critic-free --algo (grpo, rloo, reinforce_pp) with workers")

@@ -35,7 +35,7 @@ def one_line_error(capsys, argv) -> str:
     (["--task", "cartpole", "--sft-steps", "5"], "--sft-steps is for LLM tasks"),
     (["--task", "cartpole", "--data", MIXED], "--data is for LLM tasks"),  # was ignored
     # the forgotten --task: a CartPole run with --model (or any LLM option) was trained, the option unused
-    (["--model", "Qwen/Qwen3-0.6B", "--algo", "grpo"], "--model is for LLM tasks, not cartpole: drop it or pick an LLM --task"),
+    (["--model", "Qwen/Qwen3-0.6B", "--algo", "grpo"], "--model is for LLM tasks, not cartpole: drop it or pick another --task"),
     (["--temperature", "0.7"], "--temperature is for LLM tasks, not cartpole"),
     (LLM + ["--gen-batch", "0"], "need --gen-batch >= 1 (got 0)"),
     (LLM + ["--gen-batch", "-1"], "need --gen-batch >= 1 (got -1)"),
@@ -45,7 +45,8 @@ def one_line_error(capsys, argv) -> str:
     (["--eval-every", "0"], "need --eval-every >= 1 (got 0)"),
     (LLM + ["--max-new-tokens", "0"], "need --max-new-tokens >= 1 (got 0)"),
     (["--steps", "-3"], "need --steps >= 0 (got -3)"),
-    (["--workers", "2"], "are for --role trainer"),
+    (LLM + ["--workers", "2"], "are for --role trainer"),
+    (LLM + ["--hidden", "256"], "--hidden is for cartpole tasks, not arith"),  # the tiny model's size is not it
     (LLM + ["--role", "trainer", "--algo", "ppo"], "use --role sync, or a critic-free --algo"),
     (LLM + ["--overlong-buffer", "999", "--max-new-tokens", "8"], "in 1..--max-new-tokens"),
     (["--lr", "nan"], "'lr' must be a finite float, got 'nan'"),  # NaN passes every range check
@@ -268,7 +269,8 @@ def test_a_start_that_failed_before_logging_a_step_leaves_its_directory_to_the_f
     (LLM + ["--top-p", "0"], "need temperature > 0 and 0 < top_p <= 1 (got 1.0, 0.0)"),
 ])
 def test_more_bad_flags_stop_in_one_line_naming_the_fix(capsys, tmp_path, argv, fix):
-    quick = ["--steps", "0", "--eval-size", "1", "--eval-episodes", "1"]  # a lost check: seconds, not a run
+    evals = ["--eval-size", "1"] if "--task" in argv else ["--eval-episodes", "1"]  # an LLM task's, CartPole's
+    quick = ["--steps", "0", *evals]  # a lost check: seconds, not a run
     assert fix in one_line_error(capsys, ["--out", str(tmp_path / "r"), "--no-progress", *quick, *argv])
     assert not (tmp_path / "r").exists()  # refused before the run directory is made
 

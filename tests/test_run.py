@@ -54,9 +54,11 @@ def test_help_shows_each_fields_comment_default_and_choices_grouped_as_in_config
     assert "--lr FLOAT CartPole REINFORCE, 8 seeds: 5e-3 solved all" in flat and "(default: 0.005)" in flat
     assert "choices: reinforce, reinforce_baseline, reinforce_pp, ppo, grpo, rloo, opd; default: 'reinforce'" in flat
     assert "--lora, --no-lora LoRA: ~1% of the weights train" in flat  # a % in a comment survives argparse
-    sections = ["run:", "language-model tasks (cartpole refuses these):", "torchrun (", "disaggregated"]
+    sections = ["run:", "cartpole (LLM tasks refuse these):", "LLM tasks (cartpole refuses these):", "torchrun (",
+                "LLM tasks: disaggregated"]
     positions = [text.index("\n" + s) for s in sections]
-    assert positions == sorted(positions) and text.index("\n  --model ") > positions[1] > text.index("\n  --steps ")
+    assert positions == sorted(positions) and text.index("\n  --model ") > positions[2] > text.index("\n  --hidden ")
+    assert positions[1] > text.index("\n  --steps ")
 
 
 def test_resume_skips_a_checkpoint_without_what_nanorl_writes(tmp_path, capsys):
