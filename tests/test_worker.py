@@ -184,6 +184,45 @@ def test_a_batch_the_trainer_refuses_is_logged_and_the_worker_goes_on(tiny, adap
     assert err.count(line) >= 2 and "Traceback" not in err and box.queue == []
 
 
+def test_a_worker_whose_batch_hears_the_run_is_over_stops_without_generating_another(tiny, adapter, inbox,
+                                                                                    capsys, one_thread,
+                                                                                    monkeypatch):
+    """The trainer's 410 to a /batch ends the worker there, not at its fetcher's next poll (one more batch
+    generated for nobody); a batch the trainer took is never logged as refused. /adapter stays silent (204)
+    at the end here, so that only /batch says it, unless the worker posts past the end regardless."""
+    real_adapter, real_receive, ended = serve.Inbox.adapter, serve.Inbox.receive, []
+    monkeypatch.setattr(serve, "LONG_POLL", 60.0)  # the fixture's close() then waits for the worker to hear
+
+    def silent_adapter(self, req):
+        status, body = real_adapter(self, req)
+        if status != 410 or len(ended) >= 3:  # 3 batches past the end: the worker did not stop, let it go
+            return status, body
+        time.sleep(0.05)
+        return 204, None
+
+    def receive(self, req):
+        status, reply = real_receive(self, req)
+        ended.extend([status] if status == 410 else [])
+        return status, reply
+    monkeypatch.setattr(serve.Inbox, "adapter", silent_adapter)  # before the inbox binds its routes
+    monkeypatch.setattr(serve.Inbox, "receive", receive)
+    box = inbox(tiny, vocab=adapter[2], max_len=1024)
+    publish(box, adapter, 0)
+
+    def trainer():
+        try:
+            until(lambda: box.counts["groups_received"], "a batch")
+        finally:
+            with box.cond:  # close()'s first half: the run is over (its second stops the server)
+                box.finished = True
+                box.cond.notify_all()
+    threading.Thread(target=trainer, daemon=True).start()
+    assert worker(box, tiny) == 0
+    err = capsys.readouterr().err
+    assert ended == [410] and box.counts["groups_received"] >= 2  # every batch before the end was taken
+    assert "refused" not in err and "Traceback" not in err
+
+
 def test_a_sigterm_unwinds_a_worker_mid_batch_into_exit_130_with_its_fetcher_joined(tiny, adapter, inbox,
                                                                                      capsys, one_thread):
     """SIGTERM (the trainer closing its --workers, a scheduler) killed a worker where it stood: exit -15,
