@@ -223,6 +223,24 @@ def test_a_worker_whose_batch_hears_the_run_is_over_stops_without_generating_ano
     assert "refused" not in err and "Traceback" not in err
 
 
+def test_a_worker_whose_run_ends_before_its_first_adapter_exits_0(tiny, inbox, capsys, one_thread):
+    """A worker waits for its first adapter before it samples; a run that ends first (a trainer stopped
+    during its step-0 eval) must end that wait, not leave the worker waiting for ever."""
+    box = inbox(tiny)
+    gone = threading.Event()
+
+    def trainer():
+        until(lambda: box.next_worker == 1, "the worker's hello")
+        box.close()  # no adapter was ever published
+        if not gone.wait(30) and signal.getsignal(signal.SIGTERM) is signal.default_int_handler:
+            os.kill(os.getpid(), signal.SIGTERM)  # a hang guard: the worker unwinds into exit 130
+    threading.Thread(target=trainer, daemon=True).start()
+    rc = worker(box, tiny)
+    gone.set()
+    err = capsys.readouterr().err  # told the run is over: not left to find the trainer gone (patience)
+    assert rc == 0 and fetcher() is None and "unreachable" not in err and "Traceback" not in err
+
+
 def test_a_sigterm_unwinds_a_worker_mid_batch_into_exit_130_with_its_fetcher_joined(tiny, adapter, inbox,
                                                                                      capsys, one_thread):
     """SIGTERM (the trainer closing its --workers, a scheduler) killed a worker where it stood: exit -15,
