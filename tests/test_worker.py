@@ -79,6 +79,19 @@ def test_a_worker_pointed_at_another_server_stops_in_one_line_naming_the_url(cap
                              "check --trainer-url"])
 
 
+def test_a_post_answered_429_or_503_is_sent_again_until_the_trainer_answers(monkeypatch):
+    """429 (the queue is full) and 503 (the trainer loads its checkpoint) mean "again shortly": the
+    batch is not dropped as refused. Once gone() says the run is over, post gives up (None)."""
+    token = "worker-test-token-0123456789"
+    monkeypatch.setenv("NANORL_TOKEN", token)
+    answers = [429, 503, 429, 200]
+    with transport.Server({("POST", "/batch"): lambda req: (answers.pop(0), {"left": len(answers)})},
+                          token=token) as trainer:
+        client = transport.Client(trainer.url, retries=1)
+        assert serve.post(client, "/batch", b"rows", gone=lambda: False) == (200, bytearray(b'{"left": 0}'))
+        assert answers == [] and serve.post(client, "/batch", b"rows", gone=lambda: True) is None
+
+
 def test_a_worker_that_joins_a_finished_run_exits_0_before_loading_its_model(inbox, capsys, monkeypatch):
     trainer_inbox = inbox("/no/such/model")
     monkeypatch.setattr(serve, "LONG_POLL", 60.0)  # close() now waits 121 s for worker 0 to hear it
@@ -220,7 +233,7 @@ def test_a_worker_whose_batch_hears_the_run_is_over_stops_without_generating_ano
     assert worker(box, tiny) == 0
     err = capsys.readouterr().err
     assert ended == [410] and box.counts["groups_received"] >= 2  # every batch before the end was taken
-    assert "refused" not in err and "Traceback" not in err
+    assert "refused" not in err and "rejected" not in err and "Traceback" not in err  # a 204 is no adapter
 
 
 def test_a_worker_whose_run_ends_before_its_first_adapter_exits_0(tiny, inbox, capsys, one_thread):
