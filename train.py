@@ -219,9 +219,9 @@ def validate_modes(cfg: Config) -> None:
         except sandbox.SandboxUnavailable as e:
             raise err(str(e)) from None
     other = "LLM" if cfg.task in CONTROL else "cartpole"  # each kind of task refuses the other's options
-    for f in dataclasses.fields(Config):  # instead of ignoring them: a forgotten --task trained CartPole
-        if getattr(cfg, f.name) != f.default and utils.field_docs(Config)[f.name][0].startswith(other):
-            raise err(f"--{f.name.replace('_', '-')} is for {other} tasks, not {cfg.task}: drop it or "
+    for name, (section, _) in utils.field_docs(Config).items():  # a forgotten --task trained CartPole
+        if section.startswith(other) and getattr(cfg, name) != getattr(Config, name):
+            raise err(f"--{name.replace('_', '-')} is for {other} tasks, not {cfg.task}: drop it or "
                       "pick another --task")
     if cfg.role != "sync" and cfg.algo == "ppo":
         raise err("--algo ppo trains a critic the workers cannot score with; use --role sync, or a "
