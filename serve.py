@@ -24,12 +24,12 @@ import torch
 
 import utils
 from model import LLMPolicy, VLLMGenerator
-from rollouts import WIRE, Batch, BatchSource, from_wire, sources
+from rollouts import WIRE, Batch, BatchSource, EnvRollouts, from_wire, sources
 from transport import Client, PayloadError, Request, ServeError, Server, decode, encode, split_url
 
 FINGERPRINT = ("task", "seed", "eval_size", "data", "model", "lora", "lora_rank", "lora_alpha",
                "lora_targets", "max_new_tokens", "group_size", "temperature", "top_p", "chat_template",
-               "thinking", "overlong_buffer")
+               "thinking", "overlong_buffer", "max_turns", "max_len")
 MULTITURN = {"solved", "solved_first_turn", "turns"}  # a multi-turn source sends all of these
 STATS = "|".join([r"reward_\w{1,64}", "judge_dropped_frac", *MULTITURN])  # [N] float32 (Batch.stats)
 STRIDE = 1_000_000  # worker w samples train problems w*STRIDE, w*STRIDE+1, ...: workers never share a prompt
@@ -262,7 +262,10 @@ class AsyncRollouts(BatchSource):
         self.config_json = policy.adapter_config()  # saves an adapter to check PEFT's names: once per run
         self.inbox, self.procs = None, []  # under torchrun rank 0 alone serves the workers
         if utils.rank() == 0:
-            limit = min(cfg.max_len, getattr(policy.model.config, "max_position_embeddings", cfg.max_len))
+            # A row's length: a multi-turn episode's ends by --max-len; a single-turn row, by the model's context
+            context = getattr(policy.model.config, "max_position_embeddings", None)
+            limit = (min(cfg.max_len, context or cfg.max_len) if isinstance(local, EnvRollouts)
+                     else context or cfg.max_len + cfg.max_new_tokens)  # no context: a long prompt and its budget
             self.inbox = Inbox(cfg, policy.model.get_input_embeddings().num_embeddings, policy.pad_id, limit)
             self.procs = spawn_workers(cfg, self.inbox.server.url, self.inbox.server.token)
 

@@ -126,9 +126,9 @@ def rows(policy):
     return worker_batch(policy, [0] * 4)
 
 
-def source_for(policy, max_staleness=1):
+def source_for(policy, max_staleness=1, *extra):
     cfg = utils.load_config(train.Config, flags(policy.model.peft_config["default"].base_model_name_or_path, "unused",
-                                                "--role", "trainer", "--max-staleness", str(max_staleness)))
+                                                "--role", "trainer", "--max-staleness", str(max_staleness), *extra))
     return serve.AsyncRollouts(cfg, policy, SimpleNamespace(evaluate=lambda: {}, task=None, draw=None)), policy
 
 
@@ -173,6 +173,19 @@ def test_old_logp_is_scored_under_the_exact_version_that_sampled_each_row(policy
         policy.load_trainable(v1)  # prepare() must have left the live (v1) weights in place
         assert all(torch.equal(a, v1[n]) for n, a in policy.trainable_state().items())
         assert batch.metrics["logp_gap"] < 1e-4 and src.last["staleness_max"] == 1
+    finally:
+        src.close()
+
+
+def test_a_single_turn_row_is_bounded_by_the_model_context_not_by_max_len(policy, rows):
+    """--max-len ends multi-turn episodes; a single-turn row (prompt + --max-new-tokens) may pass it. The
+    inbox once refused every such batch (a 4096-token budget on Qwen3: all of them), and the trainer waited."""
+    src, policy = source_for(policy, 1, "--max-len", "8")  # load_config: validate() would refuse it here
+    try:
+        assert rows["tokens"].shape[1] > 8  # "0+1=" and 6 new tokens, in a chat template
+        assert src.inbox.max_len == policy.model.config.max_position_embeddings == 1024
+        src.publish(0)
+        assert src.inbox.receive(transport.Request("/batch", {}, transport.encode(rows, {"worker": "t"})))[0] == 200
     finally:
         src.close()
 

@@ -1,5 +1,6 @@
 """What a client may POST to the trainer's inbox (serve.Inbox, behind a real HTTP server): every
 batch the training loop cannot use gets a 4xx and is counted, and whatever was accepted collates."""
+import dataclasses
 import json
 import math
 import threading
@@ -190,6 +191,20 @@ def test_a_worker_with_another_config_is_refused_at_hello_in_one_line_naming_the
     same = train.parse(argv[:-4])  # the trainer's own config: welcome, as worker 0
     assert serve.hello(transport.Client(parsed.server.url, retries=1), same) == 0 and parsed.next_worker == 1
     monkeypatch.setattr(serve, "HEARTBEAT", 0.0)  # or close() waits for worker 0, which never polls
+
+
+def test_a_multiturn_worker_whose_episodes_end_elsewhere_is_refused_at_hello():
+    """A worker's episodes longer than the trainer's --max-len would be refused batch after batch."""
+    cfg = train.parse(["--task", "countdown", "--role", "trainer"])
+    box = serve.Inbox(cfg, VOCAB, 0, MAX_LEN)
+    try:
+        box.restore(0)
+        theirs = serve.fingerprint(dataclasses.replace(cfg, max_len=4096, max_turns=2))
+        status, body = box.hello(Request("/hello", {}, json.dumps({"fingerprint": theirs}).encode()))
+        assert (status, body["error"].split(": start")[0]) == (409, "worker and trainer disagree on max_turns "
+                                                                   "(trainer 4, worker 2); max_len (trainer 2048, worker 4096)")
+    finally:
+        box.close()
 
 
 @pytest.mark.parametrize("query", ["", "?have=0", "?worker=0", "?have=&worker=0", "?have=x&worker=0",
