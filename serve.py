@@ -262,10 +262,11 @@ class AsyncRollouts(BatchSource):
         self.config_json = policy.adapter_config()  # saves an adapter to check PEFT's names: once per run
         self.inbox, self.procs = None, []  # under torchrun rank 0 alone serves the workers
         if utils.rank() == 0:
-            # A row's length: a multi-turn episode's ends by --max-len; a single-turn row, by the model's context
+            # The longest row: a multi-turn episode ends by --max-len, a single-turn one by the context
+            # (a model that names none: a prompt of up to --max-len and the token budget)
             context = getattr(policy.model.config, "max_position_embeddings", None)
             limit = (min(cfg.max_len, context or cfg.max_len) if isinstance(local, EnvRollouts)
-                     else context or cfg.max_len + cfg.max_new_tokens)  # no context: a long prompt and its budget
+                     else context or cfg.max_len + cfg.max_new_tokens)
             self.inbox = Inbox(cfg, policy.model.get_input_embeddings().num_embeddings, policy.pad_id, limit)
             self.procs = spawn_workers(cfg, self.inbox.server.url, self.inbox.server.token)
 

@@ -110,8 +110,9 @@ class Config:
     sft_steps: int = 0  # supervised warm-start steps on the task's own solver's demos, before RL (tiny: 200)
     sft_lr: float = 1e-3  # warm-start learning rate (separate: supervised steps tolerate more)
     overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens of the budget; 0 = off
-    max_turns: int = 4  # turns per multi-turn episode, unless the env sets its own; each may fix an error
-    max_len: int = 2048  # multi-turn envs: an episode longer than this (tokens) ends early, cleanly
+    # ---- multi-turn LLM tasks: envs.TEXT_ENVS (cartpole and single-turn tasks refuse these)
+    max_turns: int = 4  # turns per episode, unless the env sets its own; each may fix an error
+    max_len: int = 2048  # an episode longer than this (tokens) ends early, cleanly
     sandbox: str = "strict"  # python_tool: strict refuses where code cannot be isolated; weak: rlimits only
     # ---- torchrun (`torchrun --nproc_per_node=N train.py ...`: --batch stays the global batch)
     dist_timeout: float = 1800.0  # seconds a rank waits in a collective before failing: > any checkpoint
@@ -214,14 +215,13 @@ def validate_modes(cfg: Config) -> None:
     if (cfg.algo == "opd") != bool(cfg.teacher):  # CartPole refuses --teacher below, as other LLM options
         raise err("--algo opd and --teacher MODEL go together, and only on LLM tasks")
     if cfg.task == "python_tool":  # model code runs only where the sandbox isolates it, or weakly by name
-        try:
-            sandbox.use(cfg.sandbox)
-        except sandbox.SandboxUnavailable as e:
-            raise err(str(e)) from None
-    other = "LLM" if cfg.task in CONTROL else "cartpole"  # each kind of task refuses the other's options
-    for name, (section, _) in utils.field_docs(Config).items():  # a forgotten --task trained CartPole
-        if section.startswith(other) and getattr(cfg, name) != getattr(Config, name):
-            raise err(f"--{name.replace('_', '-')} is for {other} tasks, not {cfg.task}: drop it or "
+        sandbox.use(cfg.sandbox)  # else SandboxUnavailable, which main() shows in one line
+    # each kind of task refuses the others' options (a forgotten --task trained CartPole)
+    own = {"cartpole"} if cfg.task in CONTROL else {"LLM"} if single else {"LLM", "multi-turn"}
+    for name, (section, _) in utils.field_docs(Config).items():  # a section's first word: its kind
+        kind = section.split()[0]
+        if kind in {"cartpole", "LLM", "multi-turn"} - own and getattr(cfg, name) != getattr(Config, name):
+            raise err(f"--{name.replace('_', '-')} is for {kind} tasks, not {cfg.task}: drop it or "
                       "pick another --task")
     if cfg.role != "sync" and cfg.algo == "ppo":
         raise err("--algo ppo trains a critic the workers cannot score with; use --role sync, or a "
@@ -578,9 +578,9 @@ def main(argv: list[str]) -> int:
             return serve.run_worker(cfg)
         utils.init_distributed(cfg.dist_timeout)
         train(cfg)
-    except (utils.ConfigError, JudgeUnavailable) as e:  # --judge-down fail: the checkpoints stay intact
+    except (utils.ConfigError, JudgeUnavailable, sandbox.SandboxUnavailable) as e:  # each names its fix
         utils.stderr(f"error: {e}")
-        return 2 if isinstance(e, utils.ConfigError) else 1
+        return 1 if isinstance(e, JudgeUnavailable) else 2  # 1: a judge down (--judge-down fail), run saved
     except KeyboardInterrupt:
         return 130  # the shell's code for a run stopped by Ctrl-C
     except Exception as e:

@@ -47,6 +47,10 @@ def one_line_error(capsys, argv) -> str:
     (["--steps", "-3"], "need --steps >= 0 (got -3)"),
     (LLM + ["--workers", "2"], "are for --role trainer"),
     (LLM + ["--hidden", "256"], "--hidden is for cartpole tasks, not arith"),  # the tiny model's size is not it
+    # a single-turn task has no episodes to end or code to run: these went unused, as --sandbox on CartPole
+    (LLM + ["--max-turns", "2"], "--max-turns is for multi-turn tasks, not arith: drop it or pick another --task"),
+    (LLM + ["--max-len", "512"], "--max-len is for multi-turn tasks, not arith"),
+    (["--sandbox", "weak"], "--sandbox is for multi-turn tasks, not cartpole"),
     (LLM + ["--role", "trainer", "--algo", "ppo"], "use --role sync, or a critic-free --algo"),
     (LLM + ["--overlong-buffer", "999", "--max-new-tokens", "8"], "in 1..--max-new-tokens"),
     (["--lr", "nan"], "'lr' must be a finite float, got 'nan'"),  # NaN passes every range check
