@@ -500,8 +500,8 @@ def make_task(name: str, *, seed: int, eval_size: int, data: str | None = None,
                          f"(valid: {', '.join(sorted(TASKS))})")
     if issubclass(TASKS[name], DatasetTask):
         options.update(data=data, bad_rows=bad_rows)
-    elif data is not None:
-        raise ValueError(f"this task generates its own problems; drop --data {data}")
+    elif data is not None or bad_rows != "skip":  # no rows to read: either would go unused
+        raise ValueError("this task generates its own problems; drop --data and --bad-rows")
     return TASKS[name](seed=seed, eval_size=eval_size, **options)
 
 

@@ -74,6 +74,8 @@ def test_bad_flags_stop_in_one_line_naming_the_fix(capsys, argv, fix):
     (["--task", "gsm8k", "--data", "no/such/file.jsonl"], "--task gsm8k: "),
     (["--task", "arith", "--data", MIXED], "error: --task arith: this task generates its own problems; drop --data"),
     (["--task", "sql", "--data", MIXED], "error: --task sql: this task generates its own problems; drop --data"),
+    (["--task", "arith", "--bad-rows", "error"], "error: --task arith: this task generates its own problems; drop --data and --bad-rows"),
+    (["--task", "countdown_multiturn", "--bad-rows", "error"], "its own problems; drop --data and --bad-rows"),  # were unused
 ])
 def test_task_data_errors_stop_in_one_line(capsys, tmp_path, argv, fix):
     err = one_line_error(capsys, ["--model", "tiny", "--no-progress", "--out", str(tmp_path / "r"), *argv])
