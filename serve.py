@@ -67,6 +67,7 @@ class Inbox:
         self.seen, self.told = {}, set()  # worker -> time of its last request; workers told "finished"
         self.restored = False  # until restore(): an id issued before may be one a past worker of the run had
         self.counts, self.apply_s, self.publish_s, self.rollout_metrics = Counter(), [], 0.0, []
+        self.refusal = ""  # why the latest refused batch was: a step waiting for batches says it
         host, port = split_url(cfg.trainer_url or "http://127.0.0.1:0")  # "": an ephemeral loopback port
         self.server = Server({("POST", "/hello"): self.hello, ("GET", "/adapter"): self.adapter,
                               ("POST", "/batch"): self.receive}, host, port or 0)
@@ -163,6 +164,7 @@ class Inbox:
                 return 410, {"finished": True}
             if why := self.check(tensors, meta):
                 self.counts["batches_rejected"] += 1
+                self.refusal = f"; {self.counts['batches_rejected']} batches refused, the latest: {why}"
                 return 400, {"error": why}
             self.keys = self.keys or set(tensors)
             texts = meta.get("texts") or [["", "", ""]] * len(tensors["tokens"])
@@ -198,7 +200,8 @@ class Inbox:
         with self.cond:  # wait_for releases it while the HTTP threads fill the queue
             while len(got) < self.groups:
                 if not self.cond.wait_for(lambda: self.queue, timeout=WAITING):
-                    utils.stderr(f"step {step}: waiting for batches ({len(self.live())} live workers)")
+                    live = len(self.live())
+                    utils.stderr(f"step {step}: waiting for batches ({live} live workers{self.refusal})")
                 taken, self.queue = self.queue[: self.groups - len(got)], self.queue[self.groups - len(got):]
                 self.cond.notify_all()  # room for a worker whose POST is waiting
                 for g in taken:

@@ -96,6 +96,21 @@ def test_a_step_without_batches_says_every_so_often_what_it_waits_for_then_takes
     monkeypatch.setattr(serve, "HEARTBEAT", 0.0)  # or close() waits for worker 0, which never polls
 
 
+def test_a_step_waiting_for_batches_says_how_many_were_refused_and_why(inbox, monkeypatch, capsys):
+    """A worker whose every batch is refused (rows longer than the trainer takes, say) left the trainer
+    saying only that it waited: the reason was in the worker's log, perhaps on another machine."""
+    monkeypatch.setattr(serve, "WAITING", 0.2)
+    assert [post(inbox, forge(length=MAX_LEN + 1))[0] for _ in range(2)] == [400, 400]
+    taking = threading.Thread(target=lambda: inbox.take(2, {0}), daemon=True)
+    taking.start()
+    time.sleep(0.5)
+    assert post(inbox, forge(groups=2))[0] == 200
+    taking.join(10)
+    assert set(capsys.readouterr().err.splitlines()) == {
+        "step 2: waiting for batches (0 live workers; 2 batches refused, the latest: 4 rows of 65 tokens; at most "
+        "2 groups of 4 rows, 64 long)"}
+
+
 def test_liveness_counts_only_worker_ids_the_trainer_issued(inbox):
     assert inbox.hello(Request("/hello", {}, encode_hello(inbox)))[0] == 200  # issues worker 0
     for spoofed in (1, 7, 10**9, -1, "0", None):
