@@ -180,11 +180,6 @@ def validate(cfg: Config) -> None:
                   f"(got {cfg.eps_low}, {cfg.eps_high}, {cfg.dual_clip})")
     if cfg.tis_cap < 1 or not 0 < cfg.mis_low <= 1 <= cfg.mis_high:
         raise err("need tis_cap >= 1 and mis_low <= 1 <= mis_high: agreeing engines get weight 1")
-    if cfg.kl_in_reward and not cfg.kl_coef:
-        raise err("--kl-in-reward needs --kl-coef > 0 (e.g. 0.01)")
-    if (cfg.vf_clip or cfg.critic_max_grad_norm) and cfg.algo != "ppo":
-        raise err(f"--vf-clip and --critic-max-grad-norm tune PPO's critic, and the --algo {cfg.algo} "
-                  "policy has none; use --algo ppo or drop them")
     if (cfg.export or cfg.export_merged) and (cfg.task in CONTROL or not cfg.export):
         raise err("--export DIR writes a language model (and --export-merged needs --export DIR); CartPole's "
                   "weights are the ckpt-*/weights.safetensors of its run")
@@ -204,9 +199,6 @@ def validate(cfg: Config) -> None:
 def validate_modes(cfg: Config) -> None:
     """Options that only some kinds of task, or only disaggregated training (serve.py), have."""
     err, single = utils.ConfigError, sources()[cfg.task] is TaskRollouts
-    if cfg.dynamic_sampling and (cfg.algo not in GROUPED or not single):
-        raise err(f"--dynamic-sampling needs a grouped --algo ({', '.join(sorted(GROUPED))}) and a "
-                  "single-turn LLM task")
     if not 0 <= cfg.prompt_reweight <= 1 or (cfg.prompt_reweight and not single):
         raise err(f"--prompt-reweight {cfg.prompt_reweight}: a share in [0, 1], single-turn LLM tasks only")
     if cfg.overlong_buffer and (not single or not 0 < cfg.overlong_buffer <= cfg.max_new_tokens):
@@ -216,13 +208,29 @@ def validate_modes(cfg: Config) -> None:
         raise err("--algo opd and --teacher MODEL go together, and only on LLM tasks")
     if cfg.task == "python_tool":  # model code runs only where the sandbox isolates it, or weakly by name
         sandbox.use(cfg.sandbox)  # else SandboxUnavailable, which main() shows in one line
-    # each kind of task refuses the others' options (a forgotten --task trained CartPole)
     own = {"cartpole"} if cfg.task in CONTROL else {"LLM"} if single else {"LLM", "multi-turn"}
-    for name, (section, _) in utils.field_docs(Config).items():  # a section's first word: its kind
+    for name, (section, _) in utils.field_docs(Config).items():  # others' options: a forgotten --task
         kind = section.split()[0]
         if kind in {"cartpole", "LLM", "multi-turn"} - own and getattr(cfg, name) != getattr(Config, name):
             raise err(f"--{name.replace('_', '-')} is for {kind} tasks, not {cfg.task}: drop it or "
                       "pick another --task")
+    tunes = (("kl_estimator kl_in_reward", cfg.kl_coef, "--kl-coef > 0 (e.g. 0.01)"),
+             ("tis_cap", cfg.tis != "off", "--tis token or sequence"),
+             ("mis_low mis_high", cfg.mis != "off", "--mis token or sequence"),
+             ("vf_clip critic_max_grad_norm", cfg.algo == "ppo", "--algo ppo (the only critic)"),
+             ("loss_agg_constant", cfg.loss_agg == "constant", "--loss-agg constant"),
+             ("dynamic_sampling", cfg.algo in GROUPED and single, "a grouped --algo on a single-turn task"),
+             ("max_gen_batches", cfg.dynamic_sampling, "--dynamic-sampling"),
+             ("opd_reward_coef", cfg.algo == "opd", "--algo opd"),
+             ("sft_lr", cfg.sft_steps, "--sft-steps N (a warm-start)"),
+             ("workers", cfg.role == "trainer", "--role trainer (resuming async in sync: --workers 0)"),
+             ("trainer_url", cfg.role != "sync", "--role trainer or rollout (sync resume: --trainer-url '')"),
+             ("vllm", cfg.role == "rollout" and cfg.lora, "--role rollout and --lora (with full fine-tuning "
+              "every sync would ship the whole model)"))
+    for names, on, needs in tunes:  # an option tuning another that is off would do nothing
+        for name in names.split():
+            if not on and getattr(cfg, name) != getattr(Config, name):
+                raise err(f"--{name.replace('_', '-')} needs {needs}; add that or drop it")
     if cfg.role != "sync" and cfg.algo == "ppo":
         raise err("--algo ppo trains a critic the workers cannot score with; use --role sync, or a "
                   "critic-free --algo (grpo, rloo, reinforce_pp) with workers")
@@ -230,12 +238,6 @@ def validate_modes(cfg: Config) -> None:
         raise err("--role rollout needs --trainer-url http://HOST:PORT (the trainer prints it at start)")
     if cfg.trainer_url:  # before a model loads
         serve.split_url(cfg.trainer_url)
-    if cfg.role == "sync" and (cfg.workers or cfg.trainer_url):
-        raise err("--workers and --trainer-url are for --role trainer (or rollout); drop them in a sync run "
-                  "(resuming an async run: --workers 0 --trainer-url '')")
-    if cfg.vllm and (cfg.role != "rollout" or not cfg.lora):
-        raise err("--vllm is for --role rollout with --lora: with full fine-tuning every sync would ship "
-                  "the whole model; drop --vllm to let the worker generate with its own copy of the policy")
 
 
 def build(cfg: Config) -> tuple[torch.nn.Module, torch.optim.Optimizer, BatchSource]:
@@ -417,11 +419,9 @@ def micro_loss(policy, batch: Batch, rows: torch.Tensor, share, fresh: bool, cfg
 
 
 # ---------------------------------------------------------------- the loop
-HEADLINE = ("eval_return", "eval_accuracy")  # the eval that --target stops at (a task logs one of them)
-
-
 def train(cfg: Config) -> Path:
     validate(cfg)
+    headline = ("eval_return", "eval_accuracy")  # the eval that --target stops at (a task logs one of them)
     policy, opt, source = build(cfg)
     meta = resume(cfg, policy, opt, source)
     if cfg.eval_only:
@@ -458,7 +458,7 @@ def train(cfg: Config) -> Path:
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 last_eval = evaluate(source, log, step + 1, out)
             bar.set_postfix(reward=f"{stats['reward']:.1f}", **{k: f"{v:.3g}" for k, v in last_eval.items()})
-            solved = cfg.target and max(last_eval.get(k, -math.inf) for k in HEADLINE) >= cfg.target
+            solved = cfg.target and max(last_eval.get(k, -math.inf) for k in headline) >= cfg.target
             if stop(step + 1, log):
                 break
             if (step + 1) % cfg.ckpt_every == 0 or solved or step + 1 == cfg.steps:
@@ -474,7 +474,7 @@ def train(cfg: Config) -> Path:
         source.close()  # an async trainer tells its workers the run is over (before a full disk fails close)
         log.close()
     if utils.rank() == 0:  # under torchrun only rank 0 writes: logs, samples, checkpoints, the report
-        utils.plot(out, keys=("reward", *HEADLINE, "eval_accuracy_lenient"))
+        utils.plot(out, keys=("reward", *headline, "eval_accuracy_lenient"))
         finish(cfg, policy, out, log.wall())
     return out
 

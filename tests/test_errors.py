@@ -45,7 +45,17 @@ def one_line_error(capsys, argv) -> str:
     (["--eval-every", "0"], "need --eval-every >= 1 (got 0)"),
     (LLM + ["--max-new-tokens", "0"], "need --max-new-tokens >= 1 (got 0)"),
     (["--steps", "-3"], "need --steps >= 0 (got -3)"),
-    (LLM + ["--workers", "2"], "are for --role trainer"),
+    (LLM + ["--workers", "2"], "--workers needs --role trainer (resuming async in sync: --workers 0); add that or drop it"),
+    # an option tuning another that is off went unused: each is refused, naming what turns it on
+    (LLM + ["--role", "rollout", "--trainer-url", "http://h:1", "--workers", "2"], "--workers needs --role trainer"),
+    (LLM + ["--trainer-url", "http://127.0.0.1:9"], "--trainer-url needs --role trainer or rollout"),
+    (LLM + ["--tis-cap", "3"], "--tis-cap needs --tis token or sequence; add that or drop it"),
+    (LLM + ["--mis-high", "3"], "--mis-high needs --mis token or sequence"),
+    (LLM + ["--kl-estimator", "k2"], "--kl-estimator needs --kl-coef > 0 (e.g. 0.01)"),
+    (LLM + ["--loss-agg-constant", "100"], "--loss-agg-constant needs --loss-agg constant"),
+    (LLM + ["--max-gen-batches", "5"], "--max-gen-batches needs --dynamic-sampling"),
+    (LLM + ["--opd-reward-coef", "0.5"], "--opd-reward-coef needs --algo opd"),
+    (LLM + ["--sft-lr", "0.01"], "--sft-lr needs --sft-steps N (a warm-start)"),  # LLM has --sft-steps 0
     (LLM + ["--hidden", "256"], "--hidden is for cartpole tasks, not arith"),  # the tiny model's size is not it
     # a single-turn task has no episodes to end or code to run: these went unused, as --sandbox on CartPole
     (LLM + ["--max-turns", "2"], "--max-turns is for multi-turn tasks, not arith: drop it or pick another --task"),

@@ -397,8 +397,10 @@ def test_ent_coef_raises_the_llms_entropy_and_off_leaves_it_untouched():
     (["--tis", "tokens"], "unknown --tis 'tokens'; did you mean 'token'"),
     (["--dual-clip", "0.5"], "dual_clip 0 \\(off\\) or > 1"),
     (["--tis-cap", "0.5"], "tis_cap >= 1"),
-    (["--kl-in-reward"], "--kl-in-reward needs --kl-coef > 0"),
-    (["--dynamic-sampling"], "--dynamic-sampling needs a grouped --algo"),
+    (["--task", "arith", "--kl-in-reward"], "--kl-in-reward needs --kl-coef > 0"),
+    (["--task", "arith", "--dynamic-sampling", "--algo", "reinforce"], "--dynamic-sampling needs a grouped --algo"),
+    (["--task", "countdown_multiturn", "--dynamic-sampling"], "--dynamic-sampling needs a grouped --algo on a single-turn task"),
+    (["--dynamic-sampling"], "--dynamic-sampling is for LLM tasks, not cartpole"),
     (["--mask-truncated"], "--mask-truncated is for LLM tasks"),
 ])
 def test_validate_names_the_fix_for_toolbox_options(argv, message):
