@@ -106,7 +106,10 @@ def test_resume_of_another_policy_names_the_runs_own_config(capsys, tmp_path):
 def test_an_async_run_resumed_in_one_process_is_told_how_to_drop_its_workers(capsys, tmp_path):
     (tmp_path / "config.yaml").write_text("task: arith\nrole: trainer\nworkers: 2\n")  # what such a run saved
     err = one_line_error(capsys, ["--resume", str(tmp_path), "--role", "sync"])
-    assert err.endswith("drop them in a sync run (resuming an async run: --workers 0 --trainer-url '')")
+    assert err == "error: --workers needs --role trainer (resuming async in sync: --workers 0); add that or drop it"
+    (tmp_path / "config.yaml").write_text("task: arith\nrole: trainer\ntrainer_url: http://0.0.0.0:8000\n")
+    err = one_line_error(capsys, ["--resume", str(tmp_path), "--role", "sync"])
+    assert err.endswith("needs --role trainer or rollout (sync resume: --trainer-url ''); add that or drop it")
     cfg = train.parse(["--resume", str(tmp_path), "--role", "sync", "--workers", "0", "--trainer-url", ""])
     train.validate(cfg)  # the fix it names is accepted
     assert (cfg.role, cfg.workers, cfg.trainer_url, cfg.task) == ("sync", 0, "", "arith")
