@@ -129,7 +129,7 @@ def http_attacks(url: str, proc: subprocess.Popen, out: Path, undisturbed: float
 
 def batch_attacks(url: str):
     v = newest(url)  # the batches below are fresh: none is dropped as stale before the trainer takes it
-    cases = [("turns without solved_at_turn", forge(v, turns=torch.ones(4, dtype=torch.int64))),
+    cases = [("turns without solved and solved_first_turn", forge(v, turns=torch.ones(4))),
              ("reward keys unlike the run's", forge(v, reward_other=torch.zeros(4))),
              ("sequences of 1,500 tokens on a 1,024-position model", forge(v, length=1500)),
              ("200 groups in one POST", forge(v, groups=200)),

@@ -29,7 +29,8 @@ import train
 import utils
 from model import LLMPolicy
 from modeldir import build_tiny_model
-from rollouts import make_batch
+from envs import TEXT_ENVS
+from rollouts import EnvRollouts, make_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "async-test-token-0123456789"
@@ -165,6 +166,7 @@ def test_old_logp_is_scored_under_the_exact_version_that_sampled_each_row(policy
         assert status == 200
         batch = train.prepare(policy, src.next(1), src.cfg, src.weights)  # stage 2 rescores each row
         assert batch.version.tolist() == [0] * 4 + [1] * 4  # sorted by version
+        assert batch.group.tolist() == [0] * 4 + [1] * 4  # whole groups, numbered anew: each its own baseline
         for v, state, rows in ((0, v0, slice(0, 4)), (1, v1, slice(4, 8))):
             policy.load_trainable(state)
             with torch.no_grad():
@@ -188,6 +190,25 @@ def test_a_single_turn_row_is_bounded_by_the_model_context_not_by_max_len(policy
         assert src.inbox.receive(transport.Request("/batch", {}, transport.encode(rows, {"worker": "t"})))[0] == 200
     finally:
         src.close()
+
+
+def test_an_episode_is_bounded_by_max_len_within_the_context_and_a_model_without_one_by_prompt_and_budget(
+        policy, monkeypatch):
+    def bound(*extra):
+        cfg = utils.load_config(train.Config, flags("unused", "unused", "--role", "trainer", *extra))
+        local = EnvRollouts(cfg, policy) if cfg.task in TEXT_ENVS else SimpleNamespace()
+        src = serve.AsyncRollouts(cfg, policy, local)
+        src.close()
+        return src.inbox.max_len
+
+    multi = ("--task", "countdown_multiturn")
+    assert policy.model.config.max_position_embeddings == 1024
+    assert bound(*multi, "--max-len", "2000") == 1024  # an episode never outgrows the model
+    assert bound(*multi, "--max-len", "100") == 100
+    for owner in (policy.model.config, type(policy.model.config)):  # a model that names no context
+        monkeypatch.delattr(owner, "max_position_embeddings")
+    assert bound(*multi, "--max-len", "100") == 100
+    assert bound("--max-len", "100", "--max-new-tokens", "8") == 108  # a prompt of up to --max-len, the budget
 
 
 def test_groups_older_than_max_staleness_are_dropped_and_counted_never_trained(policy, rows):
