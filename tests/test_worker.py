@@ -66,7 +66,8 @@ def test_a_worker_that_reaches_no_trainer_stops_in_one_line_with_exit_2(capsys, 
 
 
 @pytest.mark.parametrize("status, body", [(200, b"<html>welcome</html>"), (404, b"Not Found"),
-                                          (200, b'{"id": 3}'), (409, b"[1, 2]")])
+                                          (200, b'{"id": 3}'), (409, b"[1, 2]"),
+                                          (502, b"<html>" + b"x" * 200 + b"</html>")])  # shown: 80 bytes
 def test_a_worker_pointed_at_another_server_stops_in_one_line_naming_the_url(capsys, monkeypatch, status,
                                                                              body):
     """A port that answers HTTP, with the token, but is no nanorl trainer (its replies are not ours)."""
@@ -75,7 +76,7 @@ def test_a_worker_pointed_at_another_server_stops_in_one_line_naming_the_url(cap
     with transport.Server({("POST", "/hello"): lambda req: (status, body)}, token=token) as other:
         rc = train.main(["--task", "arith", "--role", "rollout", "--trainer-url", other.url])
     err = capsys.readouterr().err.strip().splitlines()
-    assert (rc, err) == (2, [f"error: {other.url} is no nanorl trainer: POST /hello got {status} {body!r}; "
+    assert (rc, err) == (2, [f"error: {other.url} is no nanorl trainer: POST /hello got {status} {body[:80]!r}; "
                              "check --trainer-url"])
 
 
