@@ -37,6 +37,7 @@ SURVIVORS = 64  # ids a resumed trainer skips: those issued after its checkpoint
 LONG_POLL = 2.0  # seconds GET /adapter waits for a newer version; also the workers' heartbeat period
 HEARTBEAT = 10.0  # a worker silent for longer is not counted as live
 WAITING = 60.0  # seconds a step waits without a batch between its "waiting for batches" lines
+REFUSALS = 5  # batches refused in a row that stop a worker (after a --resume, one or two are expected)
 
 
 def fingerprint(cfg) -> dict:
@@ -459,7 +460,7 @@ def run_worker(cfg) -> int:
     source.load_state({"position": me * STRIDE})  # worker w draws problems w*STRIDE, w*STRIDE+1, ...
     utils.stderr(f"worker {me}: generating for {cfg.trainer_url} with {'vLLM' if cfg.vllm else 'HF'}")
     # SIGTERM (a trainer closing its --workers, a scheduler) unwinds as Ctrl-C does, into this finally
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    previous, refused = signal.signal(signal.SIGTERM, signal.default_int_handler), 0
     try:
         while sampler.newest():  # the newest adapter, waiting for the first
             batch = source.next(sampler.version)  # --debug-samples: the trainer prints these rows' texts
@@ -468,8 +469,14 @@ def run_worker(cfg) -> int:
                 break
             if answer[0] == 410:
                 fetcher.done.set()
-            elif answer[0] != 200:
+            elif answer[0] == 200:
+                refused = 0
+            elif (refused := refused + 1) < REFUSALS:
                 utils.stderr(f"worker {me}: batch refused ({answer[0]}): {bytes(answer[1][:300])!r}")
+            else:  # the trainer cannot use what this worker makes: stop spending compute on it
+                raise utils.ConfigError(f"worker {me}: {REFUSALS} batches in a row refused, the latest "
+                                        f"({answer[0]}): {bytes(answer[1][:300])!r}; run the worker with the "
+                                        "trainer's code, model files and NANORL_TOKEN")
     finally:  # a daemon thread still inside torch when the interpreter exits aborts it (SIGABRT, not 0)
         signal.signal(signal.SIGTERM, previous)
         fetcher.done.set()

@@ -1,7 +1,7 @@
 """A rollout worker (serve.run_worker, in process) against a real trainer inbox on 127.0.0.1: it stops
-in one line when no trainer answers, exits 0 from a finished run, and goes on past an adapter it cannot
-use or a batch the trainer refuses, and unwinds on SIGTERM; the trainer starts its worker processes
-with its config and token, and stops them."""
+in one line when no trainer answers, exits 0 from a finished run, goes on past an adapter it cannot
+use or a batch the trainer refuses (until five in a row), and unwinds on SIGTERM; the trainer starts its
+worker processes with its config and token, and stops them."""
 import dataclasses
 import os
 import signal
@@ -40,8 +40,8 @@ def inbox(monkeypatch):
     its token in the environment, where the worker reads it. No model is loaded here."""
     boxes = []
 
-    def open_inbox(model: str, vocab: int = 50, max_len: int = 64) -> serve.Inbox:
-        boxes.append(serve.Inbox(train.parse(argv(model, "--role", "trainer")), vocab, 0, max_len))
+    def open_inbox(model: str, vocab: int = 50, max_len: int = 64, *extra) -> serve.Inbox:
+        boxes.append(serve.Inbox(train.parse(argv(model, "--role", "trainer", *extra)), vocab, 0, max_len))
         boxes[-1].restore(0)  # a fresh run's ids
         monkeypatch.setenv("NANORL_TOKEN", boxes[-1].server.token)
         return boxes[-1]
@@ -50,8 +50,8 @@ def inbox(monkeypatch):
         box.close()
 
 
-def worker(box, model: str) -> int:
-    return train.main(argv(model, "--role", "rollout", "--trainer-url", box.server.url))
+def worker(box, model: str, *extra) -> int:
+    return train.main(argv(model, "--role", "rollout", "--trainer-url", box.server.url, *extra))
 
 
 def test_a_worker_that_reaches_no_trainer_stops_in_one_line_with_exit_2(capsys, monkeypatch):
@@ -181,21 +181,42 @@ def test_a_worker_that_cannot_load_an_adapter_keeps_its_own_and_samples_with_the
     assert "Traceback" not in err and box.queue and all(g["version"].eq(1).all() for g, _ in box.queue)
 
 
-def test_a_batch_the_trainer_refuses_is_logged_and_the_worker_goes_on(tiny, adapter, inbox, capsys,
-                                                                      one_thread):
+def test_a_refused_batch_is_logged_and_the_worker_goes_on_until_five_in_a_row_stop_it_in_one_line(
+        tiny, adapter, inbox, capsys, one_thread):
+    """A refusal after a --resume is expected and passes; one the trainer repeats for every batch (another
+    tokenizer, another code version, a new token) would have the worker generate for nobody for ever."""
     box = inbox(tiny, vocab=2, max_len=1024)  # every token id is out of range
+    publish(box, adapter, 0)
+    assert worker(box, tiny) == 2  # the trainer stays open: the worker stops on its own
+    err, why = capsys.readouterr().err, """(400): b'{"error": "token ids outside the vocabulary [0, 2)"}'"""
+    assert err.count(f"worker 0: batch refused {why}") == 4 and box.counts["batches_rejected"] == 5
+    assert err.endswith(f"error: worker 0: 5 batches in a row refused, the latest {why}; run the worker with "
+                        "the trainer's code, model files and NANORL_TOKEN\n")
+    assert "Traceback" not in err and box.queue == [] and fetcher() is None
+
+
+def test_refusals_between_accepted_batches_never_stop_a_worker(tiny, adapter, inbox, capsys, one_thread,
+                                                              monkeypatch):
+    real_check, seen = serve.Inbox.check, []
+
+    def check(self, t, meta):  # refuses four batches, takes one, refuses four, ...
+        seen.append(len(seen))
+        return real_check(self, t, meta) or (None if len(seen) % 5 == 0 else "refused on purpose")
+    monkeypatch.setattr(serve.Inbox, "check", check)
+    box = inbox(tiny, vocab=adapter[2], max_len=1024)
     publish(box, adapter, 0)
 
     def trainer():
         try:
-            until(lambda: box.counts["batches_rejected"] >= 2, "two refused batches")
+            for _ in range(3):  # a step takes a batch: the queue has room for the next accepted one
+                box.take(0, {0})
         finally:
             box.close()
     threading.Thread(target=trainer, daemon=True).start()
     assert worker(box, tiny) == 0
     err = capsys.readouterr().err
-    line = """worker 0: batch refused (400): b'{"error": "token ids outside the vocabulary [0, 2)"}'"""
-    assert err.count(line) >= 2 and "Traceback" not in err and box.queue == []
+    assert err.count("batch refused (400)") == 12 and box.counts["batches_rejected"] == 12
+    assert "in a row" not in err and "Traceback" not in err
 
 
 def test_a_worker_whose_batch_hears_the_run_is_over_stops_without_generating_another(tiny, adapter, inbox,
@@ -253,6 +274,21 @@ def test_a_worker_whose_run_ends_before_its_first_adapter_exits_0(tiny, inbox, c
     gone.set()
     err = capsys.readouterr().err  # told the run is over: not left to find the trainer gone (patience)
     assert rc == 0 and fetcher() is None and "unreachable" not in err and "Traceback" not in err
+
+
+def test_worker_w_of_a_run_with_seed_s_samples_from_seed_s_million_plus_w(tiny, inbox, monkeypatch,
+                                                                           one_thread):
+    """Workers share --seed but not their sampling noise, and a run with another --seed gets other noise."""
+    monkeypatch.setattr(serve, "LONG_POLL", 0.2)  # close() waits for worker 0, which never asks again
+    box = inbox(tiny, 50, 64, "--seed", "3")
+    assert serve.hello(transport.Client(box.server.url, retries=1), train.parse(argv(tiny, "--seed", "3"))) == 0
+
+    def trainer():
+        until(lambda: box.next_worker == 2, "the second worker's hello")
+        box.close()  # no adapter ever: the worker stops waiting for one and exits 0
+    threading.Thread(target=trainer, daemon=True).start()
+    torch.manual_seed(0)
+    assert worker(box, tiny, "--seed", "3") == 0 and torch.initial_seed() == 3 * serve.STRIDE + 1
 
 
 def test_a_sigterm_unwinds_a_worker_mid_batch_into_exit_130_with_its_fetcher_joined(tiny, adapter, inbox,
