@@ -351,6 +351,7 @@ class AdapterFetcher(threading.Thread):
         self.client, self.worker, self.patience = client, worker, patience
         self.have, self.pending, self.lock, self.done = -1, None, threading.Lock(), threading.Event()
         self.rejected = 0  # corrupt payloads; the previous adapter stays in use
+        self.error = ""  # why no request of this worker's will ever pass (then `done` is set)
 
     def run(self):
         start = time.time()
@@ -363,7 +364,10 @@ class AdapterFetcher(threading.Thread):
                     utils.stderr(f"worker {self.worker}: trainer unreachable for {self.patience:.0f} s "
                                  f"({e}); exiting")
                     self.done.set()
-            if status == 410:
+            if status == 401:  # a trainer restarted with another token: no poll will ever pass
+                self.error = (f"the trainer at {self.client.url} refuses this worker's NANORL_TOKEN (401); "
+                              "restart the worker with the trainer's")
+            if status in (401, 410):
                 self.done.set()
             elif status == 200:
                 t = time.perf_counter()
@@ -481,4 +485,6 @@ def run_worker(cfg) -> int:
         signal.signal(signal.SIGTERM, previous)
         fetcher.done.set()
         fetcher.join(client.timeout)
+    if fetcher.error:
+        raise utils.ConfigError(f"worker {me}: {fetcher.error}")
     return 0

@@ -291,6 +291,27 @@ def test_worker_w_of_a_run_with_seed_s_samples_from_seed_s_million_plus_w(tiny, 
     assert worker(box, tiny, "--seed", "3") == 0 and torch.initial_seed() == 3 * serve.STRIDE + 1
 
 
+def test_a_worker_whose_trainer_comes_back_with_another_token_stops_in_one_line(tiny, inbox, capsys,
+                                                                                 one_thread):
+    """A trainer killed and resumed under another NANORL_TOKEN: the worker's polls all get 401, each an
+    answer, so its patience never runs out; waiting for its first adapter, it would wait for ever."""
+    box, gone = inbox(tiny), threading.Event()
+
+    def trainer():
+        until(lambda: box.next_worker == 1, "the worker's hello")
+        box.server.token = "another-token-0123456789"
+        if not gone.wait(30) and signal.getsignal(signal.SIGTERM) is signal.default_int_handler:
+            os.kill(os.getpid(), signal.SIGTERM)  # a hang guard: the worker unwinds into exit 130
+    threading.Thread(target=trainer, daemon=True).start()
+    rc = worker(box, tiny)
+    gone.set()
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"error: worker 0: the trainer at {box.server.url} refuses this worker's NANORL_TOKEN "
+                        "(401); restart the worker with the trainer's\n")
+    assert "Traceback" not in err and fetcher() is None
+
+
 def test_a_sigterm_unwinds_a_worker_mid_batch_into_exit_130_with_its_fetcher_joined(tiny, adapter, inbox,
                                                                                      capsys, one_thread):
     """SIGTERM (the trainer closing its --workers, a scheduler) killed a worker where it stood: exit -15,
