@@ -258,11 +258,15 @@ def test_a_worker_whose_batch_hears_the_run_is_over_stops_without_generating_ano
     assert "refused" not in err and "rejected" not in err and "Traceback" not in err  # a 204 is no adapter
 
 
-def test_a_worker_whose_run_ends_before_its_first_adapter_exits_0(tiny, inbox, capsys, one_thread):
+def test_a_worker_whose_run_ends_before_its_first_adapter_exits_0_without_sampling(tiny, inbox, capsys,
+                                                                                   one_thread, monkeypatch):
     """A worker waits for its first adapter before it samples; a run that ends first (a trainer stopped
-    during its step-0 eval) must end that wait, not leave the worker waiting for ever."""
-    box = inbox(tiny)
-    gone = threading.Event()
+    during its step-0 eval) must end that wait, not leave the worker waiting for ever, nor sampling a
+    batch for nobody with the base model's weights."""
+    box, gone, sampled = inbox(tiny), threading.Event(), []
+    real_generate = LLMPolicy.generate
+    monkeypatch.setattr(LLMPolicy, "generate",
+                        lambda self, *a, **k: sampled.append(1) or real_generate(self, *a, **k))
 
     def trainer():
         until(lambda: box.next_worker == 1, "the worker's hello")
@@ -274,6 +278,7 @@ def test_a_worker_whose_run_ends_before_its_first_adapter_exits_0(tiny, inbox, c
     gone.set()
     err = capsys.readouterr().err  # told the run is over: not left to find the trainer gone (patience)
     assert rc == 0 and fetcher() is None and "unreachable" not in err and "Traceback" not in err
+    assert sampled == []
 
 
 def test_worker_w_of_a_run_with_seed_s_samples_from_seed_s_million_plus_w(tiny, inbox, monkeypatch,
@@ -281,7 +286,8 @@ def test_worker_w_of_a_run_with_seed_s_samples_from_seed_s_million_plus_w(tiny, 
     """Workers share --seed but not their sampling noise, and a run with another --seed gets other noise."""
     monkeypatch.setattr(serve, "LONG_POLL", 0.2)  # close() waits for worker 0, which never asks again
     box = inbox(tiny, 50, 64, "--seed", "3")
-    assert serve.hello(transport.Client(box.server.url, retries=1), train.parse(argv(tiny, "--seed", "3"))) == 0
+    first = transport.Client(box.server.url, retries=1)
+    assert serve.hello(first, train.parse(argv(tiny, "--seed", "3"))) == 0
 
     def trainer():
         until(lambda: box.next_worker == 2, "the second worker's hello")
@@ -307,8 +313,8 @@ def test_a_worker_whose_trainer_comes_back_with_another_token_stops_in_one_line(
     gone.set()
     assert rc == 2
     err = capsys.readouterr().err
-    assert err.endswith(f"error: worker 0: the trainer at {box.server.url} refuses this worker's NANORL_TOKEN "
-                        "(401); restart the worker with the trainer's\n")
+    assert err.endswith(f"error: worker 0: the trainer at {box.server.url} refuses this worker's "
+                        "NANORL_TOKEN (401); restart the worker with the trainer's\n")
     assert "Traceback" not in err and fetcher() is None
 
 
