@@ -187,7 +187,11 @@ def test_a_refused_batch_is_logged_and_the_worker_goes_on_until_five_in_a_row_st
     tokenizer, another code version, a new token) would have the worker generate for nobody for ever."""
     box = inbox(tiny, vocab=2, max_len=1024)  # every token id is out of range
     publish(box, adapter, 0)
-    assert worker(box, tiny) == 2  # the trainer stays open: the worker stops on its own
+    guard = threading.Timer(60, box.close)  # a hang guard: a worker that never stops ends with the run
+    guard.start()
+    rc = worker(box, tiny)  # the trainer stays open: the worker stops on its own
+    guard.cancel()
+    assert rc == 2
     err, why = capsys.readouterr().err, """(400): b'{"error": "token ids outside the vocabulary [0, 2)"}'"""
     assert err.count(f"worker 0: batch refused {why}") == 4 and box.counts["batches_rejected"] == 5
     assert err.endswith(f"error: worker 0: 5 batches in a row refused, the latest {why}; run the worker with "
