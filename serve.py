@@ -37,7 +37,7 @@ SURVIVORS = 64  # ids a resumed trainer skips: those issued after its checkpoint
 LONG_POLL = 2.0  # seconds GET /adapter waits for a newer version; also the workers' heartbeat period
 HEARTBEAT = 10.0  # a worker silent for longer is not counted as live
 WAITING = 60.0  # seconds a step waits without a batch between its "waiting for batches" lines
-REFUSALS = 5  # batches refused in a row that stop a worker (after a --resume, one or two are expected)
+REFUSALS = 5  # bad batches (not 409s: sampled ahead of a --resumed trainer) in a row that stop a worker
 
 
 def fingerprint(cfg) -> dict:
@@ -166,7 +166,10 @@ class Inbox:
             if why := self.check(tensors, meta):
                 self.counts["batches_rejected"] += 1
                 self.refusal = f"; {self.counts['batches_rejected']} batches refused, the latest: {why}"
-                return 400, {"error": why}
+                # versions past the published one: a worker ahead of a trainer --resumed from an older
+                # checkpoint. 409, a conflict its next batch (with this trainer's weights) resolves
+                ahead = why.startswith("versions") and int(tensors["version"].min()) >= 0
+                return 409 if ahead else 400, {"error": why}
             self.keys = self.keys or set(tensors)
             texts = meta.get("texts") or [["", "", ""]] * len(tensors["tokens"])
             rows = [(tensors["group"] == g).nonzero()[:, 0] for g in tensors["group"].unique()]  # [k] each
@@ -475,7 +478,7 @@ def run_worker(cfg) -> int:
                 fetcher.done.set()
             elif answer[0] == 200:
                 refused = 0
-            elif (refused := refused + 1) < REFUSALS:
+            elif (refused := refused + (answer[0] != 409)) < REFUSALS:  # 409: ahead of a resumed trainer
                 utils.stderr(f"worker {me}: batch refused ({answer[0]}): {bytes(answer[1][:300])!r}")
             else:  # the trainer cannot use what this worker makes: stop spending compute on it
                 raise utils.ConfigError(f"worker {me}: {REFUSALS} batches in a row refused, the latest "

@@ -223,6 +223,31 @@ def test_refusals_between_accepted_batches_never_stop_a_worker(tiny, adapter, in
     assert "in a row" not in err and "Traceback" not in err
 
 
+def test_batches_sampled_ahead_of_a_resumed_trainer_are_refused_409_and_never_stop_a_worker(
+        tiny, adapter, inbox, capsys, one_thread, monkeypatch):
+    """A trainer resumed from an older checkpoint refuses the versions it lost until the worker has its
+    weights; a fast worker may post many such batches first (CI: 5 before its fetcher had them)."""
+    real_check, seen = serve.Inbox.check, []
+
+    def check(self, t, meta):  # the first 7 batches are ahead of the published version
+        seen.append(len(seen))
+        return real_check(self, t, meta) or (None if len(seen) > 7 else "versions 9..9 outside the published 0..0")
+    monkeypatch.setattr(serve.Inbox, "check", check)
+    box = inbox(tiny, vocab=adapter[2], max_len=1024)
+    publish(box, adapter, 0)
+
+    def trainer():
+        try:
+            box.take(0, {0})
+        finally:
+            box.close()
+    threading.Thread(target=trainer, daemon=True).start()
+    assert worker(box, tiny) == 0
+    err = capsys.readouterr().err
+    assert err.count("batch refused (409)") == 7 and box.counts["batches_rejected"] == 7
+    assert "in a row" not in err and "Traceback" not in err
+
+
 def test_a_worker_whose_batch_hears_the_run_is_over_stops_without_generating_another(tiny, adapter, inbox,
                                                                                     capsys, one_thread,
                                                                                     monkeypatch):
