@@ -181,6 +181,27 @@ def test_a_worker_that_cannot_load_an_adapter_keeps_its_own_and_samples_with_the
     assert "Traceback" not in err and box.queue and all(g["version"].eq(1).all() for g, _ in box.queue)
 
 
+def refusing(monkeypatch, why):
+    """The inbox refuses a well-formed batch n (1, 2, ...) for why(n), or takes it when that is None."""
+    real_check, seen = serve.Inbox.check, []
+
+    def check(self, t, meta):
+        seen.append(t)
+        return real_check(self, t, meta) or why(len(seen))
+    monkeypatch.setattr(serve.Inbox, "check", check)
+
+
+def take_then_close(box, steps: int) -> None:
+    """A trainer thread: `steps` steps each take a batch (room for the next in the queue), then the run ends."""
+    def trainer():
+        try:
+            for _ in range(steps):
+                box.take(0, {0})
+        finally:
+            box.close()
+    threading.Thread(target=trainer, daemon=True).start()
+
+
 def test_a_refused_batch_is_logged_and_the_worker_goes_on_until_five_in_a_row_stop_it_in_one_line(
         tiny, adapter, inbox, capsys, one_thread):
     """A refusal after a --resume is expected and passes; one the trainer repeats for every batch (another
@@ -201,22 +222,10 @@ def test_a_refused_batch_is_logged_and_the_worker_goes_on_until_five_in_a_row_st
 
 def test_refusals_between_accepted_batches_never_stop_a_worker(tiny, adapter, inbox, capsys, one_thread,
                                                               monkeypatch):
-    real_check, seen = serve.Inbox.check, []
-
-    def check(self, t, meta):  # refuses four batches, takes one, refuses four, ...
-        seen.append(len(seen))
-        return real_check(self, t, meta) or (None if len(seen) % 5 == 0 else "refused on purpose")
-    monkeypatch.setattr(serve.Inbox, "check", check)
+    refusing(monkeypatch, lambda n: None if n % 5 == 0 else "refused on purpose")  # 4 refused, 1 taken, ...
     box = inbox(tiny, vocab=adapter[2], max_len=1024)
     publish(box, adapter, 0)
-
-    def trainer():
-        try:
-            for _ in range(3):  # a step takes a batch: the queue has room for the next accepted one
-                box.take(0, {0})
-        finally:
-            box.close()
-    threading.Thread(target=trainer, daemon=True).start()
+    take_then_close(box, steps=3)
     assert worker(box, tiny) == 0
     err = capsys.readouterr().err
     assert err.count("batch refused (400)") == 12 and box.counts["batches_rejected"] == 12
@@ -227,21 +236,10 @@ def test_batches_sampled_ahead_of_a_resumed_trainer_are_refused_409_and_never_st
         tiny, adapter, inbox, capsys, one_thread, monkeypatch):
     """A trainer resumed from an older checkpoint refuses the versions it lost until the worker has its
     weights; a fast worker may post many such batches first (CI: 5 before its fetcher had them)."""
-    real_check, seen = serve.Inbox.check, []
-
-    def check(self, t, meta):  # the first 7 batches are ahead of the published version
-        seen.append(len(seen))
-        return real_check(self, t, meta) or (None if len(seen) > 7 else "versions 9..9 outside the published 0..0")
-    monkeypatch.setattr(serve.Inbox, "check", check)
+    refusing(monkeypatch, lambda n: None if n > 7 else "versions 9..9 outside the published 0..0")  # 7 ahead
     box = inbox(tiny, vocab=adapter[2], max_len=1024)
     publish(box, adapter, 0)
-
-    def trainer():
-        try:
-            box.take(0, {0})
-        finally:
-            box.close()
-    threading.Thread(target=trainer, daemon=True).start()
+    take_then_close(box, steps=1)
     assert worker(box, tiny) == 0
     err = capsys.readouterr().err
     assert err.count("batch refused (409)") == 7 and box.counts["batches_rejected"] == 7
