@@ -192,7 +192,7 @@ def refusing(monkeypatch, why):
 
 
 def take_then_close(box, steps: int) -> None:
-    """A trainer thread: `steps` steps each take a batch (room for the next in the queue), then the run ends."""
+    """A trainer thread: `steps` steps take a batch each (room for the next), then the run ends."""
     def trainer():
         try:
             for _ in range(steps):
