@@ -391,8 +391,6 @@ class EnvRollouts(TaskRollouts):
     def make_task(self, cfg) -> tasks.Task:
         env = TEXT_ENVS[cfg.task]
         self.env = lambda: env(cfg.max_turns)  # --max-turns ends an episode, not the env class's default
-        if cfg.data or cfg.bad_rows != "skip":  # the env brings its problems (databases, checks)
-            raise ValueError("this task generates its own problems; drop --data and --bad-rows")
         return env.task(seed=cfg.seed, eval_size=cfg.eval_size)
 
     def episodes(self, problems: list[Problem], k: int, greedy: bool = False, version: int = 0) -> Batch:

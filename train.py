@@ -214,6 +214,10 @@ def validate_modes(cfg: Config) -> None:
         if kind in {"cartpole", "LLM", "multi-turn"} - own and getattr(cfg, name) != getattr(Config, name):
             raise err(f"--{name.replace('_', '-')} is for {kind} tasks, not {cfg.task}: drop it or "
                       "pick another --task")
+    try:  # before a model loads (minutes, for a large one)
+        tasks.check_data(cfg.task, cfg.data, cfg.bad_rows)
+    except ValueError as e:
+        raise err(f"--task {cfg.task}: {e}") from None
     tunes = (("kl_estimator kl_in_reward", cfg.kl_coef, "--kl-coef > 0 (e.g. 0.01)"),
              ("tis_cap", cfg.tis != "off", "--tis token or sequence"),
              ("mis_low mis_high", cfg.mis != "off", "--mis token or sequence"),

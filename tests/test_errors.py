@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import envs
+import serve
 import tasks
 import train
 import utils
@@ -81,15 +82,30 @@ def test_bad_flags_stop_in_one_line_naming_the_fix(capsys, argv, fix):
     # the task's name once: "--task gsm8k: gsm8k: eval_size..." repeated it
     (["--task", "gsm8k", "--data", MIXED, "--eval-size", "9"],
      "error: --task gsm8k: eval_size=9 leaves no training problems (9 usable rows); lower --eval-size to 8"),
-    (["--task", "gsm8k", "--data", "no/such/file.jsonl"], "--task gsm8k: "),
-    (["--task", "arith", "--data", MIXED], "error: --task arith: this task generates its own problems; drop --data"),
-    (["--task", "sql", "--data", MIXED], "error: --task sql: this task generates its own problems; drop --data"),
-    (["--task", "arith", "--bad-rows", "error"], "error: --task arith: this task generates its own problems; drop --data and --bad-rows"),
-    (["--task", "countdown_multiturn", "--bad-rows", "error"], "its own problems; drop --data and --bad-rows"),  # were unused
 ])
 def test_task_data_errors_stop_in_one_line(capsys, tmp_path, argv, fix):
     err = one_line_error(capsys, ["--model", "tiny", "--no-progress", "--out", str(tmp_path / "r"), *argv])
     assert fix in err
+
+
+@pytest.mark.parametrize("argv, fix", [
+    (["--task", "gsm8k", "--data", "no/such/file.jsonl"],
+     "error: --task gsm8k: no file at no/such/file.jsonl; fix the --data path, or drop it to read gsm8k from the hub"),
+    (["--task", "math", "--data", str(ROOT / "tests")], "error: --task math: no file at "),  # a directory
+    (["--task", "arith", "--data", MIXED], "error: --task arith: this task generates its own problems; drop --data"),
+    (["--task", "sql", "--data", MIXED], "error: --task sql: this task generates its own problems; drop --data"),
+    (["--task", "arith", "--bad-rows", "error"], "error: --task arith: this task generates its own problems; drop --data and --bad-rows"),
+    (["--task", "countdown_multiturn", "--bad-rows", "error"], "its own problems; drop --data and --bad-rows"),  # were unused
+    (["--task", "gsm8k", "--data", "no/such/file.jsonl", "--role", "rollout", "--trainer-url", "http://127.0.0.1:9"],
+     "error: --task gsm8k: no file at no/such/file.jsonl"),  # a worker, too, before it loads a model
+])
+def test_data_that_cannot_be_read_stops_in_one_line_before_a_model_loads(capsys, tmp_path, monkeypatch, argv, fix):
+    """A missing --data file was reported after the model loaded (minutes, for a large one), as
+    `[Errno 2] No such file or directory`, naming no fix; --data on a task without rows, too."""
+    monkeypatch.setattr(train, "LLMPolicy", lambda *a, **kw: pytest.fail("a model loaded first"))
+    monkeypatch.setattr(serve, "LLMPolicy", lambda *a, **kw: pytest.fail("a model loaded first"))
+    err = one_line_error(capsys, ["--model", "tiny", "--no-progress", "--out", str(tmp_path / "r"), *argv])
+    assert err.startswith(fix) if fix.startswith("error") else fix in err
 
 
 def test_resume_of_another_policy_names_the_runs_own_config(capsys, tmp_path):
