@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -306,6 +307,19 @@ def test_a_worker_whose_run_ends_before_its_first_adapter_exits_0_without_sampli
     err = capsys.readouterr().err  # told the run is over: not left to find the trainer gone (patience)
     assert rc == 0 and fetcher() is None and "unreachable" not in err and "Traceback" not in err
     assert sampled == []
+
+
+def test_a_samplers_apply_time_is_the_adapters_decode_time_plus_its_load():
+    """sync_apply_s (a duration, so bounds, not a value): the fetcher's decode time of the newest adapter
+    plus the generator's load, no more than the switch took on top of the decode. A unit test of
+    _Sampler.newest: the fetcher and the generator are stand-ins."""
+    fetched = iter([(5, {}, {}, b"", 0.25), None])  # (version, tensors, meta, body, decode seconds), then none
+    fetcher = types.SimpleNamespace(take=lambda: next(fetched), done=threading.Event(), worker=0)
+    sampler = serve._Sampler(None, types.SimpleNamespace(load=lambda *a: time.sleep(0.01), generate=None), fetcher)
+    t = time.perf_counter()
+    assert sampler.newest() is True
+    wall = time.perf_counter() - t
+    assert sampler.version == 5 and 0.25 + 0.01 <= sampler.apply_s <= 0.25 + wall
 
 
 def test_worker_w_of_a_run_with_seed_s_samples_from_seed_s_million_plus_w(tiny, inbox, monkeypatch,
