@@ -1,4 +1,4 @@
-"""The README's "Add your own reward" blocks, run exactly as printed."""
+"""The README's "Add your own reward" blocks, run exactly as printed, and its layout table's line counts."""
 import re
 from pathlib import Path
 
@@ -50,3 +50,13 @@ def test_a_new_task_scores_hand_worked_examples_and_trains(registry, tmp_path):
     metrics = utils.read_metrics(out / "metrics.csv")
     assert [s for s, _, _ in metrics["loss"]] == [1, 2] and "reward_reversed_exactly" in metrics
     assert [s for s, _, _ in metrics["eval_accuracy"]] == [0, 2]
+
+
+def test_the_layout_table_gives_each_modules_line_count_and_their_total():
+    """A row per top-level module with its `wc -l`, and the total: a stale count misleads a reader."""
+    rows = dict(re.findall(r"^\| `(\w+\.py)` \| ([\d,]+) \|", README, re.M))
+    modules = sorted(Path(__file__).resolve().parent.parent.glob("*.py"))
+    counts = {p.name: str(len(p.read_text().splitlines())) for p in modules}
+    assert {name: n.replace(",", "") for name, n in rows.items()} == counts
+    total = re.search(r"^\| total \| ([\d,]+) \|", README, re.M)[1]
+    assert int(total.replace(",", "")) == sum(map(int, counts.values()))
