@@ -498,18 +498,21 @@ def make_task(name: str, *, seed: int, eval_size: int, data: str | None = None,
         close = difflib.get_close_matches(name, list(TASKS), n=1, cutoff=0.0)
         raise ValueError(f"unknown task {name!r}; did you mean {close[0]!r}? "
                          f"(valid: {', '.join(sorted(TASKS))})")
-    check_data(name, data, bad_rows)
+    if why := data_problem(name, data, bad_rows):
+        raise ValueError(why)
     if issubclass(TASKS[name], DatasetTask):
         options.update(data=data, bad_rows=bad_rows)
     return TASKS[name](seed=seed, eval_size=eval_size, **options)
 
 
-def check_data(name: str, data: str | None, bad_rows: str) -> None:
-    """Only a task that reads rows (a DatasetTask) takes a --data file, which must exist, or --bad-rows."""
+def data_problem(name: str, data: str | None, bad_rows: str) -> str | None:
+    """Why --data / --bad-rows cannot serve this task (None: they can): only a task that reads rows (a
+    DatasetTask) takes them, and the file must be there."""
     if (data or bad_rows != "skip") and not issubclass(TASKS.get(name, Task), DatasetTask):
-        raise ValueError("this task generates its own problems; drop --data and --bad-rows")  # unused
+        return "this task generates its own problems; drop --data and --bad-rows"  # either would go unused
     if data and (not Path(data).exists() or Path(data).is_dir()):  # /dev/stdin, a FIFO: readable
-        raise ValueError(f"no file at {data}; fix the --data path, or drop it to read {name} from the hub")
+        return f"no file at {data}; fix the --data path, or drop it to read {name} from the hub"
+    return None
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

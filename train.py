@@ -214,10 +214,8 @@ def validate_modes(cfg: Config) -> None:
         if kind in {"cartpole", "LLM", "multi-turn"} - own and getattr(cfg, name) != getattr(Config, name):
             raise err(f"--{name.replace('_', '-')} is for {kind} tasks, not {cfg.task}: drop it or "
                       "pick another --task")
-    try:  # before a model loads (minutes, for a large one)
-        tasks.check_data(cfg.task, cfg.data, cfg.bad_rows)
-    except ValueError as e:
-        raise err(f"--task {cfg.task}: {e}") from None
+    if why := tasks.data_problem(cfg.task, cfg.data, cfg.bad_rows):  # before a model loads (minutes, for some)
+        raise err(f"--task {cfg.task}: {why}")
     tunes = (("kl_estimator kl_in_reward", cfg.kl_coef, "--kl-coef > 0 (e.g. 0.01)"),
              ("tis_cap", cfg.tis != "off", "--tis token or sequence"),
              ("mis_low mis_high", cfg.mis != "off", "--mis token or sequence"),

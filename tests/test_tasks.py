@@ -642,3 +642,12 @@ def test_an_eval_split_past_the_cap_or_past_the_problems_a_task_holds_is_refused
                                          r"\(got 100000\)$"):
         Counted(eval_size=100_000)
     assert 1000 < len(draws) <= 1000 + 3 + 20  # 1,003 in a row found nothing new; the 3 keys came within 20
+
+
+def test_make_task_refuses_a_data_path_without_a_file_and_data_for_a_task_that_makes_its_own(tmp_path):
+    with pytest.raises(ValueError, match=f"^no file at {tmp_path}/no.jsonl; fix the --data path, or drop it"):
+        make_task("gsm8k", seed=0, eval_size=1, data=str(tmp_path / "no.jsonl"))
+    with pytest.raises(ValueError, match="^no file at"):  # a directory
+        make_task("math", seed=0, eval_size=1, data=str(tmp_path))
+    with pytest.raises(ValueError, match="^this task generates its own problems; drop --data and --bad-rows"):
+        make_task("arith", seed=0, eval_size=1, data=str(tmp_path / "no.jsonl"))
