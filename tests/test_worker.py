@@ -221,14 +221,21 @@ def test_a_refused_batch_is_logged_and_the_worker_goes_on_until_five_in_a_row_st
     assert "Traceback" not in err and box.queue == [] and fetcher() is None
 
 
-def test_refusals_between_accepted_batches_never_stop_a_worker(tiny, adapter, inbox, capsys, one_thread,
-                                                              monkeypatch):
-    refusing(monkeypatch, lambda n: None if n % 5 == 0 else "refused on purpose")  # 4 refused, 1 taken, ...
+def refused_run(monkeypatch, inbox, tiny, adapter, capsys, steps: int, why):
+    """A worker against a trainer that refuses for why(n) and takes `steps` batches: (rc, stderr, inbox)."""
+    refusing(monkeypatch, why)
     box = inbox(tiny, vocab=adapter[2], max_len=1024)
     publish(box, adapter, 0)
-    take_then_close(box, steps=3)
-    assert worker(box, tiny) == 0
-    err = capsys.readouterr().err
+    take_then_close(box, steps=steps)
+    rc = worker(box, tiny)
+    return rc, capsys.readouterr().err, box
+
+
+def test_refusals_between_accepted_batches_never_stop_a_worker(tiny, adapter, inbox, capsys, one_thread,
+                                                              monkeypatch):
+    rc, err, box = refused_run(monkeypatch, inbox, tiny, adapter, capsys, steps=3,  # 4 refused, 1 taken, ...
+                               why=lambda n: None if n % 5 == 0 else "refused on purpose")
+    assert rc == 0
     assert err.count("batch refused (400)") == 12 and box.counts["batches_rejected"] == 12
     assert "in a row" not in err and "Traceback" not in err
 
@@ -237,12 +244,9 @@ def test_batches_sampled_ahead_of_a_resumed_trainer_are_refused_409_and_never_st
         tiny, adapter, inbox, capsys, one_thread, monkeypatch):
     """A trainer resumed from an older checkpoint refuses the versions it lost until the worker has its
     weights; a fast worker may post many such batches first (CI: 5 before its fetcher had them)."""
-    refusing(monkeypatch, lambda n: None if n > 7 else "versions 9..9 outside the published 0..0")  # 7 ahead
-    box = inbox(tiny, vocab=adapter[2], max_len=1024)
-    publish(box, adapter, 0)
-    take_then_close(box, steps=1)
-    assert worker(box, tiny) == 0
-    err = capsys.readouterr().err
+    rc, err, box = refused_run(monkeypatch, inbox, tiny, adapter, capsys, steps=1,  # 7 ahead
+                               why=lambda n: None if n > 7 else "versions 9..9 outside the published 0..0")
+    assert rc == 0
     assert err.count("batch refused (409)") == 7 and box.counts["batches_rejected"] == 7
     assert "in a row" not in err and "Traceback" not in err
 
