@@ -155,8 +155,8 @@ class LLMPolicy(nn.Module):
             raise utils.ConfigError(f"--dtype {cfg.dtype}{utils.closest(cfg.dtype, DTYPES)} "
                                     f"(choices: {', '.join(DTYPES)})")
         if cfg.temperature <= 0 or not 0 < cfg.top_p <= 1:
-            raise utils.ConfigError(f"need temperature > 0 and 0 < top_p <= 1 (got {cfg.temperature}, "
-                                    f"{cfg.top_p}); greedy decoding is generate(greedy=True)")
+            raise utils.ConfigError(f"need --temperature > 0 and 0 < --top-p <= 1 (got {cfg.temperature}, "
+                                    f"{cfg.top_p}); RL learns from samples (evals decode greedily): try 1")
         if cfg.top_p < 1:
             warnings.warn(f"top_p={cfg.top_p}: samples come from a truncated distribution the loss does not "
                           "model, so the importance ratio is only approximate; top_p=1 keeps it exact")

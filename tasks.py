@@ -512,6 +512,11 @@ def data_problem(name: str, data: str | None, bad_rows: str) -> str | None:
         return "this task generates its own problems; drop --data and --bad-rows"  # either would go unused
     if data and (not Path(data).exists() or Path(data).is_dir()):  # /dev/stdin, a FIFO: readable
         return f"no file at {data}; fix the --data path, or drop it to read {name} from the hub"
+    if not data and issubclass(TASKS.get(name, Task), DatasetTask):
+        try:  # optional (the hub's rows only); missing, it stops a run before a model loads, not after
+            import datasets  # noqa: F401
+        except ImportError:
+            return "the hub's rows need the datasets package: pip install -e '.[hub]', or pass --data FILE"
     return None
 
 

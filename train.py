@@ -21,6 +21,7 @@ import report
 import sandbox
 import serve
 import tasks
+import transport
 import utils
 from algos import (AGGREGATIONS, ALGOS, EPS, GROUPED, IS_LEVELS, KL, LOSSES, group_baseline,
                    importance_correction, loss_weights, masked_mean, policy_loss, value_loss)
@@ -238,8 +239,10 @@ def validate_modes(cfg: Config) -> None:
                   "critic-free --algo (grpo, rloo, reinforce_pp) with workers")
     if cfg.role == "rollout" and not cfg.trainer_url:
         raise err("--role rollout needs --trainer-url http://HOST:PORT (the trainer prints it at start)")
-    if cfg.trainer_url:  # before a model loads
-        serve.split_url(cfg.trainer_url)
+    if cfg.role != "sync":  # before a model loads: the url's form, and a trainer's token for where it listens
+        host, _ = transport.split_url(cfg.trainer_url or "http://127.0.0.1")
+        if cfg.role == "trainer":
+            transport.serving_token(host)
 
 
 def build(cfg: Config) -> tuple[torch.nn.Module, torch.optim.Optimizer, BatchSource]:
@@ -432,8 +435,9 @@ def train(cfg: Config) -> Path:
     out, log, step, last_eval = run_dir(cfg), utils.Metrics(), 0, {}
 
     def stop(step: int, log) -> bool:  # after each step: a stop seen by one rank stops all here, saved
-        at = source.state(), torch.get_rng_state()  # as `step` leaves them: StopSignals may save them later
-        signals.save = lambda: checkpoint(cfg, out, step, policy, opt, log, *at)  # the caller's log (SFT's)
+        state = {"wall_s": log.wall(), "source": source.state()}  # as `step` leaves them (log: the caller's,
+        rng = torch.get_rng_state()  # SFT's): StopSignals may save them later. A failed save keeps the rest.
+        signals.save = lambda: utils.save_checkpoint(out, step, policy, opt, state, cfg.keep_ckpts, rng)
         if utils.reduce_dict({"stop": signals.seen})["stop"]:
             signals.seen = True  # also on a rank that saw no signal
             signals.save()
@@ -521,12 +525,6 @@ def evaluate(source: BatchSource, log, step: int, out: Path, suffix: str = "") -
     return metrics
 
 
-def checkpoint(cfg: Config, out: Path, step: int, policy, opt, log, state: dict, rng: torch.Tensor) -> None:
-    if utils.rank() == 0:  # state, rng: the source's and torch's, as `step` left them
-        meta = {"wall_s": log.wall(), "source": state}
-        utils.save_checkpoint(out, step, policy, opt, meta, cfg.keep_ckpts, rng)  # a failure keeps the rest
-
-
 def finish(cfg: Config, policy, out: Path, wall_s: float) -> None:
     report.write_report(out)
     if cfg.export:
@@ -560,6 +558,8 @@ def parse(argv: list[str]) -> Config:
     own = cfg.out in ("", old.out) or Path(cfg.out).resolve() == run_dir(cfg).resolve()  # names the run
     if not (own or cfg.eval_only):  # only an eval may go elsewhere (a read-only run's must)
         raise utils.ConfigError(f"--out {cfg.out}: a resumed run goes on in {run_dir(cfg)}; drop --out")
+    if (cfg.task in CONTROL) != (old.task in CONTROL):  # an MLP's checkpoint never loads into an LM, nor back
+        raise utils.ConfigError(f"--task {cfg.task}: the run trained {old.task}, another policy; drop --task")
     for name in ("task", "data", "model", "lora", "lora_rank", "lora_targets", "algo", "loss"):  # what trains
         if getattr(cfg, name) != getattr(old, name):
             utils.stderr(f"warning: {name} {getattr(cfg, name)!r} replaces the run's {getattr(old, name)!r}")

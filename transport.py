@@ -49,6 +49,18 @@ def _check_token(token: str) -> str:
     return token
 
 
+def serving_token(host: str, token: str | None = None) -> str:
+    """The token a server on `host` checks: `token`, else NANORL_TOKEN, else (loopback only) a fresh one."""
+    token = token or os.environ.get("NANORL_TOKEN")
+    loopback = host == "localhost"
+    with contextlib.suppress(ValueError):  # a host name other than localhost: treat as exposed
+        loopback = loopback or ipaddress.ip_address(host).is_loopback
+    if not token and not loopback:
+        raise utils.ConfigError(f"refusing to serve on {host!r} without a token: set NANORL_TOKEN to a "
+                                "shared secret on the trainer and every worker, or bind 127.0.0.1")
+    return _check_token(token or secrets.token_urlsafe(32))
+
+
 Request = namedtuple("Request", "path query body")  # str, {name: value} of the query, bytes
 
 
@@ -132,14 +144,7 @@ class Server(socketserver.ThreadingTCPServer):
 
     def __init__(self, routes: dict, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                  max_body: int = DEFAULT_MAX_BODY):
-        token = token or os.environ.get("NANORL_TOKEN")
-        loopback = host == "localhost"
-        with contextlib.suppress(ValueError):  # a host name other than localhost: treat as exposed
-            loopback = loopback or ipaddress.ip_address(host).is_loopback
-        if not token and not loopback:  # checked before a socket is opened
-            raise utils.ConfigError(f"refusing to serve on {host!r} without a token: set NANORL_TOKEN to a "
-                                    "shared secret on the trainer and every worker, or bind 127.0.0.1")
-        self.token = _check_token(token or secrets.token_urlsafe(32))
+        self.token = serving_token(host, token)  # checked before a socket is opened
         self.routes, self.max_body = dict(routes), max_body
         self.lock, self.conns, self.held, self.counts = threading.Lock(), {}, 0, Counter()
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET  # read by the socket's maker
@@ -228,7 +233,8 @@ class Client:
                  backoff: float = 1.0):
         host, port = split_url(url)
         if not (token := token or os.environ.get("NANORL_TOKEN")):
-            raise utils.ConfigError("no token: set NANORL_TOKEN to the trainer's token (Server.token)")
+            raise utils.ConfigError("no token: set NANORL_TOKEN to the trainer's (a trainer started without "
+                                    "one takes only its own --workers: restart it with NANORL_TOKEN set)")
         self.url, self.host, self.port = url.rstrip("/"), host, port or 80
         self.token, self.timeout, self.retries, self.backoff = _check_token(token), timeout, retries, backoff
         self.answered = 0.0  # time.time() of the server's last answer, whatever its status

@@ -97,6 +97,10 @@ def load_config(cls, argv: list[str], choices: dict | None = None, base: Path | 
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         bad = unknown[0].split("=")[0]
+        if not bad.startswith("-"):  # a value without its flag: `train.py arith`, `--lora false`
+            owner = [f"--{n.replace('_', '-')} {bad}" for n, valid in (choices or {}).items() if bad in valid]
+            hint = f"did you mean '{owner[0]}'?" if owner else "a switch (--lora, --no-lora) takes no value"
+            raise ConfigError(f"unexpected value '{bad}': {hint}")
         flags = ["--" + n.replace("_", "-") for n in fields] + ["--config"]
         raise ConfigError(f"unknown flag {bad}{closest(bad, flags)}")
     values = {}
@@ -369,10 +373,12 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 def save_checkpoint(out: Path, step: int, policy: torch.nn.Module, opt: torch.optim.Optimizer, meta: dict,
-                    keep: int, rng: torch.Tensor | None = None) -> Path:
+                    keep: int, rng: torch.Tensor | None = None) -> Path | None:
     """ckpt-<step>/ by atomic_dir, its files fsync'd: weights as safetensors, optimizer and RNG state (`rng`,
     else the current) a tensors-only torch.save (read back weights_only=True), the rest JSON. Keeps the
-    newest `keep`."""
+    newest `keep`. Under torchrun rank 0 alone writes (ranks hold the same weights); others return None."""
+    if rank() > 0:
+        return None
     final = out / f"ckpt-{step:07d}"
     with atomic_dir(final) as tmp:
         weights = {n: p.detach().contiguous() for n, p in policy.named_parameters() if p.requires_grad}
@@ -409,7 +415,7 @@ def load_checkpoint(ckpt: Path, policy: torch.nn.Module, opt: torch.optim.Optimi
     meta = json.loads((ckpt / "meta.json").read_text())
     if not (isinstance(meta, dict) and {"step", "wall_s", "source"} <= meta.keys() and isinstance(state, dict)
             and {"optimizer", "torch_rng"} <= state.keys()):
-        raise KeyError("meta.json or state.pt lacks what train.checkpoint writes")
+        raise KeyError("meta.json or state.pt lacks what a nanorl checkpoint holds")
     trained = {n: p.shape for n, p in policy.named_parameters() if p.requires_grad}
     if {n: w.shape for n, w in weights.items()} != trained:
         raise ConfigError(f"{ckpt}: its tensors do not match this policy (model, LoRA, --hidden or PPO "

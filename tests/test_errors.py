@@ -98,10 +98,13 @@ def test_task_data_errors_stop_in_one_line(capsys, tmp_path, argv, fix):
     (["--task", "countdown_multiturn", "--bad-rows", "error"], "its own problems; drop --data and --bad-rows"),  # were unused
     (["--task", "gsm8k", "--data", "no/such/file.jsonl", "--role", "rollout", "--trainer-url", "http://127.0.0.1:9"],
      "error: --task gsm8k: no file at no/such/file.jsonl"),  # a worker, too, before it loads a model
+    (["--task", "math"],  # it loaded the model, then said "No module named 'datasets'"
+     "error: --task math: the hub's rows need the datasets package: pip install -e '.[hub]', or pass --data FILE"),
 ])
 def test_data_that_cannot_be_read_stops_in_one_line_before_a_model_loads(capsys, tmp_path, monkeypatch, argv, fix):
     """A missing --data file was reported after the model loaded (minutes, for a large one), as
     `[Errno 2] No such file or directory`, naming no fix; --data on a task without rows, too."""
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed (as in CI): find_spec and import fail
     monkeypatch.setattr(train, "LLMPolicy", lambda *a, **kw: pytest.fail("a model loaded first"))
     monkeypatch.setattr(serve, "LLMPolicy", lambda *a, **kw: pytest.fail("a model loaded first"))
     err = one_line_error(capsys, ["--model", "tiny", "--no-progress", "--out", str(tmp_path / "r"), *argv])
@@ -117,6 +120,17 @@ def test_resume_of_another_policy_names_the_runs_own_config(capsys, tmp_path):
     assert f"--resume {out} alone restores the run's own" in err
     err = one_line_error(capsys, ["--resume", str(out), "--steps", "2", "--algo", "ppo", "--no-progress"])
     assert "(model, LoRA, --hidden or PPO critic unlike the run's)" in err  # PPO adds a critic's tensors
+
+
+@pytest.mark.parametrize("saved, task", [("cartpole", "arith"), ("arith", "cartpole")])
+def test_resuming_a_run_as_a_task_of_another_kind_of_policy_names_the_runs_task(capsys, tmp_path, monkeypatch,
+                                                                               saved, task):
+    """An arith run resumed with --task cartpole was told "--lora is for LLM tasks ...: drop it", of a flag
+    its config.yaml held; cartpole resumed as arith loaded a model (then failed to load its checkpoint)."""
+    monkeypatch.setattr(train, "LLMPolicy", lambda *a, **kw: pytest.fail("a model loaded first"))
+    (tmp_path / "config.yaml").write_text(utils.dump_config(train.Config(task=saved)))
+    err = one_line_error(capsys, ["--resume", str(tmp_path), "--task", task])
+    assert err == f"error: --task {task}: the run trained {saved}, another policy; drop --task"
 
 
 def test_an_async_run_resumed_in_one_process_is_told_how_to_drop_its_workers(capsys, tmp_path):
@@ -299,9 +313,10 @@ def test_a_start_that_failed_before_logging_a_step_leaves_its_directory_to_the_f
     (["--task", "countdown_multiturn", "--prompt-reweight", "0.5"], "single-turn LLM tasks only"),
     (["--config", "configs/no_such.yaml"], "--config configs/no_such.yaml: no such file; presets live in"),
     # validate() leaves them to the policy, which refuses them before loading a model
-    (LLM + ["--temperature", "0"], "need temperature > 0 and 0 < top_p <= 1 (got 0.0, 1.0); greedy decoding"),
-    (LLM + ["--top-p", "1.5"], "need temperature > 0 and 0 < top_p <= 1 (got 1.0, 1.5)"),
-    (LLM + ["--top-p", "0"], "need temperature > 0 and 0 < top_p <= 1 (got 1.0, 0.0)"),
+    (LLM + ["--temperature", "0"],
+     "need --temperature > 0 and 0 < --top-p <= 1 (got 0.0, 1.0); RL learns from samples (evals decode greedily)"),
+    (LLM + ["--top-p", "1.5"], "need --temperature > 0 and 0 < --top-p <= 1 (got 1.0, 1.5)"),
+    (LLM + ["--top-p", "0"], "need --temperature > 0 and 0 < --top-p <= 1 (got 1.0, 0.0)"),
 ])
 def test_more_bad_flags_stop_in_one_line_naming_the_fix(capsys, tmp_path, argv, fix):
     evals = ["--eval-size", "1"] if "--task" in argv else ["--eval-episodes", "1"]  # an LLM task's, CartPole's

@@ -140,6 +140,7 @@ def one_line_error(capsys, argv) -> str:
                                              (None, "http://0.0.0.0:0", "refusing to serve on '0.0.0.0' without a token")])
 def test_a_trainer_that_would_serve_unsafely_stops_in_one_line(capsys, monkeypatch, tmp_path, token, url, fix):
     monkeypatch.delenv("NANORL_TOKEN", raising=False)
+    monkeypatch.setattr(train, "LLMPolicy", lambda *a, **kw: pytest.fail("a model loaded first"))  # minutes
     if token:
         monkeypatch.setenv("NANORL_TOKEN", token)
     argv = ["--task", "arith", "--model", "tiny", "--no-progress", "--role", "trainer", "--steps", "1",
@@ -147,7 +148,7 @@ def test_a_trainer_that_would_serve_unsafely_stops_in_one_line(capsys, monkeypat
     assert fix in one_line_error(capsys, argv)
 
 
-@pytest.mark.parametrize("token, fix", [(None, "no token: set NANORL_TOKEN"), ("short", "at least 16 printable")])
+@pytest.mark.parametrize("token, fix", [(None, "no token: set NANORL_TOKEN to the trainer's (a trainer started without one takes only its own --workers"), ("short", "at least 16 printable")])
 def test_a_worker_without_a_usable_token_stops_in_one_line(capsys, monkeypatch, token, fix):
     monkeypatch.delenv("NANORL_TOKEN", raising=False)
     if token:

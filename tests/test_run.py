@@ -72,6 +72,16 @@ def test_resume_skips_a_checkpoint_without_what_nanorl_writes(tmp_path, capsys):
     assert f"skipping {tmp_path / 'ckpt-0000002'}: KeyError: 'meta.json or state.pt lacks" in err
 
 
+def test_only_rank_0_writes_a_checkpoint(tmp_path, monkeypatch):
+    policy = MLPPolicy(4, 2)
+    opt, meta = torch.optim.Adam(policy.parameters()), {"wall_s": 0.0, "source": {}}
+    monkeypatch.setattr(utils, "rank", lambda: 1)  # torchrun's rank 1: same weights, and rank 0 writes them
+    assert utils.save_checkpoint(tmp_path, 1, policy, opt, meta, keep=3) is None and not any(tmp_path.iterdir())
+    monkeypatch.setattr(utils, "rank", lambda: 0)
+    assert utils.save_checkpoint(tmp_path, 1, policy, opt, meta, keep=3) == tmp_path / "ckpt-0000001"
+    assert utils.checkpoints(tmp_path) == [tmp_path / "ckpt-0000001"]
+
+
 def test_an_empty_or_foreign_state_file_is_skipped_and_a_stray_copy_is_no_checkpoint(tmp_path, capsys):
     policy = MLPPolicy(4, 2)
     opt = torch.optim.Adam(policy.parameters())

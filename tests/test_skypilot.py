@@ -4,11 +4,14 @@ import dataclasses
 import re
 import shlex
 import subprocess
+import sys
+import types
 from pathlib import Path
 
 import pytest
 import yaml
 
+import tasks
 import train
 import utils
 
@@ -87,9 +90,15 @@ def test_every_train_py_flag_is_a_config_field_and_the_config_validates(path, mo
     assert commands, f"{path.name} never runs train.py"
     torchrun = "torchrun" in spec["run"]
     monkeypatch.setattr(utils, "world", lambda: gpus(spec) if torchrun else 1)  # the batch must split over the node's GPUs
+    # the cluster's packages and secrets: a task that reads the hub needs datasets, which setup installs
+    monkeypatch.setitem(sys.modules, "datasets", types.ModuleType("datasets"))
+    for name in spec.get("secrets") or {}:  # NANORL_TOKEN: a trainer bound to 0.0.0.0 needs it
+        monkeypatch.setenv(name, "a-secret-of-32-characters-0123456")
     for argv in commands:
         cfg = utils.load_config(train.Config, config_argv(argv))  # unknown flags raise ConfigError naming the closest
         train.validate(cfg)
+        if issubclass(tasks.TASKS.get(cfg.task, tasks.Task), tasks.DatasetTask) and not cfg.data:
+            assert re.search(r"pip install -e \"\.\[(\w+,)?hub\]\"", spec["setup"]), spec["setup"]
 
 
 def test_the_torchrun_recipe_starts_one_rank_per_gpu():

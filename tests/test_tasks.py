@@ -504,8 +504,11 @@ def test_too_few_rows_for_the_eval_split_name_the_fix_that_helps(tmp_path, usabl
 
 def test_missing_datasets_package_says_to_pass_data(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
+    with pytest.raises(ValueError, match=r"^the hub's rows need the datasets package: pip install -e '\.\[hub\]', or "
+                                         r"pass --data FILE$"):
+        make_task("gsm8k", seed=0, eval_size=2)  # refused by data_problem, before any row is read
     with pytest.raises(ValueError, match=r"pip install datasets, or pass a local file with --data"):
-        make_task("gsm8k", seed=0, eval_size=2)
+        tasks.GSM8K(seed=0, eval_size=2)  # a task built directly says so when it reads the hub
 
 
 def test_unreachable_hub_says_to_pass_data(monkeypatch):

@@ -64,6 +64,17 @@ def test_a_flag_is_never_taken_as_an_abbreviation():  # --step 3 is a typo, not 
         cfg_from(["--step", "3"])
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["arith"], "unexpected value 'arith': did you mean '--task arith'?"),  # the flag's name left out
+    (["--steps", "3", "grpo"], "unexpected value 'grpo': did you mean '--algo grpo'?"),
+    (["--lora", "false"], "unexpected value 'false': a switch (--lora, --no-lora) takes no value"),
+])
+def test_a_value_without_its_flag_is_named_as_a_value_never_as_an_unknown_flag(argv, said):
+    with pytest.raises(utils.ConfigError) as e:  # it was "unknown flag arith; did you mean '--batch'?"
+        utils.load_config(train.Config, argv, train.choices())
+    assert str(e.value) == said
+
+
 def test_badly_typed_value_names_the_key():
     with pytest.raises(utils.ConfigError, match="'batch' must be int"):
         cfg_from(["--batch", "many"])
@@ -263,6 +274,14 @@ def test_nan_loss_skips_the_update_and_keeps_weights_finite(monkeypatch):
     assert stats["skipped"] == 1
     for b, p in zip(before, policy.parameters()):
         assert torch.equal(b, p) and torch.isfinite(p).all()
+
+
+@pytest.mark.parametrize("preset", sorted(CONFIGS[0].parent.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_preset_gives_its_own_values_and_passes_validate(preset):
+    """Each preset as `--config` reads it: a rule added to validate() that a preset breaks fails here."""
+    cfg = train.parse(["--config", str(preset)])
+    assert {k: getattr(cfg, k) for k in yaml.safe_load(preset.read_text())} == yaml.safe_load(preset.read_text())
+    train.validate(cfg)
 
 
 # ---------------------------------------------------------------- end to end
