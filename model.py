@@ -149,8 +149,11 @@ class LLMPolicy(nn.Module):
     def __init__(self, cfg, device: str | None = None):
         """cfg: a train.Config, of which the LM's fields are read (algo ppo adds the critic)."""
         from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
         super().__init__()
+        if not cfg.progress:  # --no-progress (logs, CI): transformers' bars too, e.g. "Loading weights"
+            hf_logging.disable_progress_bar()
         if cfg.dtype not in DTYPES:
             raise utils.ConfigError(f"--dtype {cfg.dtype}{utils.closest(cfg.dtype, DTYPES)} "
                                     f"(choices: {', '.join(DTYPES)})")

@@ -508,8 +508,9 @@ def make_task(name: str, *, seed: int, eval_size: int, data: str | None = None,
 def data_problem(name: str, data: str | None, bad_rows: str) -> str | None:
     """Why --data / --bad-rows cannot serve this task (None: they can): only a task that reads rows (a
     DatasetTask) takes them, and the file must be there."""
-    if (data or bad_rows != "skip") and not issubclass(TASKS.get(name, Task), DatasetTask):
-        return "this task generates its own problems; drop --data and --bad-rows"  # either would go unused
+    given = [flag for flag, on in (("--data", data), ("--bad-rows", bad_rows != "skip")) if on]
+    if given and not issubclass(TASKS.get(name, Task), DatasetTask):  # either would go unused
+        return f"this task generates its own problems; drop {' and '.join(given)}"
     if data and (not Path(data).exists() or Path(data).is_dir()):  # /dev/stdin, a FIFO: readable
         return f"no file at {data}; fix the --data path, or drop it to read {name} from the hub"
     if not data and issubclass(TASKS.get(name, Task), DatasetTask):

@@ -92,10 +92,11 @@ def test_task_data_errors_stop_in_one_line(capsys, tmp_path, argv, fix):
     (["--task", "gsm8k", "--data", "no/such/file.jsonl"],
      "error: --task gsm8k: no file at no/such/file.jsonl; fix the --data path, or drop it to read gsm8k from the hub"),
     (["--task", "math", "--data", str(ROOT / "tests")], "error: --task math: no file at "),  # a directory
-    (["--task", "arith", "--data", MIXED], "error: --task arith: this task generates its own problems; drop --data"),
+    (["--task", "arith", "--data", MIXED], "error: --task arith: this task generates its own problems; drop --data"),  # only the flag given
     (["--task", "sql", "--data", MIXED], "error: --task sql: this task generates its own problems; drop --data"),
-    (["--task", "arith", "--bad-rows", "error"], "error: --task arith: this task generates its own problems; drop --data and --bad-rows"),
-    (["--task", "countdown_multiturn", "--bad-rows", "error"], "its own problems; drop --data and --bad-rows"),  # were unused
+    (["--task", "arith", "--bad-rows", "error"], "error: --task arith: this task generates its own problems; drop --bad-rows"),
+    (["--task", "countdown_multiturn", "--bad-rows", "error"], "its own problems; drop --bad-rows"),  # were unused
+    (["--task", "sql", "--data", MIXED, "--bad-rows", "error"], "its own problems; drop --data and --bad-rows"),
     (["--task", "gsm8k", "--data", "no/such/file.jsonl", "--role", "rollout", "--trainer-url", "http://127.0.0.1:9"],
      "error: --task gsm8k: no file at no/such/file.jsonl"),  # a worker, too, before it loads a model
     (["--task", "math"],  # it loaded the model, then said "No module named 'datasets'"

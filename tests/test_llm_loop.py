@@ -1,6 +1,8 @@
 """The one loop on language-model tasks: GRPO on the tiny model, warm-start, multi-turn, debug samples."""
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,6 +92,18 @@ def test_multiturn_grpo_run_completes_with_the_tiny_model(tmp_path, tiny):
     metrics = utils.read_metrics(out / "metrics.csv")
     assert 1 <= metrics["turns"][0][2] <= 2
     assert {"eval_accuracy", "eval_accuracy_first_turn"} <= set(metrics)
+
+
+def test_no_progress_silences_transformers_own_bars_too(tiny):
+    """--no-progress (logs, CI) left transformers' "Loading weights: 100%|####| 39/39" in every log."""
+    code = ("import sys, train\nfrom model import LLMPolicy\n"
+            "for flag in ('--progress', '--no-progress'):\n"
+            "    print('--', flag, file=sys.stderr, flush=True)\n"
+            f"    LLMPolicy(train.parse(['--task', 'arith', '--model', {tiny!r}, flag]))\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=Path(train.__file__).parent, capture_output=True,
+                         text=True, timeout=300)  # a process of its own: the setting is transformers' global
+    shown, silent = run.stderr.split("-- --no-progress")
+    assert run.returncode == 0 and "Loading weights" in shown and "Loading weights" not in silent, run.stderr
 
 
 def test_ppo_on_an_llm_task_is_accepted_now_that_the_policy_has_a_critic():
