@@ -509,11 +509,12 @@ def data_problem(name: str, data: str | None, bad_rows: str) -> str | None:
     """Why --data / --bad-rows cannot serve this task (None: they can): only a task that reads rows (a
     DatasetTask) takes them, and the file must be there."""
     given = [flag for flag, on in (("--data", data), ("--bad-rows", bad_rows != "skip")) if on]
-    if given and not issubclass(TASKS.get(name, Task), DatasetTask):  # either would go unused
+    reads_rows = issubclass(TASKS.get(name, Task), DatasetTask)
+    if given and not reads_rows:  # either would go unused
         return f"this task generates its own problems; drop {' and '.join(given)}"
     if data and (not Path(data).exists() or Path(data).is_dir()):  # /dev/stdin, a FIFO: readable
         return f"no file at {data}; fix the --data path, or drop it to read {name} from the hub"
-    if not data and issubclass(TASKS.get(name, Task), DatasetTask):
+    if reads_rows and not data:
         try:  # optional (the hub's rows only); missing, it stops a run before a model loads, not after
             import datasets  # noqa: F401
         except ImportError:

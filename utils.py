@@ -99,7 +99,7 @@ def load_config(cls, argv: list[str], choices: dict | None = None, base: Path | 
         bad = unknown[0].split("=")[0]
         if not bad.startswith("-"):  # a value without its flag: `train.py arith`, `--lora false`
             owner = [f"--{n.replace('_', '-')} {bad}" for n, valid in (choices or {}).items() if bad in valid]
-            hint = f"did you mean '{owner[0]}'?" if owner else "a switch (--lora, --no-lora) takes no value"
+            hint = f"did you mean '{owner[0]}'?" if owner else "a flag takes a value, a switch (--lora) none"
             raise ConfigError(f"unexpected value '{bad}': {hint}")
         flags = ["--" + n.replace("_", "-") for n in fields] + ["--config"]
         raise ConfigError(f"unknown flag {bad}{closest(bad, flags)}")
