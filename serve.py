@@ -148,8 +148,8 @@ class Inbox:
             return f"every group needs exactly group_size={k} rows"
         if t["tokens"].min() < 0 or t["tokens"].max() >= self.vocab:
             return f"token ids outside the vocabulary [0, {self.vocab})"
-        if (v := t["version"]).min() < 0 or v.max() > self.version:
-            return f"versions {int(v.min())}..{int(v.max())} outside the published 0..{self.version}"
+        if t["version"].min() < 0:
+            return f"versions start at 0 (got {int(t['version'].min())})"
         m, a = t["mask"], t["attn"]
         if ((m != 0) & (m != 1)).any() or ((a != 0) & (a != 1)).any() or (m > a).any() or m[:, 0].any():
             return "mask and attn must be 0/1, mask inside attn and 0 in column 0"
@@ -163,13 +163,15 @@ class Inbox:
         with self.cond:
             if self._heard(meta.get("worker")):
                 return 410, {"finished": True}
-            if why := self.check(tensors, meta):
+            why, status = self.check(tensors, meta), 400
+            if not why and (v := tensors["version"]).max() > self.version:  # a worker ahead of a trainer
+                # --resumed from an older checkpoint: 409, a conflict its next batch (these weights) resolves
+                status = 409
+                why = f"versions {int(v.min())}..{int(v.max())} outside the published 0..{self.version}"
+            if why:
                 self.counts["batches_rejected"] += 1
                 self.refusal = f"; {self.counts['batches_rejected']} batches refused, the latest: {why}"
-                # versions past the published one: a worker ahead of a trainer --resumed from an older
-                # checkpoint. 409, a conflict its next batch (with this trainer's weights) resolves
-                ahead = why.startswith("versions") and int(tensors["version"].min()) >= 0
-                return 409 if ahead else 400, {"error": why}
+                return status, {"error": why}
             self.keys = self.keys or set(tensors)
             texts = meta.get("texts") or [["", "", ""]] * len(tensors["tokens"])
             rows = [(tensors["group"] == g).nonzero()[:, 0] for g in tensors["group"].unique()]  # [k] each

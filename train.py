@@ -293,7 +293,6 @@ def warm_start(policy, opt, source: BatchSource, cfg: Config, log, first: int, s
     return stop(0, log)  # after the reset: a resume at step 0 starts RL with RL's Adam
 
 
-# ---------------------------------------------------------------- stage 2: advantage
 def micro_slices(rows: torch.Tensor, size: int):
     return rows.split(size or len(rows))
 
@@ -366,7 +365,6 @@ def prepare(policy, batch: Batch, cfg: Config, weights=contextlib.nullcontext, t
     return batch
 
 
-# ---------------------------------------------------------------- stage 3: update
 def update(policy, opt, batch: Batch, cfg: Config) -> dict:
     """Stage 3: inner epochs x minibatches of the loss, each summed over micro-batches (one denominator)."""
     n, fresh = len(batch), on_policy(policy, cfg)

@@ -312,7 +312,7 @@ def test_inbox_refusals_name_the_first_rule_a_batch_breaks_one_past_each_limit(i
         (forge(group=torch.tensor([0, 0, 0, 1])), "every group needs exactly group_size=4 rows"),
         ({k: v[:0] for k, v in forge().items()}, "every group needs exactly group_size=4 rows"),  # N == 0
         (edited(tokens=(VOCAB, (0, 5))), ids), (edited(tokens=(-1, (3, 11))), ids),
-        (edited(version=(-1, 0)), "versions -1..0 outside the published 0..0"),
+        (edited(version=(-1, 0)), "versions start at 0 (got -1)"),
         (edited(mask=(0.5, (0, 5))), masks), (edited(attn=(2.0, (0, 5))), masks),
         (edited(attn=(0.0, (0, 5))), masks), (edited(mask=(1.0, (0, 0)), attn=(1.0, (0, 0))), masks),
     ]
@@ -320,7 +320,9 @@ def test_inbox_refusals_name_the_first_rule_a_batch_breaks_one_past_each_limit(i
         assert post(inbox, batch) == (400, {"error": why})
     # a version past the published one is a worker ahead of a resumed trainer: 409, its next batch will do
     assert post(inbox, edited(version=(1, 2))) == (409, {"error": "versions 0..1 outside the published 0..0"})
-    assert inbox.counts["batches_rejected"] == len(refused) + 1 and inbox.queue == []
+    # ahead and malformed: 400, since no batch with newer weights mends a mask
+    assert post(inbox, edited(version=(1, 2), mask=(0.5, (0, 5)))) == (400, {"error": masks})
+    assert inbox.counts["batches_rejected"] == len(refused) + 2 and inbox.queue == []
     inside = edited(tokens=(VOCAB - 1, (0, 5)), mask=(0.0, (0, 5)), attn=(0.0, (0, 5)))  # a hole: 0 in both
     inside["tokens"][1, 5] = 0
     assert post(inbox, inside) == (200, {"queued": 1, "dropped": 0})

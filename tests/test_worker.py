@@ -182,12 +182,14 @@ def test_a_worker_that_cannot_load_an_adapter_keeps_its_own_and_samples_with_the
     assert "Traceback" not in err and box.queue and all(g["version"].eq(1).all() for g, _ in box.queue)
 
 
-def refusing(monkeypatch, why):
-    """The inbox refuses a well-formed batch n (1, 2, ...) for why(n), or takes it when that is None."""
+def refusing(monkeypatch, why, ahead: int = 0):
+    """The inbox refuses a well-formed batch n (1, 2, ...) for why(n), or takes it when that is None;
+    batches 1..ahead carry a version past the published one, as if sampled for the run before a --resume."""
     real_check, seen = serve.Inbox.check, []
 
     def check(self, t, meta):
         seen.append(t)
+        t["version"] += 9 * (len(seen) <= ahead)
         return real_check(self, t, meta) or why(len(seen))
     monkeypatch.setattr(serve.Inbox, "check", check)
 
@@ -221,9 +223,9 @@ def test_a_refused_batch_is_logged_and_the_worker_goes_on_until_five_in_a_row_st
     assert "Traceback" not in err and box.queue == [] and fetcher() is None
 
 
-def refused_run(monkeypatch, inbox, tiny, adapter, capsys, steps: int, why):
+def refused_run(monkeypatch, inbox, tiny, adapter, capsys, steps: int, why, ahead: int = 0):
     """A worker against a trainer that refuses for why(n) and takes `steps` batches: (rc, stderr, inbox)."""
-    refusing(monkeypatch, why)
+    refusing(monkeypatch, why, ahead)
     box = inbox(tiny, vocab=adapter[2], max_len=1024)
     publish(box, adapter, 0)
     take_then_close(box, steps=steps)
@@ -244,10 +246,11 @@ def test_batches_sampled_ahead_of_a_resumed_trainer_are_refused_409_and_never_st
         tiny, adapter, inbox, capsys, one_thread, monkeypatch):
     """A trainer resumed from an older checkpoint refuses the versions it lost until the worker has its
     weights; a fast worker may post many such batches first (CI: 5 before its fetcher had them)."""
-    rc, err, box = refused_run(monkeypatch, inbox, tiny, adapter, capsys, steps=1,  # 7 ahead
-                               why=lambda n: None if n > 7 else "versions 9..9 outside the published 0..0")
+    rc, err, box = refused_run(monkeypatch, inbox, tiny, adapter, capsys, steps=1, why=lambda n: None,
+                               ahead=7)
     assert rc == 0
-    assert err.count("batch refused (409)") == 7 and box.counts["batches_rejected"] == 7
+    assert err.count("""batch refused (409): b'{"error": "versions 9..9 outside the published 0..0"}'""") == 7
+    assert box.counts["batches_rejected"] == 7
     assert "in a row" not in err and "Traceback" not in err
 
 
