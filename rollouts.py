@@ -225,7 +225,8 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
             texts = [policy.decode(s.ids[:r]) for s, r in zip(samples, room)]
             steps = pool.map(lambda e, t: e.env.step(t), live, texts)
             for e, t, (obs, reward, done, info) in zip(live, texts, steps):
-                e.reward, e.turns = e.reward + reward, e.turns + 1
+                e.reward += tasks.checked(reward, f"{type(e.env).__name__}.step", t)
+                e.turns += 1
                 e.solved_at_turn = info.get("solved_at_turn", 0)
                 e.text += t
                 # A turn cut off mid-way ends the episode: a reply must follow the turn's end token.

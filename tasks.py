@@ -18,6 +18,7 @@ import ast
 import difflib
 import json
 import math
+import numbers
 import operator
 import random
 import re
@@ -205,6 +206,19 @@ def overlong_penalty(max_len: int, buffer: int, length: Callable[[str], int] = l
     return overlong_penalty
 
 
+class RewardError(ValueError):
+    """A reward that is not a finite number: a bug in the reward function (or env) that it names."""
+
+
+def checked(reward, who: str, completion: str) -> float:
+    """`reward` as a float. Anything but a finite number stops the run: a NaN would mask its group as a
+    judge's missing score does, None would fail deep in the loop, and neither says which reward erred."""
+    if isinstance(reward, numbers.Real) and math.isfinite(reward):
+        return float(reward)
+    raise RewardError(f"{who} returned {reward!r} for the completion {completion[:60]!r}; a reward is a "
+                      "finite number (0.0 for a wrong or malformed answer)")
+
+
 # ---------------------------------------------------------------- tasks
 class Task:
     """Base class; subclasses fill `self._eval` and define `train_problem(index) -> Problem`."""
@@ -232,12 +246,15 @@ class Task:
         for i, (fn, weight) in enumerate(self.rewards):
             name = getattr(fn, "__name__", f"reward{i}")
             try:
-                r = float(fn(prompt, completion, answer))
+                r = checked(fn(prompt, completion, answer), f"reward {name}", completion)
             except JudgeUnavailable as e:
                 if not drop:
                     raise
                 warnings.warn(f"a sample is dropped: {e}")  # once per distinct cause; the loop counts them
                 r = math.nan
+            except Exception as e:  # a bug in the reward: its traceback, and the completion that found it
+                e.add_note(f"in reward {name}, scoring the completion {completion[:200]!r}")
+                raise
             parts[name if name not in parts else f"{name}_{i}"] = r
             total += weight * r
         return total, parts

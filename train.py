@@ -578,7 +578,7 @@ def main(argv: list[str]) -> int:
             return serve.run_worker(cfg)
         utils.init_distributed(cfg.dist_timeout)
         train(cfg)
-    except (utils.ConfigError, JudgeUnavailable, sandbox.SandboxUnavailable) as e:  # each names its fix
+    except (utils.ConfigError, JudgeUnavailable, sandbox.SandboxUnavailable, tasks.RewardError) as e:  # fixes
         utils.stderr(f"error: {e}")
         return 1 if isinstance(e, JudgeUnavailable) else 2  # 1: a judge down (--judge-down fail), run saved
     except KeyboardInterrupt:

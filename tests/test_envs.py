@@ -28,7 +28,7 @@ from model import LLMPolicy, MLPPolicy, Sample
 from modeldir import build_tiny_model
 from rollouts import (WIRE, EnvRollouts, Episode, collate, encode_reply, from_wire, make_batch,
                       rollout_control, rollout_multiturn, rollout_single, sample_rows)
-from tasks import Problem, ProceduralTask, Task, completion_number
+from tasks import Problem, ProceduralTask, RewardError, Task, completion_number
 from utils import UMASK, ConfigError
 
 
@@ -124,6 +124,20 @@ def test_text_env_protocol_on_the_readme_example():
     short.reset(Problem("Guess.", "37", "37"))
     short.step("1")
     assert short.step("2") == (None, 0.0, True, {"turns": 2, "solved_at_turn": 0})  # out of turns
+
+
+def test_an_env_whose_reward_is_no_finite_number_stops_naming_its_class():
+    class Unscored(GuessNumber):
+        def respond(self, completion):
+            reply, reward, solved = super().respond(completion)
+            return reply, None if reply == "lower" else reward, solved  # a bug: a path without a reward
+
+    problems = GuessTask(seed=0, eval_size=1).eval_problems()  # under 50: the first guess, 50, is high
+    assert int(problems[0].answer) < 50
+    with pytest.raises(RewardError, match="^Unscored.step returned None for the completion '50'; a reward "
+                                                "is a finite number"):
+        rollout_multiturn(ScriptedPolicy(chat_tokenizer(), bisect), Unscored, problems, group_size=1,
+                          max_turns=7, max_new_tokens=8, max_len=4096)
 
 
 def test_readme_example_solves_in_a_rollout_by_bisection(monkeypatch):

@@ -1,6 +1,7 @@
 """Every user-facing error (config, data, model, checkpoint) is one line naming the fix, exit code
 2, never a traceback."""
 import json
+import math
 import re
 import resource
 import subprocess
@@ -110,6 +111,26 @@ def test_data_that_cannot_be_read_stops_in_one_line_before_a_model_loads(capsys,
     monkeypatch.setattr(serve, "LLMPolicy", lambda *a, **kw: pytest.fail("a model loaded first"))
     err = one_line_error(capsys, ["--model", "tiny", "--no-progress", "--out", str(tmp_path / "r"), *argv])
     assert err.startswith(fix) if fix.startswith("error") else fix in err
+
+
+def test_a_reward_that_turns_nan_mid_run_stops_in_one_line_keeping_the_checkpoints(capsys, tmp_path, monkeypatch):
+    """A NaN reward was taken for a judge's missing score: every group masked, every step skipped, rc 0."""
+    calls = []
+
+    def mine(prompt, completion, answer):  # 4 calls for the eval at step 0, then 8 a step: NaN from step 3
+        calls.append(1)
+        return math.nan if len(calls) > 4 + 2 * 8 else 0.5
+
+    class Mine(tasks.Arith):
+        name, rewards = "arith_mine", [(tasks.int_correct, 1.0), (mine, 1.0)]
+
+    monkeypatch.setitem(tasks.TASKS, "arith_mine", Mine)
+    out = tmp_path / "run"
+    err = one_line_error(capsys, [*LLM, "--task", "arith_mine", "--out", str(out), "--batch", "8",
+                                  "--group-size", "4", "--eval-size", "4", "--max-new-tokens", "3", "--steps", "4",
+                                  "--ckpt-every", "1"])
+    assert err.startswith("error: reward mine returned nan for the completion ") and len(calls) == 4 + 2 * 8 + 1
+    assert [c.name for c in utils.checkpoints(out)] == ["ckpt-0000001", "ckpt-0000002"]
 
 
 def test_resume_of_another_policy_names_the_runs_own_config(capsys, tmp_path):

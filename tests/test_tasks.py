@@ -396,6 +396,35 @@ def test_score_raises_a_judges_outage_unless_asked_to_drop_the_sample():
         total, parts = task.score("p", "<answer>1</answer>", CD24, drop=True)
     assert math.isnan(total) and parts["format_reward"] == 1.0 and math.isnan(parts["judge"])
 
+
+@pytest.mark.parametrize("value, ok", [(None, None), (math.nan, None), (-math.inf, None), ("1", None),
+                                       ([1.0], None), (True, 1.0), (3, 3.0), (0.25, 0.25)])
+def test_a_reward_that_is_not_a_finite_number_stops_naming_its_function(value, ok):
+    """A NaN once masked the whole group as a judge's missing score does, silently; None failed in the loop."""
+    def mine(prompt, completion, answer):
+        return value
+
+    task = make_task("countdown", seed=0, eval_size=0)
+    task.rewards = [(format_reward, 1.0), (mine, 2.0)]
+    if ok is not None:
+        assert task.score("p", "<answer>1</answer>", CD24) == (1.0 + 2 * ok, {"format_reward": 1.0, "mine": ok})
+        return
+    with pytest.raises(tasks.RewardError) as e:
+        task.score("p", "<answer>1</answer>", CD24)
+    assert str(e.value) == (f"reward mine returned {value!r} for the completion '<answer>1</answer>'; a reward "
+                            "is a finite number (0.0 for a wrong or malformed answer)")
+
+
+def test_a_reward_that_raises_shows_its_traceback_noting_the_completion_it_failed_on():
+    def mine(prompt, completion, answer):
+        return len(completion.split()[3])  # a bug: short completions have no fourth word
+
+    task = make_task("countdown", seed=0, eval_size=0)
+    task.rewards = [(mine, 1.0)]
+    with pytest.raises(IndexError) as e:
+        task.score("p", "<answer>1</answer>", CD24)
+    assert e.value.__notes__ == ["in reward mine, scoring the completion '<answer>1</answer>'"]
+
 # ---------------------------------------------------------------- dataset tasks
 def test_dataset_rows_parse_to_exact_canonical_answers():
     task = mixed(eval_size=2)
