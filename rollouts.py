@@ -391,6 +391,8 @@ class EnvRollouts(TaskRollouts):
 
     def make_task(self, cfg) -> tasks.Task:
         env = TEXT_ENVS[cfg.task]
+        if not (isinstance(env.task, type) and issubclass(env.task, tasks.Task)):
+            raise ValueError(f"{env.__name__}.task is {env.task!r}: set it to the tasks.Task class it plays")
         self.env = lambda: env(cfg.max_turns)  # --max-turns ends an episode, not the env class's default
         return env.task(seed=cfg.seed, eval_size=cfg.eval_size)
 

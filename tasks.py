@@ -39,6 +39,10 @@ class Problem:
     answer: str  # reference answer the reward functions read
     key: str  # identity that keeps the train and eval splits disjoint
 
+    def __post_init__(self):  # a number as the answer would pass here and fail in a reward, much later
+        if not all(isinstance(x, str) for x in (self.prompt, self.answer, self.key)):
+            raise ValueError(f"a Problem's prompt, answer and key are text (str(x) of a number); got {self}")
+
 
 # ---------------------------------------------------------------- answers and numbers
 _NUM = r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+"  # "1,234" is one number, "3,4" two
@@ -281,12 +285,15 @@ class ProceduralTask(Task):
         i = last_new = 0
         while len(found) < eval_size and i - last_new <= 1000 + len(found):  # then the space is spent
             p = self.generate(random.Random(f"{seed}:eval:{i}"))
+            if not isinstance(p, Problem):
+                raise ValueError(f"{type(self).__name__}.generate() returned {p!r:.80}, not a tasks.Problem")
             if found.setdefault(p.key, p) is p:  # a new key
                 last_new = i
             i += 1
-        if len(found) < eval_size:
-            raise ValueError(f"found only {len(found)} distinct eval problems; lower --eval-size to "
-                             f"{len(found) // 2} or less (got {eval_size})")  # as many left to train on
+        if len(found) < eval_size:  # leave as many to train on; one problem leaves none
+            fix = (f"lower --eval-size to {len(found) // 2} or less (got {eval_size})" if len(found) > 1
+                   else f"generate() must vary Problem.key (the split needs {eval_size})")
+            raise ValueError(f"found only {len(found)} distinct eval problems; {fix}")
         self._eval, self._eval_keys = list(found.values()), frozenset(found)
         self.train_problem(0)  # a split that holds every problem fails here, not at the first step
 

@@ -140,6 +140,18 @@ def test_an_env_whose_reward_is_no_finite_number_stops_naming_its_class():
                           max_turns=7, max_new_tokens=8, max_len=4096)
 
 
+def test_an_env_without_its_task_class_is_named_when_its_source_is_built(monkeypatch):
+    class Taskless(TextEnv):  # forgot `task = GuessTask`: "'NoneType' object is not callable"
+        def respond(self, completion):
+            return None, 1.0, True
+
+    monkeypatch.setitem(TEXT_ENVS, "taskless", Taskless)
+    cfg = train.Config(task="taskless", algo="grpo", batch=4, group_size=2, eval_size=4)
+    with pytest.raises(ConfigError, match=r"^--task taskless: Taskless.task is None: set it to the tasks.Task "
+                                          r"class it plays$"):
+        EnvRollouts(cfg, ScriptedPolicy(chat_tokenizer(), bisect))
+
+
 def test_readme_example_solves_in_a_rollout_by_bisection(monkeypatch):
     monkeypatch.setitem(TEXT_ENVS, "guess", GuessNumber)  # the README registers it at import time
     task = TEXT_ENVS["guess"].task(seed=0, eval_size=4)

@@ -658,6 +658,29 @@ def test_an_eval_split_that_holds_every_problem_is_refused_when_the_task_is_buil
         Three(eval_size=4)
 
 
+def test_a_task_whose_problems_are_malformed_or_all_one_is_refused_when_built_naming_the_fix():
+    """A tuple failed with "'tuple' object has no attribute 'key'"; an int answer trained silently (and broke
+    numeric rewards later); one key for all advised "lower --eval-size to 0 or less", which validate refuses."""
+    class Odd(tasks.ProceduralTask):
+        def __init__(self, make, **kw):
+            self.make = make
+            super().__init__(**kw)
+
+        def generate(self, rng):
+            return self.make(str(rng.randint(1, 9)))
+
+    # the first draw of seed 0 is 4: random.Random("0:eval:0").randint(1, 9)
+    with pytest.raises(ValueError, match=r"^Odd.generate\(\) returned \('4', '4'\), not a tasks.Problem$"):
+        Odd(lambda k: (k, k), eval_size=4)
+    with pytest.raises(ValueError, match=r"^a Problem's prompt, answer and key are text \(str\(x\) of a number\); "
+                                         r"got Problem\(prompt='4', answer=4, key='4'\)$"):
+        Odd(lambda k: Problem(k, int(k), key=k), eval_size=4)
+    with pytest.raises(ValueError, match=r"^found only 1 distinct eval problems; generate\(\) must vary "
+                                         r"Problem.key \(the split needs 4\)$"):
+        Odd(lambda k: Problem(k, k, key="same"), eval_size=4)
+    assert len(Odd(lambda k: Problem(k, k, key=k), eval_size=4).eval_problems()) == 4
+
+
 def test_an_eval_split_past_the_cap_or_past_the_problems_a_task_holds_is_refused_at_once():
     """countdown --eval-size 100000000 generated problems until memory ran out; sql --eval-size 100000 drew
     10^7 problems from its few hundred (100 draws per problem asked) before it said how many it had."""
