@@ -52,7 +52,7 @@ class Config:
     loss_agg_constant: int = 0  # the constant mode's tokens per row; 0 = max_new_tokens
     inner_epochs: int = 1  # passes over each batch; >1 makes the update off-policy (PPO uses 4)
     minibatches: int = 1  # optimizer steps per epoch; 1 keeps the first-epoch ratio exactly 1
-    micro_batch: int = 0  # rows per forward/backward (0 = the whole minibatch); only memory changes
+    micro_batch: int = 0  # rows per forward/backward (0: the minibatch): memory and speed, never the gradient
     max_grad_norm: float = 1.0  # clips rare huge-return batches that would otherwise undo learning; 0 = off
     ent_coef: float = 0.0  # entropy bonus; CartPole solves without it
     vf_coef: float = 0.5  # value-loss weight for PPO's critic (separate trunk, so it rarely matters)
@@ -64,8 +64,6 @@ class Config:
     out: str = ""  # run directory; empty = runs/<task>-<algo>-<timestamp>
     resume: str = ""  # a run directory (its config.yaml, newest checkpoint that loads) or a ckpt-* in one
     eval_only: bool = False  # evaluate --resume's checkpoint (into RUN/eval-STEP or --out) or a bare --model
-    export: str = ""  # at the end, the model goes here: a PEFT adapter (LoRA; vLLM --enable-lora), else full
-    export_merged: bool = False  # LoRA: export the adapter merged into a full Hugging Face model instead
     ckpt_every: int = 50  # steps between checkpoints (a final one is always written)
     keep_ckpts: int = 3  # older checkpoints are deleted; 3 survives one corrupt write with margin
     progress: bool = True  # tqdm progress bar; --no-progress for logs and CI
@@ -76,6 +74,8 @@ class Config:
     eval_episodes: int = 10  # held-out greedy episodes per eval (the solve criterion uses 10)
     # ---- LLM tasks (cartpole refuses these)
     model: str = "tiny"  # HF hub id or local dir; "tiny" builds a small Llama locally, no download
+    export: str = ""  # at the end, the model goes here: a PEFT adapter (LoRA; vLLM --enable-lora), else full
+    export_merged: bool = False  # LoRA: export the adapter merged into a full Hugging Face model instead
     lora: bool = True  # LoRA: ~1% of the weights train and the KL reference costs no memory
     lora_rank: int = 16  # rank 16 is where RL fine-tuning results stop improving in most reports
     lora_alpha: int = 32  # alpha = 2 x rank keeps the update scale stable when the rank changes
@@ -137,11 +137,13 @@ def task_defaults(given: dict) -> dict:
     tiny = given.get("model", Config.model) == "tiny"  # random init: every reward 0 (no gradient) until SFT
     # a random-init model has nothing worth freezing, unless --lora-rank (-alpha, -targets) asks for LoRA
     lora = given.get("lora", Config.lora and (not tiny or any(k.startswith("lora_") for k in given)))
+    longest = Config.max_len if task in TEXT_ENVS else given.get("max_new_tokens", kind.max_new_tokens)
     return {"algo": "grpo", "group_size": 8, "batch": 64,  # 8 prompts x 8: a spread at 10-90% accuracy
             "lora": lora, "lr": 5e-4 if lora else 5e-5,  # a low-rank update: ~10x the rate
             "sft_steps": 200 if tiny else 0,  # arith_chain: 32 s to 15% held-out; sql: ~39 min (2 cores)
             "max_new_tokens": kind.max_new_tokens,  # the task's own budget ("12+7=" needs 8, GSM8K 512)
-            "max_turns": getattr(TEXT_ENVS.get(task), "max_turns", Config.max_turns)}  # a text env's own
+            "max_turns": getattr(TEXT_ENVS.get(task), "max_turns", Config.max_turns),  # a text env's own
+            "micro_batch": 0 if tiny else max(1, 2048 // longest)}  # 2048 tokens: bench/memory.py
 
 
 def choices() -> dict:
@@ -181,9 +183,6 @@ def validate(cfg: Config) -> None:
                   f"(got {cfg.eps_low}, {cfg.eps_high}, {cfg.dual_clip})")
     if cfg.tis_cap < 1 or not 0 < cfg.mis_low <= 1 <= cfg.mis_high:
         raise err("need tis_cap >= 1 and mis_low <= 1 <= mis_high: agreeing engines get weight 1")
-    if (cfg.export or cfg.export_merged) and (cfg.task in CONTROL or not cfg.export):
-        raise err("--export DIR writes a language model (and --export-merged needs --export DIR); CartPole's "
-                  "weights are the ckpt-*/weights.safetensors of its run")
     if cfg.eval_only and (utils.world() > 1 or cfg.role != "sync"):
         raise err("--eval-only runs in one process: drop torchrun and --role")
     if set(filter(None, cfg.log.split(","))) - set(utils.LOGGERS):
@@ -226,6 +225,7 @@ def validate_modes(cfg: Config) -> None:
              ("max_gen_batches", cfg.dynamic_sampling, "--dynamic-sampling"),
              ("opd_reward_coef", cfg.algo == "opd", "--algo opd"),
              ("sft_lr", cfg.sft_steps, "--sft-steps N (a warm-start)"),
+             ("export_merged", cfg.export, "--export DIR"),
              ("workers", cfg.role == "trainer", "--role trainer (resuming async in sync: --workers 0)"),
              ("trainer_url", cfg.role != "sync", "--role trainer or rollout (sync resume: --trainer-url '')"),
              ("vllm", cfg.role == "rollout" and cfg.lora, "--role rollout and --lora (with full fine-tuning "

@@ -325,7 +325,7 @@ def test_a_start_that_failed_before_logging_a_step_leaves_its_directory_to_the_f
 
 
 @pytest.mark.parametrize("argv, fix", [
-    (["--export", "adapter"], "--export DIR writes a language model"),  # CartPole's are its checkpoints
+    (["--export", "adapter"], "--export is for LLM tasks, not cartpole"),  # CartPole's are its checkpoints
     (LLM + ["--export-merged"], "--export-merged needs --export DIR"),  # merged into no directory
     (LLM + ["--eval-only", "--role", "trainer"], "--eval-only runs in one process: drop torchrun and --role"),
     (["--log", "tensorbord"], "--log tensorbord: choose from tensorboard, wandb (metrics.csv is always"),
