@@ -41,7 +41,7 @@ class Problem:
 
     def __post_init__(self):  # a number as the answer would pass here and fail in a reward, much later
         if not all(isinstance(x, str) for x in (self.prompt, self.answer, self.key)):
-            raise ValueError(f"a Problem's prompt, answer and key are text (str(x) of a number); got {self}")
+            raise ValueError(f"a Problem's prompt, answer and key are str (of a number too): {self!r:.200}")
 
 
 # ---------------------------------------------------------------- answers and numbers

@@ -672,8 +672,8 @@ def test_a_task_whose_problems_are_malformed_or_all_one_is_refused_when_built_na
     # the first draw of seed 0 is 4: random.Random("0:eval:0").randint(1, 9)
     with pytest.raises(ValueError, match=r"^Odd.generate\(\) returned \('4', '4'\), not a tasks.Problem$"):
         Odd(lambda k: (k, k), eval_size=4)
-    with pytest.raises(ValueError, match=r"^a Problem's prompt, answer and key are text \(str\(x\) of a number\); "
-                                         r"got Problem\(prompt='4', answer=4, key='4'\)$"):
+    with pytest.raises(ValueError, match=r"^a Problem's prompt, answer and key are str \(of a number too\): "
+                                         r"Problem\(prompt='4', answer=4, key='4'\)$"):
         Odd(lambda k: Problem(k, int(k), key=k), eval_size=4)
     with pytest.raises(ValueError, match=r"^found only 1 distinct eval problems; generate\(\) must vary "
                                          r"Problem.key \(the split needs 4\)$"):
