@@ -250,7 +250,7 @@ class Task:
         for i, (fn, weight) in enumerate(self.rewards):
             name = getattr(fn, "__name__", f"reward{i}")
             try:
-                r = checked(fn(prompt, completion, answer), f"reward {name}", completion)
+                r = fn(prompt, completion, answer)
             except JudgeUnavailable as e:
                 if not drop:
                     raise
@@ -259,6 +259,8 @@ class Task:
             except Exception as e:  # a bug in the reward: its traceback, and the completion that found it
                 e.add_note(f"in reward {name}, scoring the completion {completion[:200]!r}")
                 raise
+            else:
+                r = checked(r, f"reward {name}", completion)  # a judge's missing score alone is NaN
             parts[name if name not in parts else f"{name}_{i}"] = r
             total += weight * r
         return total, parts
