@@ -421,7 +421,6 @@ def micro_loss(policy, batch: Batch, rows: torch.Tensor, share, fresh: bool, cfg
     return loss, s
 
 
-# ---------------------------------------------------------------- the loop
 def train(cfg: Config) -> Path:
     validate(cfg)
     headline = ("eval_return", "eval_accuracy")  # the eval that --target stops at (a task logs one of them)
@@ -432,9 +431,10 @@ def train(cfg: Config) -> Path:
     teacher = load_teacher(cfg, policy) if cfg.teacher else None
     out, log, step, last_eval = run_dir(cfg), utils.Metrics(), 0, {}
 
-    def stop(step: int, log) -> bool:  # after each step: a stop seen by one rank stops all here, saved
-        state = {"wall_s": log.wall(), "source": source.state()}  # as `step` leaves them (log: the caller's,
-        rng = torch.get_rng_state()  # SFT's): StopSignals may save them later. A failed save keeps the rest.
+    def stop(step: int, log, evaluated: bool = False) -> bool:  # after each step: a stop seen by one rank
+        # stops all here, saved as `step` left them (log: the caller's, SFT's; evaluated: its eval logged).
+        state = {"wall_s": log.wall(), "source": source.state(), "evaluated": evaluated}  # StopSignals may
+        rng = torch.get_rng_state()  # save them later. A failed save keeps the rest.
         signals.save = lambda: utils.save_checkpoint(out, step, policy, opt, state, cfg.keep_ckpts, rng)
         if utils.reduce_dict({"stop": signals.seen})["stop"]:
             signals.seen = True  # also on a rank that saw no signal
@@ -463,12 +463,12 @@ def train(cfg: Config) -> Path:
                 last_eval = evaluate(source, log, step + 1, out)
             bar.set_postfix(reward=f"{stats['reward']:.1f}", **{k: f"{v:.3g}" for k, v in last_eval.items()})
             solved = cfg.target and max(last_eval.get(k, -math.inf) for k in headline) >= cfg.target
-            if stop(step + 1, log):
+            if stop(step + 1, log) or solved:
                 break
-            if (step + 1) % cfg.ckpt_every == 0 or solved or step + 1 == cfg.steps:
-                signals.save()  # step + 1's checkpoint, as stop() just captured it
-            if solved:
-                break
+            if (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
+                signals.save()  # step + 1's checkpoint, as stop() just captured it (the last one: below)
+        if not signals.seen:  # the last step's checkpoint; with --steps 0, the warm-start's (or the base's)
+            signals.save()
         bar.close()
     except (KeyboardInterrupt, OSError):  # Ctrl-C twice, a full disk
         utils.stderr(f"stopped during step {step + 1} (not saved); checkpoints so far: --resume {out}")
@@ -501,9 +501,9 @@ def start_run(cfg: Config, out: Path, policy, opt, source: BatchSource, meta: di
     if cfg.sft_steps and not meta:
         evaluate(source, log, -cfg.sft_steps, out, "_before_sft")
     stopped = start < 0 and warm_start(policy, opt, source, cfg, log, start, stop)
-    if start <= 0 and not stopped:
-        evaluate(source, log, 0, out)  # the starting point of the RL curve
-        stop(0, log)  # one during it (or its abandonment) saves step 0: the warm-start is not lost
+    if start <= 0 and not stopped and not (meta or {}).get("evaluated"):
+        logged = evaluate(source, log, 0, out)  # the starting point of the RL curve ({}: abandoned)
+        stop(0, log, bool(logged))  # one during it (or its abandonment) saves step 0: the warm-start is kept
     return log, max(start, 0)
 
 

@@ -326,6 +326,24 @@ def test_a_stop_right_after_the_warm_start_saves_it_at_step_0_with_rls_optimizer
     assert sorted(rows(out)) == sorted(rows(full))
 
 
+def test_a_warm_start_alone_is_checkpointed_and_rl_resumes_from_it_as_one_run_would(tmp_path):
+    """--steps 0 --sft-steps N is a supervised run: it leaves ckpt-0 (its step-0 eval logged), and --resume
+    --steps 1 goes on bitwise as one run would, without logging the step-0 eval a second time."""
+    from modeldir import build_tiny_model
+
+    tiny = build_tiny_model(str(tmp_path / "tiny"), layers=2, hidden=128, heads=2, intermediate=256)
+    flags = ["--task", "arith", "--algo", "grpo", "--model", tiny, "--sft-steps", "3", "--batch", "4",
+             "--group-size", "2", "--eval-size", "2", "--max-new-tokens", "2", "--no-progress", "--lr", "0.002"]
+    full = train.train(utils.load_config(train.Config, [*flags, "--steps", "1", "--out", str(tmp_path / "full")]))
+    out = train.train(utils.load_config(train.Config, [*flags, "--steps", "0", "--out", str(tmp_path / "sft")]))
+    assert [c.name for c in utils.checkpoints(out)] == ["ckpt-0000000"]
+    assert json.loads((out / "ckpt-0000000" / "meta.json").read_text())["evaluated"] is True
+    assert train.main(["--resume", str(out), "--steps", "1"]) == 0
+    a, b = final_weights(full), final_weights(out)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert sorted(rows(out)) == sorted(rows(full))  # one eval_accuracy at step 0, as in the full run
+
+
 def test_a_failed_checkpoint_write_keeps_the_previous_one_and_leaves_no_partial_one(tmp_path, monkeypatch):
     policy = MLPPolicy(4, 2)
     opt, meta = torch.optim.Adam(policy.parameters()), {"wall_s": 0.0, "source": {"position": 1}}
