@@ -285,19 +285,21 @@ class ProceduralTask(Task):
             raise ValueError(f"eval_size={eval_size}: {self.MAX_EVAL} at most; lower --eval-size")
         found: dict[str, Problem] = {}
         i = last_new = 0
-        while len(found) < eval_size and i - last_new <= 1000 + len(found):  # then the space is spent
+        # one key past the split, else training has no problem: a task of 100 numbers, --eval-size 100
+        while len(found) <= eval_size and i - last_new <= 1000 + len(found):  # then the space is spent
             p = self.generate(random.Random(f"{seed}:eval:{i}"))
             if not isinstance(p, Problem):
                 raise ValueError(f"{type(self).__name__}.generate() returned {p!r:.80}, not a tasks.Problem")
             if found.setdefault(p.key, p) is p:  # a new key
                 last_new = i
             i += 1
-        if len(found) < eval_size:  # leave as many to train on; one problem leaves none
-            fix = (f"lower --eval-size to {len(found) // 2} or less (got {eval_size})" if len(found) > 1
-                   else f"generate() must vary Problem.key (the split needs {eval_size})")
-            raise ValueError(f"found only {len(found)} distinct eval problems; {fix}")
-        self._eval, self._eval_keys = list(found.values()), frozenset(found)
-        self.train_problem(0)  # a split that holds every problem fails here, not at the first step
+        if (n := len(found)) <= eval_size:  # half of them leaves as many to train on; one problem leaves none
+            fix = (f"--eval-size {eval_size} leaves too few to train on; lower it to {n // 2} or less"
+                   if n > 1 else f"generate() must vary Problem.key (the split needs {eval_size + 1})")
+            raise ValueError(f"found only {n} distinct problems; {fix}")
+        self._eval = list(found.values())[:eval_size]
+        self._eval_keys = frozenset(p.key for p in self._eval)
+        self.train_problem(0)  # a split that holds all but rare problems fails here, not at the first step
 
     def train_problem(self, index: int) -> Problem:
         for attempt in range(10_000):

@@ -32,25 +32,12 @@ from tasks import Problem, ProceduralTask, RewardError, Task, completion_number
 from utils import UMASK, ConfigError
 
 
-# ---------------------------------------------------------------- the README example
-class GuessTask(ProceduralTask):
-    name = "guess"
-
-    def generate(self, rng):
-        secret = rng.randint(1, 100)
-        return Problem("I picked a whole number from 1 to 100. Guess it.", str(secret), key=str(secret))
-
-
-class GuessNumber(TextEnv):
-    """Guess a secret number; each wrong guess is answered with "higher" or "lower"."""
-
-    task, max_turns = GuessTask, 7
-
-    def respond(self, completion):
-        guess, secret = completion_number(completion), int(self.problem.answer)
-        if guess == secret:
-            return None, 1.0, True
-        return ("higher" if guess is None or guess < secret else "lower"), 0.0, False
+# ---------------------------------------------------------------- the README example, run as printed
+README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+GUESS = re.search(r"```python\n(import random\nfrom envs import TEXT_ENVS, TextEnv\n.*?)```", README, re.S)[1]
+exec(GUESS, readme := {"__name__": __name__})  # this module's name: the classes pickle like its own
+GuessTask, GuessNumber = readme["GuessTask"], readme["GuessNumber"]
+del TEXT_ENVS["guess"]  # the block registers it at import; a test that trains it does so again
 
 
 # ---------------------------------------------------------------- a chat tokenizer and a scripted policy
@@ -189,6 +176,22 @@ def test_a_multi_turn_source_plays_exactly_max_turns_turns(max_turns):
                        max_new_tokens=32, max_turns=max_turns)
     batch = EnvRollouts(cfg, ScriptedPolicy(chat_tokenizer(), lambda text: "<answer>1 + 1</answer>")).next(0)
     assert batch.stats["turns"].tolist() == [max_turns] * 4 and batch.stats["solved"].sum() == 0
+
+
+def test_the_readme_env_with_its_100_secrets_refuses_100_held_out_and_trains_with_the_size_named(
+        monkeypatch, capsys, tmp_path):
+    """The default --eval-size 100 held out every secret: "10,000 draws all hit the eval split; lower
+    --eval-size", without a size. The README's command, --eval-size 50, trains."""
+    monkeypatch.setitem(TEXT_ENVS, "guess", GuessNumber)
+    small = ["--task", "guess", "--steps", "1", "--sft-steps", "1", "--batch", "4", "--group-size", "2",
+             "--max-new-tokens", "4", "--max-turns", "2", "--no-progress"]
+    assert train.main([*small, "--out", str(tmp_path / "a")]) == 2
+    assert capsys.readouterr().err == ("error: --task guess: found only 100 distinct problems; --eval-size 100 "
+                                       "leaves too few to train on; lower it to 50 or less\n")
+    assert "python train.py --task guess --eval-size 50" in README
+    assert train.main([*small, "--eval-size", "50", "--out", str(tmp_path / "b")]) == 0
+    task = GuessTask(eval_size=50)
+    assert len(task.eval_problems()) == 50 and task.train_problem(0).key not in task._eval_keys
 
 
 def test_an_envs_own_max_turns_is_the_tasks_default_and_the_flag_overrides_it(monkeypatch):

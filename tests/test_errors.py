@@ -456,8 +456,8 @@ def test_an_eval_split_larger_than_a_tasks_distinct_problems_names_a_size_that_t
     training step failed with a traceback after 10,000 draws. It now names a size that leaves as many."""
     err = one_line_error(capsys, ["--task", "sql", "--model", "tiny", "--eval-size", "400", "--no-progress",
                                   "--out", str(tmp_path / "r")])  # sql has a few hundred distinct questions
-    found = re.fullmatch(r"error: --task sql: found only (\d+) distinct eval problems; lower --eval-size to "
-                         r"(\d+) or less \(got 400\)", err)
+    found = re.fullmatch(r"error: --task sql: found only (\d+) distinct problems; --eval-size 400 leaves too few "
+                         r"to train on; lower it to (\d+) or less", err)
     assert found and int(found[2]) == int(found[1]) // 2, err
     task = envs.SQLTask(eval_size=int(found[2]))  # the size it names: held out, and the rest still trains
     assert len(task._eval) == int(found[2]) and task.train_problem(0).key not in task._eval_keys

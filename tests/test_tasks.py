@@ -649,12 +649,14 @@ class Three(tasks.ProceduralTask):
 
 
 def test_an_eval_split_that_holds_every_problem_is_refused_when_the_task_is_built():
-    with pytest.raises(ValueError, match="lower --eval-size"):  # before: a RuntimeError at the first step
+    # before: a RuntimeError at the first step; then "10,000 draws all hit the eval split", no size named
+    with pytest.raises(ValueError, match=r"^found only 3 distinct problems; --eval-size 3 leaves too few to "
+                                         r"train on; lower it to 1 or less$"):
         Three(eval_size=3)
     task = Three(eval_size=2)  # one problem left to train on: every draw is that one
     (left,) = {"1", "2", "3"} - {p.key for p in task.eval_problems()}
     assert {task.train_problem(i).key for i in range(20)} == {left}
-    with pytest.raises(ValueError, match="found only 3 distinct eval problems; lower --eval-size to 1 "):
+    with pytest.raises(ValueError, match="found only 3 distinct problems; --eval-size 4 leaves too few "):
         Three(eval_size=4)
 
 
@@ -675,8 +677,8 @@ def test_a_task_whose_problems_are_malformed_or_all_one_is_refused_when_built_na
     with pytest.raises(ValueError, match=r"^a Problem's prompt, answer and key are str \(of a number too\): "
                                          r"Problem\(prompt='4', answer=4, key='4'\)$"):
         Odd(lambda k: Problem(k, int(k), key=k), eval_size=4)
-    with pytest.raises(ValueError, match=r"^found only 1 distinct eval problems; generate\(\) must vary "
-                                         r"Problem.key \(the split needs 4\)$"):
+    with pytest.raises(ValueError, match=r"^found only 1 distinct problems; generate\(\) must vary "
+                                         r"Problem.key \(the split needs 5\)$"):
         Odd(lambda k: Problem(k, k, key="same"), eval_size=4)
     assert len(Odd(lambda k: Problem(k, k, key=k), eval_size=4).eval_problems()) == 4
 
@@ -693,8 +695,8 @@ def test_an_eval_split_past_the_cap_or_past_the_problems_a_task_holds_is_refused
             draws.append(1)
             return super().generate(rng)
 
-    with pytest.raises(ValueError, match=r"^found only 3 distinct eval problems; lower --eval-size to 1 or less "
-                                         r"\(got 100000\)$"):
+    with pytest.raises(ValueError, match=r"^found only 3 distinct problems; --eval-size 100000 leaves too few "
+                                         r"to train on; lower it to 1 or less$"):
         Counted(eval_size=100_000)
     assert 1000 < len(draws) <= 1000 + 3 + 20  # 1,003 in a row found nothing new; the 3 keys came within 20
 
