@@ -21,8 +21,8 @@ from gymnasium.envs.classic_control.cartpole import CartPoleVectorEnv
 
 from modeldir import cache_root
 from sandbox import run_python, run_sql
-from tasks import (Countdown, ExprError, Problem, ProceduralTask, countdown_correct, extract_answer,
-                   format_reward, safe_eval)
+from tasks import (Countdown, ExprError, Problem, ProceduralTask, RewardError, countdown_correct,
+                   extract_answer, format_reward, safe_eval)
 from utils import UMASK, ConfigError
 
 EVAL_SEED = 1_000_000_000  # eval seeds live above this; training seeds stay below it
@@ -62,7 +62,11 @@ class TextEnv:
 
     def step(self, completion: str) -> tuple[list[dict] | None, float, bool, dict]:
         self.turn += 1
-        reply, reward, solved = self.respond(completion)
+        out = self.respond(completion)  # the reward is checked where the rollout adds it up
+        if not (isinstance(out, tuple) and len(out) == 3 and (out[0] is None or isinstance(out[0], str))):
+            raise RewardError(f"{type(self).__name__}.respond returned {out!r:.80} for the completion "
+                              f"{completion[:60]!r}; it returns (reply text or None, reward, solved)")
+        reply, reward, solved = out
         done = solved or reply is None or self.turn >= self.max_turns
         info = {"turns": self.turn, "solved_at_turn": self.turn if solved else 0}
         return (None if done else [{"role": "user", "content": reply}]), reward, done, info

@@ -211,7 +211,7 @@ def overlong_penalty(max_len: int, buffer: int, length: Callable[[str], int] = l
 
 
 class RewardError(ValueError):
-    """A reward that is not a finite number: a bug in the reward function (or env) that it names."""
+    """A reward that is not a finite number, or an env's reply that is not text: a bug in what it names."""
 
 
 def checked(reward, who: str, completion: str) -> float:

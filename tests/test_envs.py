@@ -127,6 +127,24 @@ def test_an_env_whose_reward_is_no_finite_number_stops_naming_its_class():
                           max_turns=7, max_new_tokens=8, max_len=4096)
 
 
+@pytest.mark.parametrize("wrong", ["number", "pair", "list"])
+def test_an_env_whose_respond_returns_no_text_reply_triple_stops_naming_its_class(wrong):
+    """A reply of 25 (the model's guess, not text) failed deep in encode_reply ("sequence item 0: expected
+    str instance, Fraction found"); a pair failed to unpack inside TextEnv.step."""
+    class Sloppy(GuessNumber):
+        def respond(self, completion):
+            reply, reward, solved = super().respond(completion)
+            return {"number": (25, reward, solved), "pair": (reply, reward), "list": [reply, reward, solved]}[wrong]
+
+    returned = {"number": "(25, 0.0, False)", "pair": "('lower', 0.0)", "list": "['lower', 0.0, False]"}[wrong]
+    problems = GuessTask(seed=0, eval_size=1).eval_problems()  # under 50: the first guess, 50, is high
+    with pytest.raises(RewardError) as e:
+        rollout_multiturn(ScriptedPolicy(chat_tokenizer(), bisect), Sloppy, problems, group_size=1,
+                          max_turns=7, max_new_tokens=8, max_len=4096)
+    assert str(e.value) == (f"Sloppy.respond returned {returned} for the completion '50'; it returns (reply "
+                            "text or None, reward, solved)")
+
+
 def test_an_env_without_its_task_class_is_named_when_its_source_is_built(monkeypatch):
     class Taskless(TextEnv):  # forgot `task = GuessTask`: "'NoneType' object is not callable"
         def respond(self, completion):
