@@ -78,6 +78,22 @@ def field_docs(cls) -> dict[str, tuple[str, str]]:
     return docs
 
 
+class UniqueKeys(yaml.SafeLoader):
+    """safe_load's YAML, but a key given twice is an error: PyYAML keeps the later value silently, so an
+    `lr:` added at the end of a preset would override the one a reader sees at its top."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = []  # a list: super() refuses an unhashable key itself
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may be overridden
+                continue
+            if (key := self.construct_object(key_node, deep=deep)) in seen:
+                line = key_node.start_mark.line + 1
+                raise yaml.YAMLError(f"'{key}' is given twice (again on line {line}); keep one")
+            seen.append(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_config(cls, argv: list[str], choices: dict | None = None, base: Path | None = None,
                 defaults=lambda given: {}):
     """Defaults <- defaults(what the rest gave) <- `base` (a resumed run's config.yaml) <- --config YAML
@@ -106,7 +122,7 @@ def load_config(cls, argv: list[str], choices: dict | None = None, base: Path | 
     values = {}
     for source in filter(None, (base, args.config)):
         try:
-            preset = yaml.safe_load(Path(source).read_text()) or {}
+            preset = yaml.load(Path(source).read_text(), UniqueKeys) or {}
         except FileNotFoundError:
             raise ConfigError(f"--config {source}: no such file; presets live in configs/") from None
         except (OSError, ValueError, yaml.YAMLError) as e:  # a directory, binary bytes, broken YAML

@@ -92,6 +92,18 @@ def test_an_unreadable_preset_is_one_config_error(tmp_path, data):
         cfg_from(["--config", str(path)])
 
 
+def test_a_preset_key_given_twice_is_refused_naming_its_second_line_while_a_merge_may_override(tmp_path):
+    """PyYAML kept the later value silently: an lr appended at the end overrode the one at the top."""
+    (tmp_path / "twice.yaml").write_text("task: arith\nlr: 0.001\nsteps: 3\nlr: 0.01\n")
+    with pytest.raises(utils.ConfigError) as e:
+        cfg_from(["--config", str(tmp_path / "twice.yaml")])
+    assert str(e.value) == f"{tmp_path / 'twice.yaml'}: cannot read it as YAML ('lr' is given twice (again on " \
+                           "line 4); keep one)"
+    (tmp_path / "merge.yaml").write_text("task: arith\n<<: {lr: 0.001, steps: 3}\nlr: 0.01\n")
+    cfg = cfg_from(["--config", str(tmp_path / "merge.yaml")])  # YAML's merge: its keys are defaults here
+    assert (cfg.lr, cfg.steps) == (0.01, 3)
+
+
 def test_a_flag_that_is_no_yaml_names_the_flag_and_its_type():
     with pytest.raises(utils.ConfigError, match="--lr: 'lr' must be float, got '\\['"):
         cfg_from(["--lr", "["])
