@@ -434,10 +434,9 @@ class DatasetTask(Task):
             warnings.warn(f"{self.name}: skipped {len(self.skipped)} malformed rows: {shown}")
         problems = list(found.values())
         random.Random(f"{seed}:split").shuffle(problems)
-        if len(problems) <= eval_size:
-            fix = f"lower --eval-size to {len(problems) - 1}" if len(problems) > 1 else "add rows"
-            raise ValueError(f"eval_size={eval_size} leaves no training problems "
-                             f"({len(problems)} usable rows); {fix}")
+        if (n := len(problems)) <= eval_size:  # half of them leaves as many to train on, as ProceduralTask
+            fix = f"lower it to {n // 2} or less" if n > 1 else "add rows"
+            raise ValueError(f"{n} usable rows: --eval-size {eval_size} leaves none to train on; {fix}")
         self._eval, self._train = problems[:eval_size], problems[eval_size:]
 
     def _rows(self, data: str | None) -> Iterator[tuple[str, Any]]:  # (where, row): file lines or hub records

@@ -82,7 +82,7 @@ def test_bad_flags_stop_in_one_line_naming_the_fix(capsys, argv, fix):
 @pytest.mark.parametrize("argv, fix", [
     # the task's name once: "--task gsm8k: gsm8k: eval_size..." repeated it
     (["--task", "gsm8k", "--data", MIXED, "--eval-size", "9"],
-     "error: --task gsm8k: eval_size=9 leaves no training problems (9 usable rows); lower --eval-size to 8"),
+     "error: --task gsm8k: 9 usable rows: --eval-size 9 leaves none to train on; lower it to 4 or less"),
 ])
 def test_task_data_errors_stop_in_one_line(capsys, tmp_path, argv, fix):
     err = one_line_error(capsys, ["--model", "tiny", "--no-progress", "--out", str(tmp_path / "r"), *argv])

@@ -490,9 +490,9 @@ def test_dataset_split_is_disjoint_deterministic_and_cycles():
 
 
 def test_dataset_eval_size_must_leave_training_rows():
-    with pytest.raises(ValueError, match="9 usable rows\\); lower --eval-size to 8"):
+    with pytest.raises(ValueError, match="^9 usable rows: --eval-size 9 leaves none to train on; lower it to 4 or less$"):
         mixed(eval_size=9)
-    with pytest.raises(ValueError, match="0 usable rows\\); add rows"):  # no eval size helps
+    with pytest.raises(ValueError, match="0 usable rows: --eval-size 1 leaves none to train on; add rows$"):  # no eval size helps
         make_task("gsm8k", seed=0, eval_size=1, data=os.devnull)
 
 
@@ -525,10 +525,10 @@ def test_a_long_answer_that_is_not_a_number_is_named_by_its_last_40_characters(t
     assert f"(answer {answer[-40:]!r} is not a number)" in str(e.value)
 
 
-@pytest.mark.parametrize("usable, fix", [(1, "add rows"), (2, "lower --eval-size to 1")])
+@pytest.mark.parametrize("usable, fix", [(1, "add rows"), (2, "lower it to 1 or less")])
 def test_too_few_rows_for_the_eval_split_name_the_fix_that_helps(tmp_path, usable, fix):
     rows = plus_one_rows(usable)
-    with pytest.raises(ValueError, match=rf"\({usable} usable rows\); {fix}$"):
+    with pytest.raises(ValueError, match=rf"^{usable} usable rows: --eval-size {usable} leaves none to train on; {fix}$"):
         make_task("gsm8k", seed=0, eval_size=usable, data=write_rows(tmp_path / "rows.jsonl", rows))
 
 def test_missing_datasets_package_says_to_pass_data(monkeypatch):
