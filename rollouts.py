@@ -356,8 +356,8 @@ class TaskRollouts(BatchSource):
         greedy = rollout_single(self.policy, task, problems, 1, cfg, greedy=True)  # judged: rewards[0] counts
         texts = [g[0].text for g in greedy]
         sums = {"n": len(problems), "eval_accuracy": sum(map(task.correct, problems, texts))}
-        if None not in (lenient := list(map(task.lenient, problems, texts))):  # right answer, any format
-            sums["eval_accuracy_lenient"] = sum(lenient)  # its gap to eval_accuracy is format
+        if type(task).lenient is not tasks.Task.lenient:  # by type: a rank without problems has the key too
+            sums["eval_accuracy_lenient"] = sum(map(task.lenient, problems, texts))  # right, any format
         if k := cfg.pass_k:
             groups = rollout_single(self.policy, task, problems, k, cfg)
             c = [sum(task.correct(r.problem, r.text) for r in g) for g in groups]

@@ -102,8 +102,8 @@ class Oracle:
         return self.task.solve(self.problems[i]) if right else "-12345"
 
 
-def eval_with_oracle() -> dict:
-    source = rollouts.TaskRollouts(cfg_from("--task", "arith", "--eval-size", "10", "--pass-k", "2"), policy=None)
+def eval_with_oracle(task: str = "arith", size: int = 10) -> dict:
+    source = rollouts.TaskRollouts(cfg_from("--task", task, "--eval-size", str(size), "--pass-k", "2"), policy=None)
     source.policy = Oracle(source.task)
     return source.evaluate()
 
@@ -127,6 +127,7 @@ def worker(out: Path) -> None:
     cartpole = rollouts.ControlRollouts(cfg_from("--batch", "4"), MLPPolicy(4, 2))
     report["first_obs"] = cartpole.next(0).obs[:, 0].tolist()
     report["eval"] = eval_with_oracle()
+    report["eval_one"] = {task: eval_with_oracle(task, size=1) for task in ("arith", "add")}  # rank 1: none
     torch.manual_seed(100 + r)  # deliberately different weights per rank before the broadcast
     policy = MLPPolicy(4, 2)
     utils.broadcast_weights(policy)
@@ -194,6 +195,16 @@ def test_sharded_eval_reduces_to_the_one_process_numbers(ranks):
     expected = {"eval_accuracy": 0.4, "eval_pass@1": 0.5, "eval_pass@2": 0.5}
     assert eval_with_oracle() == pytest.approx(expected)
     assert r0["eval"] == pytest.approx(expected) and r1["eval"] == pytest.approx(expected)
+
+
+def test_an_eval_smaller_than_the_world_reduces_the_same_keys_on_a_rank_without_problems(ranks):
+    """arith has no lenient score, add has one. A rank without eval problems logged it for either ("None not
+    in []"), and the all-reduce of more values than rank 0's broke. Problem 0: greedy and sampled right."""
+    _, (r0, r1) = ranks
+    right = {"eval_accuracy": 1.0, "eval_pass@1": 1.0, "eval_pass@2": 1.0}
+    expected = {"arith": right, "add": {**right, "eval_accuracy_lenient": 1.0}}
+    assert {task: eval_with_oracle(task, size=1) for task in expected} == expected
+    assert r0["eval_one"] == expected and r1["eval_one"] == expected
 
 
 def test_ranks_start_from_rank_zero_weights(ranks):
