@@ -371,8 +371,11 @@ class TaskRollouts(BatchSource):
     def demonstrations(self, n: int) -> Batch:
         """n solver-written (prompt, answer) rows for the supervised warm-start (--sft-steps)."""
         problems, tok = self.draw(n), self.policy.tokenizer
-        ids = [tok.encode(self.task.solve(p), add_special_tokens=False) + [tok.eos_token_id]
-               for p in problems]
+        if not all(texts := [self.task.solve(p) for p in problems]):  # a judge's task without references
+            raise utils.ConfigError(f"--sft-steps: {self.task.name} has problems without an answer to "
+                                    "imitate (a judged task's rows); add answers to its rows, or "
+                                    "--sft-steps 0")
+        ids = [tok.encode(text, add_special_tokens=False) + [tok.eos_token_id] for text in texts]
         demos = [Sample(d, [0.0] * len(d), False) for d in ids]
         prefixes = [self.policy.encode_prompt(p.prompt) for p in problems]
         return make_batch(prefixes, demos, [0.0] * n, self.policy.pad_id)

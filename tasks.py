@@ -412,6 +412,7 @@ class DatasetTask(Task):
 
     hub = ("", "", "")  # (path, config, split) for datasets.load_dataset
     instruction = "Solve step by step, then give the final number in <answer></answer> tags."
+    numeric = True  # the answer must be one number; False (a judge's task): any text, or none at all
 
     def __init__(self, *, seed: int = 0, eval_size: int = 100, data: str | None = None,
                  bad_rows: str = "skip"):
@@ -469,13 +470,19 @@ class DatasetTask(Task):
         answer = row.get("answer", row.get("solution"))
         if not isinstance(question, str) or not question.strip():
             raise ValueError("field 'question' is missing, empty or not text")
+        key = " ".join(question.split())  # whitespace variants of a question are one problem
+        prompt = "\n".join(filter(None, (question.strip(), self.instruction)))
+        if not self.numeric:  # the rewards get the answer as it is (a reference text), "" without one
+            return Problem(prompt, "" if answer is None else str(answer), key)
         if answer is None:  # any other value must read as a number below
             raise ValueError("missing field 'answer'")
         text = str(answer).split("####")[-1]
         if (value := parse_number(text)) is None:
             raise ValueError(f"answer {text.strip()[-40:]!r} is not a number")
-        key = " ".join(question.split())  # whitespace variants of a question are one problem
-        return Problem(f"{question.strip()}\n{self.instruction}", str(value), key)  # "72", "1/2"
+        return Problem(prompt, str(value), key)  # "72", "1/2"
+
+    def solve(self, problem: Problem) -> str:  # a reference text is imitated as it is
+        return super().solve(problem) if self.numeric else problem.answer
 
     def train_problem(self, index: int) -> Problem:
         return self._train[index % len(self._train)]

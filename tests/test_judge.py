@@ -413,3 +413,37 @@ def test_a_dripping_server_is_cut_off_at_the_timeout_not_read_forever(scheme, tm
     (at, total), = sent
     assert 0 < at < total / 2  # cut off mid-reply at ~1 s of its ~6; a per-read timeout reads all of it
     listener.close()
+
+
+# ---------------------------------------------------------------- the README's judged task, as printed
+def test_the_readme_judged_task_trains_on_rows_without_answers_and_its_prompts_are_the_questions(
+        server, tmp_path, tiny, monkeypatch, capsys):
+    """Its rows had to carry a numeric "answer" (one without was a malformed row), and every prompt got
+    gsm8k's "give the final number in <answer></answer> tags" appended."""
+    import re
+    from pathlib import Path
+
+    import tasks
+    import train
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = re.search(r"```python\n(from judge import Judge\n\nclass Haiku.*?)```", readme, re.S)[1]
+    monkeypatch.setattr(tasks, "TASKS", dict(tasks.TASKS))  # the block registers its task there
+    exec(block, dict(vars(tasks)))  # an edit to tasks.py: its names are in scope
+    judge = tasks.TASKS["haiku"].rewards[0][0]
+    monkeypatch.setattr(judge, "url", server.url + "/chat/completions")  # this test's endpoint, not :8000
+    topics = ["rain", "snow", "the sea", "a cat", "the moon"]
+    data = tmp_path / "haiku.jsonl"
+    data.write_text("".join(json.dumps({"question": f"Write a haiku about {t}."}) + "\n" for t in topics))
+    run = ["--task", "haiku", "--data", str(data), "--model", tiny, "--no-progress", "--eval-size", "1",
+           "--batch", "4", "--group-size", "4", "--max-new-tokens", "3", "--steps", "1"]
+    assert train.main([*run, "--sft-steps", "2", "--out", str(tmp_path / "a")]) == 2  # nothing to imitate
+    assert capsys.readouterr().err.endswith("add answers to its rows, or --sft-steps 0\n")
+    assert train.main([*run, "--sft-steps", "0", "--out", str(tmp_path / "b")]) == 0
+    asked = {re.search(r"Write a haiku about [^.]*\.", body["messages"][-1]["content"])[0]
+             for _, body, _ in server.requests}
+    assert len(asked) == 2 and asked <= {f"Write a haiku about {t}." for t in topics}  # the eval's, the step's
+    assert not any("Solve step by step" in body["messages"][-1]["content"] for _, body, _ in server.requests)
+    import utils
+    metrics = utils.read_metrics(tmp_path / "b" / "metrics.csv")
+    assert metrics["reward"][0][2] == 0.6 and metrics["eval_accuracy"][-1][2] == 0.0  # 6/10, never full marks
