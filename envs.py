@@ -62,7 +62,11 @@ class TextEnv:
 
     def step(self, completion: str) -> tuple[list[dict] | None, float, bool, dict]:
         self.turn += 1
-        out = self.respond(completion)  # the reward is checked where the rollout adds it up
+        try:
+            out = self.respond(completion)  # the reward is checked where the rollout adds it up
+        except Exception as e:  # a bug in the env: its traceback, and the completion that found it
+            e.add_note(f"in {type(self).__name__}.respond, for the completion {completion[:200]!r}")
+            raise
         if not (isinstance(out, tuple) and len(out) == 3 and (out[0] is None or isinstance(out[0], str))):
             raise RewardError(f"{type(self).__name__}.respond returned {out!r:.80} for the completion "
                               f"{completion[:60]!r}; it returns (reply text or None, reward, solved)")

@@ -145,6 +145,18 @@ def test_an_env_whose_respond_returns_no_text_reply_triple_stops_naming_its_clas
                             "text or None, reward, solved)")
 
 
+def test_an_env_that_raises_keeps_its_traceback_noting_its_class_and_the_completion():
+    class Buggy(GuessNumber):
+        def respond(self, completion):
+            return {}["no such key"]
+
+    problems = GuessTask(seed=0, eval_size=1).eval_problems()
+    with pytest.raises(KeyError) as e:
+        rollout_multiturn(ScriptedPolicy(chat_tokenizer(), bisect), Buggy, problems, group_size=1,
+                          max_turns=7, max_new_tokens=8, max_len=4096)
+    assert e.value.__notes__ == ["in Buggy.respond, for the completion '50'"]
+
+
 def test_an_env_without_its_task_class_is_named_when_its_source_is_built(monkeypatch):
     class Taskless(TextEnv):  # forgot `task = GuessTask`: "'NoneType' object is not callable"
         def respond(self, completion):
