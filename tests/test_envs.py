@@ -143,6 +143,10 @@ def test_an_env_whose_respond_returns_no_text_reply_triple_stops_naming_its_clas
                           max_turns=7, max_new_tokens=8, max_len=4096)
     assert str(e.value) == (f"Sloppy.respond returned {returned} for the completion '50'; it returns (reply "
                             "text or None, reward, solved)")
+    env = Sloppy()
+    env.reset(problems[0])
+    with pytest.raises(RewardError, match=f"for the completion '{'7' * 60}'; it returns"):  # 60 characters
+        env.step("7" * 100)
 
 
 def test_an_env_that_raises_keeps_its_traceback_noting_its_class_and_the_completion():
@@ -155,6 +159,11 @@ def test_an_env_that_raises_keeps_its_traceback_noting_its_class_and_the_complet
         rollout_multiturn(ScriptedPolicy(chat_tokenizer(), bisect), Buggy, problems, group_size=1,
                           max_turns=7, max_new_tokens=8, max_len=4096)
     assert e.value.__notes__ == ["in Buggy.respond, for the completion '50'"]
+    env = Buggy()
+    env.reset(problems[0])
+    with pytest.raises(KeyError) as e:
+        env.step("7" * 300)
+    assert e.value.__notes__ == [f"in Buggy.respond, for the completion '{'7' * 200}'"]  # 200 characters
 
 
 def test_an_env_without_its_task_class_is_named_when_its_source_is_built(monkeypatch):
