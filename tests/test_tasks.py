@@ -681,6 +681,9 @@ def test_a_task_whose_problems_are_malformed_or_all_one_is_refused_when_built_na
                                          r"Problem.key \(the split needs 5\)$"):
         Odd(lambda k: Problem(k, k, key="same"), eval_size=4)
     assert len(Odd(lambda k: Problem(k, k, key=k), eval_size=4).eval_problems()) == 4
+    with pytest.raises(ValueError, match=r"^found only 2 distinct problems; --eval-size 2 leaves too few to train "
+                                         r"on; lower it to 1 or less$"):  # two: one held out, one to train on
+        Odd(lambda k: Problem(k, k, key=str(int(k) % 2)), eval_size=2)
 
 
 def test_an_eval_split_past_the_cap_or_past_the_problems_a_task_holds_is_refused_at_once():
