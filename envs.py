@@ -87,14 +87,17 @@ class CountdownEnv(TextEnv):
             return None, 1.0, True
         if expr is None:
             return "Give your expression in <answer></answer> tags.", 0.0, False
+        lhs, target = expr.partition("=")[0].strip(), ref["target"]  # as countdown_correct splits it
         try:
-            value, used = safe_eval(expr.split("=")[0])
+            value, used = safe_eval(lhs)
         except ExprError as e:
             return f"{expr} is not a valid expression ({e}). Try again.", 0.0, False
         if sorted(used) != sorted(ref["numbers"]):
             reply = f"{expr} uses {sorted(used)}; use each of {ref['numbers']} exactly once. Try again."
             return reply, 0.0, False
-        return f"{expr} = {value}, but the target is {ref['target']}. Try again.", 0.0, False
+        if value == target:  # so what follows "=" was refused ("= 9.0", "== 9")
+            return f"{lhs} = {target}; answer with it alone or as {lhs} = {target}. Try again.", 0.0, False
+        return f"{lhs} = {value}, but the target is {target}. Try again.", 0.0, False
 
 
 # ---------------------------------------------------------------- SQL tool on read-only SQLite

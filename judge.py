@@ -13,9 +13,11 @@ import time
 import urllib.error
 import urllib.request
 
-# "Score: 7", "score = 7", "score is 7/10", "**Score:** 7"; never "could score 10" nor "underscore 9"
-_SCORE = re.compile(r"\bscore(?:\s*\**\s*[:=]|\s+is)[\s*]*(-?\d+(?:\.\d+)?)(?:\s*/\s*(\d+))?", re.IGNORECASE)
-_BARE = re.compile(r"\s*(-?\d+(?:\.\d+)?)(?:\s*/\s*(\d+))?\s*\.?\s*")
+# "Score: 7", "score = 7", "score is 7/10", "**Score:** 7"; never "could score 10" nor "underscore 9". No
+# two \s* meet around an optional part: a long run of spaces would be split every way, in quadratic time.
+_SCORE = re.compile(r"\bscore(?:\s*(?:\*+\s*)?[:=]|\s+is)[\s*]*(-?\d+(?:\.\d+)?)(?:\s*/\s*(\d+))?",
+                    re.IGNORECASE)
+_BARE = re.compile(r"\s*(-?\d+(?:\.\d+)?)(?:\s*/\s*(\d+))?\s*(?:\.\s*)?")
 CACHE_ROWS = 4096  # scores kept: many steps of rows (a repeat is mostly within a group), MBs not GBs
 REPLY_BYTES = 1 << 20  # a scored reply is a few KB; a server streaming more is not a judge
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+import rundir
 import utils
 from modeldir import LOAD_HINT, cache_root, resolve_model
 
@@ -376,20 +377,20 @@ class LLMPolicy(nn.Module):
         """adapter_config.json + adapter_model.safetensors (what vLLM's LoRARequest loads), atomically."""
         if not self.lora:
             raise utils.ConfigError("save_adapter needs lora=True: full fine-tuning has no adapter")
-        with utils.atomic_dir(Path(path)) as tmp:
+        with rundir.atomic_dir(Path(path)) as tmp:
             self.model.save_pretrained(tmp)
         return path
 
     def export(self, path: str, merged: bool = False) -> str:
         """The model as users load it: LoRA's adapter (save_adapter), or a full model + tokenizer (merged),
         written whole into a new or empty directory: one that holds anything is never touched."""
-        if why := utils.export_blocker(Path(path)):  # validate() checked: something was put there since
+        if why := rundir.export_blocker(Path(path)):  # validate() checked: something was put there since
             raise FileExistsError(why)
         if self.lora and not merged:
             return self.save_adapter(path)
         # merge_and_unload on a copy: the policy keeps its adapter (it may go on training or evaluating)
         lm = copy.deepcopy(self.model).merge_and_unload() if self.lora else self.model
-        with utils.atomic_dir(Path(path)) as tmp:
+        with rundir.atomic_dir(Path(path)) as tmp:
             lm.save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)
         return path

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+import rundir
 import utils
 
 SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>"]  # `|` is not in CHARS, so no text spells them
@@ -136,7 +137,7 @@ def publish(final: Path, lm: torch.nn.Module, tok) -> str:
                 shutil.rmtree(stale, ignore_errors=True)
             if (final / "config.json").exists():  # the builder before us wrote it
                 return str(final)
-            with utils.atomic_dir(final) as tmp:
+            with rundir.atomic_dir(final) as tmp:
                 lm.config.save_pretrained(tmp)
                 lm.generation_config.save_pretrained(tmp)
                 save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})

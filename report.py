@@ -5,14 +5,17 @@ at each eval and at the end; to rebuild it from a run directory:
     python report.py runs/NAME
 """
 import json
+import math
 import sys
 from pathlib import Path
 
 import yaml
 
+import rundir
 import utils
 
 MAX_POINTS = 400  # a curve's evenly spaced steps and its last: 10,000 steps draw as fast as 100
+HEADLINE = ("eval_return", "eval_accuracy")  # the eval that --target stops at (a task logs one of them)
 # Next to this file in a checkout, in <prefix>/share/nanorl in an installed wheel (pyproject's data-files).
 TEMPLATE = next(d / "report.html.template" for d in (Path(__file__).parent, Path(sys.prefix, "share/nanorl"))
                 if (d / "report.html.template").exists())
@@ -30,25 +33,30 @@ def read_samples(run: Path) -> list[dict]:
 
 
 def write_report(run: Path) -> Path:
-    series = utils.read_metrics(run / "metrics.csv") if (run / "metrics.csv").exists() else {}
+    series = rundir.read_metrics(run / "metrics.csv") if (run / "metrics.csv").exists() else {}
     data = {"run": run.name, "config": yaml.safe_load((run / "config.yaml").read_text()),
             "curves": {key: [[s, v] for s, _, v in thin(points)] for key, points in series.items()},
             "samples": read_samples(run)}
     # A JavaScript literal (NaN and Infinity included) whose every "<" is \u003c: a model's text can neither
     # close the script ("</script>") nor make the browser read the rest of the page as script ("<!--<script>")
     html = TEMPLATE.read_text().replace("/*DATA*/", json.dumps(data).replace("<", "\\u003c"))
-    utils.atomic_write(run / "report.html", html.encode())  # a browser refreshing mid-run sees no half page
+    rundir.atomic_write(run / "report.html", html.encode())  # a browser refreshing mid-run sees no half page
     return run / "report.html"
+
+
+def reached(evals: dict, target: float) -> bool:
+    """--target: the headline eval is at it (0: never)."""
+    return bool(target) and max(evals.get(k, -math.inf) for k in HEADLINE) >= target
 
 
 def summary(run: Path, wall_s: float, export: str) -> str:
     """What a user wants to know when a run ends: how good, how long, and where everything is."""
-    series = utils.read_metrics(run / "metrics.csv")
+    series = rundir.read_metrics(run / "metrics.csv")
     lines = [f"run saved to {run} ({wall_s:.1f} s of training)"]
-    for key in [k for k in ("eval_return", "eval_accuracy") if k in series]:
+    for key in [k for k in HEADLINE if k in series]:
         best, final = max(series[key], key=lambda p: p[2]), series[key][-1]
         lines.append(f"  {key}: best {best[2]:.4g} (step {best[0]}), final {final[2]:.4g} (step {final[0]})")
-    ckpts = utils.checkpoints(run)
+    ckpts = rundir.checkpoints(run)
     lines += [f"  report: {run / 'report.html'}", f"  checkpoints: {ckpts[-1] if ckpts else 'none'}"]
     return "\n".join(lines + ([f"  export: {export}"] if export else []))
 

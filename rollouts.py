@@ -4,6 +4,7 @@ workers (`--role rollout`) run these very sources, so every option behaves alike
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import astuple, dataclass, field, fields
@@ -308,9 +309,15 @@ class TaskRollouts(BatchSource):
         self.cfg, self.policy = cfg, policy
         try:
             self.task = self.make_task(cfg)
-        except (ValueError, OSError) as e:  # bad --data rows, a missing file, too small a split
+        except (utils.ConfigError, OSError) as e:  # bad --data, too small a split; not a bug's ValueError
             raise utils.ConfigError(f"--task {cfg.task}: {e}") from None
+        if cfg.sft_steps and isinstance(self.task, tasks.DatasetTask) and (rows := self.task.unanswered()):
+            shown = ", ".join(rows[:3]) + ", ..." * (len(rows) > 3)  # now, not when the warm-start draws one
+            raise utils.ConfigError(f"--sft-steps: {cfg.task} has {len(rows)} rows without an answer to "
+                                    f"imitate ({shown}); add answers to its rows, or --sft-steps 0")
         self.spread: list = []  # recent problems whose groups had reward spread: prompt_reweight replays them
+        keys = "\n".join(p.key for p in self.task.eval_problems())  # a resume compares them (load_state)
+        self.held_out = hashlib.sha256(keys.encode()).hexdigest()[:16]
 
     def make_task(self, cfg) -> tasks.Task:
         task = tasks.make_task(cfg.task, seed=cfg.seed, eval_size=cfg.eval_size, data=cfg.data or None,
@@ -381,11 +388,15 @@ class TaskRollouts(BatchSource):
         return make_batch(prefixes, demos, [0.0] * n, self.policy.pad_id)
 
     def state(self) -> dict:
-        return super().state() | ({"spread": [astuple(p) for p in self.spread]} if self.spread else {})
+        spread = {"spread": [astuple(p) for p in self.spread]} if self.spread else {}
+        return super().state() | {"held_out": self.held_out} | spread
 
     def load_state(self, state: dict) -> None:
         super().load_state(state)
         self.spread = [Problem(*p) for p in state.get("spread", [])]  # absent: nothing to replay
+        if state.get("held_out", self.held_out) != self.held_out:  # an older checkpoint has none
+            utils.stderr("warning: the eval problems are not the run's (its --data rows, --seed or "
+                         "--eval-size changed): evals from here on measure others, some perhaps trained on")
 
 
 class EnvRollouts(TaskRollouts):
@@ -395,7 +406,8 @@ class EnvRollouts(TaskRollouts):
     def make_task(self, cfg) -> tasks.Task:
         env = TEXT_ENVS[cfg.task]
         if not (isinstance(env.task, type) and issubclass(env.task, tasks.Task)):
-            raise ValueError(f"{env.__name__}.task is {env.task!r}: set it to the tasks.Task class it plays")
+            raise utils.ConfigError(f"{env.__name__}.task is {env.task!r}: set it to the tasks.Task "
+                                    "class it plays")
         self.env = lambda: env(cfg.max_turns)  # --max-turns ends an episode, not the env class's default
         return env.task(seed=cfg.seed, eval_size=cfg.eval_size)
 

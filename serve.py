@@ -7,10 +7,12 @@ Routes: POST /hello (fingerprint check, worker id), GET /adapter?have=V (long-po
 POST /batch (scored groups). HTTP, token and codec are transport.py's; workers run rollouts.py's sources.
 """
 import contextlib
+import errno
 import json
 import os
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -28,8 +30,9 @@ from rollouts import WIRE, Batch, BatchSource, EnvRollouts, from_wire, sources
 from transport import Client, PayloadError, Request, ServeError, Server, decode, encode, split_url
 
 FINGERPRINT = ("task", "seed", "eval_size", "data", "model", "lora", "lora_rank", "lora_alpha",
-               "lora_targets", "max_new_tokens", "group_size", "temperature", "top_p", "chat_template",
-               "thinking", "overlong_buffer", "max_turns", "max_len")
+               "lora_targets", "max_new_tokens", "batch", "group_size", "temperature", "top_p",
+               "chat_template", "thinking", "overlong_buffer", "max_turns", "max_len", "dynamic_sampling",
+               "max_gen_batches", "prompt_reweight", "judge_down", "sandbox")
 MULTITURN = {"solved", "solved_first_turn", "turns"}  # a multi-turn source sends all of these
 STATS = "|".join([r"reward_\w{1,64}", "judge_dropped_frac", *MULTITURN])  # [N] float32 (Batch.stats)
 STRIDE = 1_000_000  # worker w samples train problems w*STRIDE, w*STRIDE+1, ...: workers never share a prompt
@@ -41,7 +44,8 @@ REFUSALS = 5  # bad batches (not 409s: sampled ahead of a --resumed trainer) in 
 
 
 def fingerprint(cfg) -> dict:
-    """What trainer and workers must agree on: the task split, the model and how it samples."""
+    """What trainer and workers must agree on: the task split, the model, how it samples, and every option
+    the worker's own source runs (what it sends would differ)."""
     return {k: getattr(cfg, k) for k in FINGERPRINT}
 
 
@@ -69,12 +73,25 @@ class Inbox:
         self.restored = False  # until restore(): an id issued before may be one a past worker of the run had
         self.counts, self.apply_s, self.publish_s, self.rollout_metrics = Counter(), [], 0.0, []
         self.refusal = ""  # why the latest refused batch was: a step waiting for batches says it
-        host, port = split_url(cfg.trainer_url or "http://127.0.0.1:0")  # "": an ephemeral loopback port
-        self.server = Server({("POST", "/hello"): self.hello, ("GET", "/adapter"): self.adapter,
-                              ("POST", "/batch"): self.receive}, host, port or 0)
-        alone = "" if os.environ.get("NANORL_TOKEN") else " (none is set: only --workers started here join)"
+        self.alone, self.exited = not os.environ.get("NANORL_TOKEN"), set()  # only --workers join; dead pids
+        self.resumed = Counter()  # the counts up to a --resumed run's checkpoint: its logged totals go on
+        url = cfg.trainer_url or "http://127.0.0.1:0"  # an ephemeral loopback port
+        host, port = split_url(url)
+        try:
+            self.server = Server({("POST", "/hello"): self.hello, ("GET", "/adapter"): self.adapter,
+                                  ("POST", "/batch"): self.receive}, host, port or 0)
+        except OSError as e:  # the port is taken (or root's), or the host is not this machine's, or unknown
+            fix = ("pick another port, or stop the process that holds it" if e.errno == errno.EADDRINUSE
+                   else "pick a port above 1023 (those below need root)" if e.errno == errno.EACCES
+                   else "give this machine's host name or address (0.0.0.0: all of them)")
+            why = f"--trainer-url {url}: cannot listen there ({e.strerror}); {fix}"
+            raise utils.ConfigError(why) from None
+        # 0.0.0.0 (or ::) is every interface here, which a worker on another machine cannot dial
+        reach = (f"http://{socket.gethostname()}:{self.server.server_address[1]}" if host in ("0.0.0.0", "::")
+                 else self.server.url)
+        alone = " (none is set: only --workers started here join)" if self.alone else ""
         utils.stderr(f"trainer listening on {self.server.url}; start workers with --role rollout "
-                     f"--trainer-url {self.server.url} and the same NANORL_TOKEN{alone}")
+                     f"--trainer-url {reach} and the same NANORL_TOKEN{alone}")
 
     def _heard(self, worker) -> bool:
         """Heartbeat; True once the run is over (the route answers 410 and the worker exits)."""
@@ -166,8 +183,9 @@ class Inbox:
             why, status = self.check(tensors, meta), 400
             if not why and (v := tensors["version"]).max() > self.version:  # a worker ahead of a trainer
                 # --resumed from an older checkpoint: 409, a conflict its next batch (these weights) resolves
-                status = 409
-                why = f"versions {int(v.min())}..{int(v.max())} outside the published 0..{self.version}"
+                status, lo, hi = 409, int(v.min()), int(v.max())
+                why = (f"versions {lo}..{hi} outside the published 0..{self.version}" if self.version >= 0
+                       else f"versions {lo}..{hi}, but this trainer has published none yet")
             if why:
                 self.counts["batches_rejected"] += 1
                 self.refusal = f"; {self.counts['batches_rejected']} batches refused, the latest: {why}"
@@ -199,13 +217,15 @@ class Inbox:
             self.version, self.payload, self.publish_s = version, payload, publish_s
             self.cond.notify_all()
 
-    def take(self, step: int, scorable: set[int]) -> tuple[dict, dict]:
+    def take(self, step: int, scorable: set[int], procs: list = ()) -> tuple[dict, dict]:
         """The step's usable groups, sorted by version, collated; and the transport's numbers (with
-        the rows' texts). A group too old, or of a version without a snapshot, is dropped and counted."""
+        the rows' texts). A group too old, or of a version without a snapshot, is dropped and counted.
+        procs: the --workers processes, whose deaths a step waiting for batches tells."""
         got = []
         with self.cond:  # wait_for releases it while the HTTP threads fill the queue
             while len(got) < self.groups:
                 if not self.cond.wait_for(lambda: self.queue, timeout=WAITING):
+                    self.check_workers(procs)
                     live = len(self.live())
                     utils.stderr(f"step {step}: waiting for batches ({live} live workers{self.refusal})")
                 taken, self.queue = self.queue[: self.groups - len(got)], self.queue[self.groups - len(got):]
@@ -219,13 +239,30 @@ class Inbox:
                         got.append(g)
             meta = dict(queue_depth=len(self.queue), live_workers=len(self.live()),
                         sync_bytes=len(self.payload), sync_publish_s=self.publish_s,
-                        sync_apply_s=statistics.median(self.apply_s or [0.0]), **self.counts,
-                        **self.server.counts)  # refused requests (http_401, ...) and dropped connections
+                        sync_apply_s=statistics.median(self.apply_s or [0.0]), **self.totals())
             for k in {k for m in self.rollout_metrics for k in m}:  # the workers' source.last, averaged
                 meta[k] = statistics.mean(m[k] for m in self.rollout_metrics if k in m)
             self.apply_s, self.rollout_metrics = [], []
         got.sort(key=lambda g: int(g[0]["version"].min()))  # by version: its rows share micro-batches
         return collate([g for g, _ in got], self.pad_id), {**meta, "texts": [t for _, ts in got for t in ts]}
+
+    def totals(self) -> Counter:
+        """The run's counts: the inbox's and the server's (refused requests: http_401, ...; dropped
+        connections), from the checkpoint's on after a --resume, so that their logged curves never fall."""
+        total = Counter(self.resumed)
+        for counts in (self.counts, self.server.counts):
+            total.update(counts)  # update, not +: a count of 0 is still logged
+        return total
+
+    def check_workers(self, procs: list) -> None:
+        """Says once of each --workers process that it exited; raises once all have and no other can join."""
+        for p in procs:
+            if p.poll() is not None and p.pid not in self.exited:
+                self.exited.add(p.pid)
+                utils.stderr(f"worker process {p.pid} exited with code {p.returncode}")
+        if procs and len(self.exited) == len(procs) and self.alone:  # a fresh token: no other worker has it
+            raise utils.ConfigError(f"all {len(procs)} --workers processes exited and, without NANORL_TOKEN, "
+                                    "no other worker can join; see their output above, then --resume the run")
 
     def fresh(self, group: dict, step: int) -> bool:
         return step - int(group["version"].min()) <= self.cfg.max_staleness
@@ -282,7 +319,7 @@ class AsyncRollouts(BatchSource):
     def next(self, step: int) -> Batch:
         if self.version < step:
             self.publish(step)  # the first call: after any resume or SFT warm-start, so v0 is what trains
-        rows, meta = self.inbox.take(step, set(self.snapshots)) if self.inbox else ({}, {})
+        rows, meta = self.inbox.take(step, set(self.snapshots), self.procs) if self.inbox else ({}, {})
         if utils.world() > 1:  # torchrun: rank 0's rows and meta on every rank, as a payload (never pickled)
             rows, meta = decode(utils.broadcast_bytes(encode(rows, meta) if self.inbox else None))
         n, r = self.cfg.batch // utils.world(), utils.rank()  # this rank's rows: whole groups (see validate)
@@ -322,13 +359,14 @@ class AsyncRollouts(BatchSource):
         return self.local.demonstrations(n)  # the warm-start runs on the trainer
 
     def state(self) -> dict:  # position: where a --role sync resume draws problems no worker drew
-        workers = self.inbox.next_worker if self.inbox else 0
-        return {"next_worker": workers, "position": workers * STRIDE}
+        workers, counts = (self.inbox.next_worker, dict(self.inbox.totals())) if self.inbox else (0, {})
+        return {"next_worker": workers, "position": workers * STRIDE} | ({"counts": counts} if counts else {})
 
     def load_state(self, state: dict) -> None:
         if self.inbox:  # after a sync run's checkpoint, workers draw past the problems it drew
             survivors = SURVIVORS if "next_worker" in state else 0  # theirs: counted live, never reissued
             self.inbox.restore(state.get("next_worker", -(-state.get("position", 0) // STRIDE)) + survivors)
+            self.inbox.resumed = Counter(state.get("counts", {}))  # none in a sync run's or an older one's
 
     def close(self) -> None:
         """Tells every worker the run is over, then stops the local ones: no one takes the batch each is

@@ -22,13 +22,16 @@ import numbers
 import operator
 import random
 import re
+import sys
 import warnings
 from dataclasses import dataclass
+from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from judge import JudgeUnavailable
+from utils import ConfigError
 
 Reward = Callable[[str, str, str], float]  # (prompt, completion, answer) -> reward
 
@@ -46,7 +49,8 @@ class Problem:
 
 # ---------------------------------------------------------------- answers and numbers
 _NUM = r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+"  # "1,234" is one number, "3,4" two
-_ONE = re.compile(rf"(-)?\s*\$?\s*({_NUM})\s*(?:/\s*({_NUM}))?\s*%?\.?")
+# Each whitespace run has one \s* to match it: two in a row made fullmatch try every split (quadratic)
+_ONE = re.compile(rf"(-)?\s*(?:\$\s*)?({_NUM})\s*(?:/\s*({_NUM})\s*)?%?\.?")
 _ANY = re.compile(rf"(?<![\d.])(-)?\$?({_NUM})(?:/({_NUM}))?")
 _FRAC = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 _MAX_DIGITS = 40  # longer numbers are refused: int() of over 4300 digits raises anyway
@@ -117,7 +121,7 @@ def safe_eval(src: str, *, max_chars: int = 200, max_nodes: int = 100, max_depth
               max_bits: int = 64) -> tuple[Fraction, list[int]]:
     """Exact value and literals of an integer expression over + - * / ( ) and unary minus, else ExprError.
     Each limit comes before the work it bounds: 10,000 nested parentheses never parse, 9**9**9 never runs."""
-    src = src.replace("×", "*").replace("÷", "/").strip()
+    src = src.replace("×", "*").replace("÷", "/").replace("\u2212", "-").strip()  # U+2212: −, as _plain
     if len(src) > max_chars:
         raise ExprError(f"expression longer than {max_chars} characters")
     if not set(src) <= _EXPR_CHARS:
@@ -217,9 +221,9 @@ class RewardError(ValueError):
 def checked(reward, who: str, completion: str) -> float:
     """`reward` as a float. Anything but a finite number stops the run: a NaN would mask its group as a
     judge's missing score does, None would fail deep in the loop, and neither says which reward erred."""
-    if isinstance(reward, numbers.Real) and math.isfinite(reward):
+    if isinstance(reward, numbers.Real) and abs(reward) <= sys.float_info.max:  # isfinite(10**400) overflows
         return float(reward)
-    raise RewardError(f"{who} returned {reward!r} for the completion {completion[:60]!r}; a reward is a "
+    raise RewardError(f"{who} returned {reward!r:.80} for the completion {completion[:60]!r}; a reward is a "
                       "finite number (0.0 for a wrong or malformed answer)")
 
 
@@ -282,21 +286,21 @@ class ProceduralTask(Task):
     def __init__(self, *, seed: int = 0, eval_size: int = 100):
         super().__init__(seed=seed)
         if eval_size > self.MAX_EVAL:
-            raise ValueError(f"eval_size={eval_size}: {self.MAX_EVAL} at most; lower --eval-size")
+            raise ConfigError(f"eval_size={eval_size}: {self.MAX_EVAL} at most; lower --eval-size")
         found: dict[str, Problem] = {}
         i = last_new = 0
         # one key past the split, else training has no problem: a task of 100 numbers, --eval-size 100
         while len(found) <= eval_size and i - last_new <= 1000 + len(found):  # then the space is spent
             p = self.generate(random.Random(f"{seed}:eval:{i}"))
             if not isinstance(p, Problem):
-                raise ValueError(f"{type(self).__name__}.generate() returned {p!r:.80}, not a tasks.Problem")
+                raise ConfigError(f"{type(self).__name__}.generate() returned {p!r:.80}, not a tasks.Problem")
             if found.setdefault(p.key, p) is p:  # a new key
                 last_new = i
             i += 1
         if (n := len(found)) <= eval_size:  # half of them leaves as many to train on; one problem leaves none
             fix = (f"--eval-size {eval_size} leaves too few to train on; lower it to {n // 2} or less"
                    if n > 1 else f"generate() must vary Problem.key (the split needs {eval_size + 1})")
-            raise ValueError(f"found only {n} distinct problems; {fix}")
+            raise ConfigError(f"found only {n} distinct problems; {fix}")
         self._eval = list(found.values())[:eval_size]
         self._eval_keys = frozenset(p.key for p in self._eval)
         self.train_problem(0)  # a split that holds all but rare problems fails here, not at the first step
@@ -306,7 +310,7 @@ class ProceduralTask(Task):
             p = self.generate(random.Random(f"{self.seed}:train:{index}:{attempt}"))
             if p.key not in self._eval_keys:
                 return p
-        raise ValueError(f"{self.name}: 10,000 draws all hit the eval split; lower --eval-size")
+        raise ConfigError(f"{self.name}: 10,000 draws all hit the eval split; lower --eval-size")
 
 
 class Arith(ProceduralTask):
@@ -318,13 +322,13 @@ class Arith(ProceduralTask):
     def __init__(self, *, seed: int = 0, eval_size: int = 50, max_operand: int = 9,
                  n_operands: int = 2, ops: str = "+-"):
         if max_operand < 1 or n_operands < 2 or not ops or set(ops) - set("+-*/"):
-            raise ValueError(f"{self.name} needs max_operand >= 1, n_operands >= 2 and ops from '+-*/' "
-                             f"(got {max_operand}, {n_operands}, {ops!r})")
+            raise ConfigError(f"{self.name} needs max_operand >= 1, n_operands >= 2 and ops from '+-*/' "
+                              f"(got {max_operand}, {n_operands}, {ops!r})")
         self.max_operand, self.n_operands, self.ops = max_operand, n_operands, ops
         if eval_size > (size := self.n_distinct()) // 2:
-            raise ValueError(f"eval_size={eval_size} leaves too few training problems: {self.name} "
-                             f"with these settings has at most {size} distinct problems; lower "
-                             f"--eval-size to {size // 2} or less, or make the task harder")
+            raise ConfigError(f"eval_size={eval_size} leaves too few training problems: {self.name} "
+                              f"with these settings has at most {size} distinct problems; lower "
+                              f"--eval-size to {size // 2} or less, or make the task harder")
         super().__init__(seed=seed, eval_size=eval_size)
 
     def n_distinct(self) -> int:  # an upper bound: "/" drops inexact quotients
@@ -418,17 +422,22 @@ class DatasetTask(Task):
                  bad_rows: str = "skip"):
         super().__init__(seed=seed)
         if bad_rows not in ("skip", "error"):
-            raise ValueError(f"bad_rows must be 'skip' or 'error' (got {bad_rows!r})")
+            raise ConfigError(f"bad_rows must be 'skip' or 'error' (got {bad_rows!r})")
         found: dict[str, Problem] = {}
+        self.where: dict[str, str] = {}  # key -> "file:line" of the row it came from
         self.skipped: list[str] = []  # "file:line (reason)" of every malformed row
         for where, row in self._rows(data):
             try:
                 problem = self._problem(row)
-                found.setdefault(problem.key, problem)
-            except ValueError as e:  # _problem's message says why the row is malformed
+                first = found.setdefault(problem.key, problem)
+                if first.answer != problem.answer:  # a duplicate merges; two answers to one question conflict
+                    raise ValueError(f"question already at {self.where[first.key]} with answer "
+                                     f"{first.answer[:60]!r}")
+                self.where.setdefault(problem.key, where)
+            except ValueError as e:  # the message says why the row is malformed
                 if bad_rows == "error":
-                    raise ValueError(f"{where}: malformed row ({e}); fix or delete that line, or "
-                                     "pass --bad-rows skip to drop such rows") from None
+                    raise ConfigError(f"{where}: malformed row ({e}); fix or delete that line, or "
+                                      "pass --bad-rows skip to drop such rows") from None
                 self.skipped.append(f"{where} ({e})")
         if self.skipped:
             shown = "; ".join(self.skipped[:20]) + " ..." * (len(self.skipped) > 20)
@@ -437,7 +446,7 @@ class DatasetTask(Task):
         random.Random(f"{seed}:split").shuffle(problems)
         if (n := len(problems)) <= eval_size:  # half of them leaves as many to train on, as ProceduralTask
             fix = f"lower it to {n // 2} or less" if n > 1 else "add rows"
-            raise ValueError(f"{n} usable rows: --eval-size {eval_size} leaves none to train on; {fix}")
+            raise ConfigError(f"{n} usable rows: --eval-size {eval_size} leaves none to train on; {fix}")
         self._eval, self._train = problems[:eval_size], problems[eval_size:]
 
     def _rows(self, data: str | None) -> Iterator[tuple[str, Any]]:  # (where, row): file lines or hub records
@@ -451,9 +460,9 @@ class DatasetTask(Task):
         # Broad on purpose (the cause is attached): offline, the hub raises OSError, httpx or datasets errors
         except Exception as e:
             install = "pip install datasets, or " if isinstance(e, ImportError) else ""
-            raise ValueError(f"could not load {path!r} from the Hugging Face hub "
-                             f"({type(e).__name__}: {e}); {install}pass a local file with --data path/to/"
-                             f'{self.name}.jsonl (one {{"question": ..., "answer": ...}} per line)') from e
+            raise ConfigError(f"could not load {path!r} from the Hugging Face hub "
+                              f"({type(e).__name__}: {e}); {install}pass a local file with --data path/to/"
+                              f'{self.name}.jsonl (one {{"question": ..., "answer": ...}} per line)') from e
         return ((f"{path}[{split}]:row {i}", row) for i, row in enumerate(ds))
 
     def _problem(self, row: Any) -> Problem:
@@ -476,6 +485,8 @@ class DatasetTask(Task):
             return Problem(prompt, "" if answer is None else str(answer), key)
         if answer is None:  # any other value must read as a number below
             raise ValueError("missing field 'answer'")
+        if isinstance(answer, float):  # json.dumps writes 0.00001 as 1e-05, which parse_number refuses
+            answer = format(Decimal(repr(answer)), "f")
         text = str(answer).split("####")[-1]
         if (value := parse_number(text)) is None:
             raise ValueError(f"answer {text.strip()[-40:]!r} is not a number")
@@ -483,6 +494,11 @@ class DatasetTask(Task):
 
     def solve(self, problem: Problem) -> str:  # a reference text is imitated as it is
         return super().solve(problem) if self.numeric else problem.answer
+
+    def unanswered(self) -> list[str]:
+        """Where the training rows are that have no answer to imitate (a judged task's), in file order."""
+        keys = {p.key for p in self._train if not self.solve(p)}
+        return [where for key, where in self.where.items() if key in keys]
 
     def train_problem(self, index: int) -> Problem:
         return self._train[index % len(self._train)]
@@ -530,10 +546,10 @@ def make_task(name: str, *, seed: int, eval_size: int, data: str | None = None,
     """Build a registered task; `options` go to its constructor (e.g. max_operand=99 for arith)."""
     if name not in TASKS:
         close = difflib.get_close_matches(name, list(TASKS), n=1, cutoff=0.0)
-        raise ValueError(f"unknown task {name!r}; did you mean {close[0]!r}? "
-                         f"(valid: {', '.join(sorted(TASKS))})")
+        raise ConfigError(f"unknown task {name!r}; did you mean {close[0]!r}? "
+                          f"(valid: {', '.join(sorted(TASKS))})")
     if why := data_problem(name, data, bad_rows):
-        raise ValueError(why)
+        raise ConfigError(why)
     if issubclass(TASKS[name], DatasetTask):
         options.update(data=data, bad_rows=bad_rows)
     return TASKS[name](seed=seed, eval_size=eval_size, **options)

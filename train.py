@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 import report
+import rundir
 import sandbox
 import serve
 import tasks
@@ -185,13 +186,13 @@ def validate(cfg: Config) -> None:
         raise err("need tis_cap >= 1 and mis_low <= 1 <= mis_high: agreeing engines get weight 1")
     if cfg.eval_only and (utils.world() > 1 or cfg.role != "sync"):
         raise err("--eval-only runs in one process: drop torchrun and --role")
-    if set(filter(None, cfg.log.split(","))) - set(utils.LOGGERS):
-        raise err(f"--log {cfg.log}: choose from {', '.join(utils.LOGGERS)} (metrics.csv is always written)")
+    if set(filter(None, cfg.log.split(","))) - set(rundir.LOGGERS):
+        raise err(f"--log {cfg.log}: choose from {', '.join(rundir.LOGGERS)} (metrics.csv is always written)")
     if cfg.resume and not Path(cfg.resume).is_dir():
         raise err(f"--resume {cfg.resume}: no such run directory")
-    if cfg.out and cfg.role != "rollout" and utils.holds_run(Path(cfg.out)):  # parse(): a resume's own is ""
+    if cfg.out and cfg.role != "rollout" and rundir.holds_run(Path(cfg.out)):  # parse(): a resume's own is ""
         raise err(f"{cfg.out} holds a run: --resume {cfg.out} continues it, or pick another --out")
-    if cfg.export and (why := utils.export_blocker(Path(cfg.export))):
+    if cfg.export and (why := rundir.export_blocker(Path(cfg.export), Path(cfg.out or cfg.resume or "runs"))):
         raise err(f"--export {cfg.export}: {why}; pick a new or empty directory")
     validate_modes(cfg)
 
@@ -241,8 +242,8 @@ def validate_modes(cfg: Config) -> None:
         raise err("--role rollout needs --trainer-url http://HOST:PORT (the trainer prints it at start)")
     if cfg.role != "sync":  # before a model loads: the url's form, and a trainer's token for where it listens
         host, _ = transport.split_url(cfg.trainer_url or "http://127.0.0.1")
-        if cfg.role == "trainer":
-            transport.serving_token(host)
+        if cfg.role == "trainer":  # and whether a worker could join at all
+            transport.serving_token(host, workers=cfg.workers)
 
 
 def build(cfg: Config) -> tuple[torch.nn.Module, torch.optim.Optimizer, BatchSource]:
@@ -253,6 +254,7 @@ def build(cfg: Config) -> tuple[torch.nn.Module, torch.optim.Optimizer, BatchSou
     else:
         policy = LLMPolicy(cfg)
     utils.broadcast_weights(policy)  # torchrun: every rank starts from rank 0's weights
+    utils.split_rng()  # but samples its own tokens (a checkpoint restores each rank's own stream)
     opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)
     source = sources()[cfg.task](cfg, policy)
     return policy, opt, serve.AsyncRollouts(cfg, policy, source) if cfg.role == "trainer" else source
@@ -421,21 +423,19 @@ def micro_loss(policy, batch: Batch, rows: torch.Tensor, share, fresh: bool, cfg
     return loss, s
 
 
-def train(cfg: Config) -> Path:
+def train(cfg: Config) -> Path | None:
     validate(cfg)
-    headline = ("eval_return", "eval_accuracy")  # the eval that --target stops at (a task logs one of them)
     policy, opt, source = build(cfg)
     meta = resume(cfg, policy, opt, source)
     if cfg.eval_only:
         return evaluate_only(cfg, policy, source, meta["step"] if meta else 0)
     teacher = load_teacher(cfg, policy) if cfg.teacher else None
-    out, log, step, last_eval = run_dir(cfg), utils.Metrics(), 0, {}
-
+    out, log, step, last_eval = rundir.where(cfg), rundir.Metrics(), 0, {}
     def stop(step: int, log, evaluated: bool = False) -> bool:  # after each step: a stop seen by one rank
         # stops all here, saved as `step` left them (log: the caller's, SFT's; evaluated: its eval logged).
         state = {"wall_s": log.wall(), "source": source.state(), "evaluated": evaluated}  # StopSignals may
-        rng = torch.get_rng_state()  # save them later. A failed save keeps the rest.
-        signals.save = lambda: utils.save_checkpoint(out, step, policy, opt, state, cfg.keep_ckpts, rng)
+        rng = utils.rng_states()  # save them later. A failed save keeps the rest.
+        signals.save = lambda: rundir.save_checkpoint(out, step, policy, opt, state, cfg.keep_ckpts, rng)
         if utils.reduce_dict({"stop": signals.seen})["stop"]:
             signals.seen = True  # also on a rank that saw no signal
             signals.save()
@@ -462,14 +462,16 @@ def train(cfg: Config) -> Path:
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 last_eval = evaluate(source, log, step + 1, out)
             bar.set_postfix(reward=f"{stats['reward']:.1f}", **{k: f"{v:.3g}" for k, v in last_eval.items()})
-            solved = cfg.target and max(last_eval.get(k, -math.inf) for k in headline) >= cfg.target
-            if stop(step + 1, log) or solved:
+            if stop(step + 1, log) or report.reached(last_eval, cfg.target):
                 break
             if (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
                 signals.save()  # step + 1's checkpoint, as stop() just captured it (the last one: below)
         if not signals.seen:  # the last step's checkpoint; with --steps 0, the warm-start's (or the base's)
             signals.save()
         bar.close()
+    except utils.ConfigError:  # one to fix, mid-run (an async trainer's --workers all died): keep the steps
+        signals.save()
+        raise
     except (KeyboardInterrupt, OSError):  # Ctrl-C twice, a full disk
         utils.stderr(f"stopped during step {step + 1} (not saved); checkpoints so far: --resume {out}")
         raise
@@ -478,18 +480,17 @@ def train(cfg: Config) -> Path:
         source.close()  # an async trainer tells its workers the run is over (before a full disk fails close)
         log.close()
     if utils.rank() == 0:  # under torchrun only rank 0 writes: logs, samples, checkpoints, the report
-        utils.plot(out, keys=("reward", *headline, "eval_accuracy_lenient"))
-        finish(cfg, policy, out, log.wall())
-    return out
+        rundir.plot(out, keys=("reward", *report.HEADLINE, "eval_accuracy_lenient"))
+        finish(dataclasses.replace(cfg, export="") if signals.seen else cfg, policy, out, log.wall())
+    return None if signals.seen else out  # None: a stop cut it short (its checkpoint saved, no export yet)
 
 
 def resume(cfg: Config, policy, opt, source: BatchSource) -> dict | None:
     """--resume: the newest checkpoint that loads, into policy, optimizer and source (None: none does)."""
-    meta = utils.resume_checkpoint(Path(cfg.resume), policy, opt, cfg.eval_only) if cfg.resume else None
+    meta = rundir.resume_checkpoint(Path(cfg.resume), policy, opt, cfg.eval_only) if cfg.resume else None
     source.load_state(meta["source"] if meta else {})  # every rank reads it: multi-node needs a shared --out
     if meta and meta["step"] >= cfg.steps and not cfg.eval_only:  # nothing trains: only the summary again
         utils.stderr(f"warning: the run is at step {meta['step']} of --steps {cfg.steps}; raise it to go on")
-    utils.split_rng()  # after any restored RNG state: ranks must not sample identical tokens
     return meta
 
 
@@ -497,7 +498,7 @@ def start_run(cfg: Config, out: Path, policy, opt, source: BatchSource, meta: di
     """The run's log, then what precedes RL step 0 (evaluations, warm-start): (log, RL's first step)."""
     start = meta["step"] if meta else -cfg.sft_steps  # < 0: (in) the warm-start
     resumed_at = (start if meta else start - 1) if cfg.resume else None  # logs after its step are rewritten
-    log = utils.Metrics(out, cfg, meta["wall_s"] if meta else 0.0, resumed_at)  # rank 0 alone writes
+    log = rundir.Metrics(out, cfg, meta["wall_s"] if meta else 0.0, resumed_at)  # rank 0 alone writes
     if cfg.sft_steps and not meta:
         evaluate(source, log, -cfg.sft_steps, out, "_before_sft")
     stopped = start < 0 and warm_start(policy, opt, source, cfg, log, start, stop)
@@ -536,8 +537,9 @@ def finish(cfg: Config, policy, out: Path, wall_s: float) -> None:
 
 def evaluate_only(cfg: Config, policy, source: BatchSource, step: int) -> Path:
     """--eval-only: one eval of the loaded weights, logged at their step in a run directory of its own."""
-    out = run_dir(cfg) / f"eval-{step:07d}" if cfg.resume and not cfg.out else Path(cfg.out or run_dir(cfg))
-    with contextlib.closing(utils.Metrics(out, cfg, resumed_at=step - 1)) as log:  # a rerun replaces it
+    run = rundir.where(cfg)  # --resume's, --out's or a new one
+    out = run / f"eval-{step:07d}" if cfg.resume and not cfg.out else Path(cfg.out or run)
+    with contextlib.closing(rundir.Metrics(out, cfg, resumed_at=step - 1)) as log:  # a rerun replaces it
         evaluate(source, log, step, out)
     finish(cfg, policy, out, 0.0)
     return out
@@ -545,29 +547,26 @@ def evaluate_only(cfg: Config, policy, source: BatchSource, step: int) -> Path:
 
 def parse(argv: list[str]) -> Config:
     """The flags; with --resume, over the run's own config.yaml, warning of flags that change what trains."""
-    cfg = utils.load_config(Config, argv, choices(), defaults=task_defaults)
-    if not cfg.resume:
-        return cfg
-    saved = run_dir(cfg) / "config.yaml"
+    given = utils.load_config(Config, argv, choices(), defaults=task_defaults)
+    if not given.resume:
+        return given
+    saved = rundir.where(given) / "config.yaml"
     if not saved.exists():
-        raise utils.ConfigError(f"--resume {cfg.resume}: no config.yaml in {saved.parent}: not a run")
+        raise utils.ConfigError(f"--resume {given.resume}: no config.yaml in {saved.parent}: not a run")
     old, cfg = (utils.load_config(Config, flags, choices(), base=saved, defaults=task_defaults)
                 for flags in ([], argv))
-    own = cfg.out in ("", old.out) or Path(cfg.out).resolve() == run_dir(cfg).resolve()  # names the run
+    own = cfg.out in ("", old.out) or Path(cfg.out).resolve() == rundir.where(cfg).resolve()  # names the run
     if not (own or cfg.eval_only):  # only an eval may go elsewhere (a read-only run's must)
-        raise utils.ConfigError(f"--out {cfg.out}: a resumed run goes on in {run_dir(cfg)}; drop --out")
+        raise utils.ConfigError(f"--out {cfg.out}: a resumed run goes on in {rundir.where(cfg)}; drop --out")
     if (cfg.task in CONTROL) != (old.task in CONTROL):  # an MLP's checkpoint never loads into an LM, nor back
         raise utils.ConfigError(f"--task {cfg.task}: the run trained {old.task}, another policy; drop --task")
     for name in ("task", "data", "model", "lora", "lora_rank", "lora_targets", "algo", "loss"):  # what trains
         if getattr(cfg, name) != getattr(old, name):
             utils.stderr(f"warning: {name} {getattr(cfg, name)!r} replaces the run's {getattr(old, name)!r}")
-    return dataclasses.replace(cfg, out="" if own else cfg.out)  # "": run_dir(), or RUN/eval-STEP for an eval
-
-
-def run_dir(cfg: Config) -> Path:
-    if cfg.resume:
-        return Path(cfg.resume).parent if Path(cfg.resume).name.startswith("ckpt-") else Path(cfg.resume)
-    return Path(cfg.out) if cfg.out else utils.fresh_dir(f"runs/{cfg.task}-{cfg.algo}")
+    # The run's --export is written at its end: a resume inherits it while unwritten (an --eval-only never)
+    if cfg.export == old.export and (cfg.eval_only or rundir.export_blocker(Path(cfg.export))):
+        cfg = dataclasses.replace(cfg, export=given.export, export_merged=given.export_merged)
+    return dataclasses.replace(cfg, out="" if own else cfg.out)  # "": the run's own, or RUN/eval-STEP (eval)
 
 
 def main(argv: list[str]) -> int:
@@ -577,7 +576,7 @@ def main(argv: list[str]) -> int:
         if cfg.role == "rollout":  # a worker generates and never trains
             return serve.run_worker(cfg)
         utils.init_distributed(cfg.dist_timeout)
-        train(cfg)
+        return 0 if train(cfg) else 130  # None: stopped, not finished (130, as a shell expects after Ctrl-C)
     except (utils.ConfigError, JudgeUnavailable, sandbox.SandboxUnavailable, tasks.RewardError) as e:  # fixes
         utils.stderr(f"error: {e}")
         return 1 if isinstance(e, JudgeUnavailable) else 2  # 1: a judge down (--judge-down fail), run saved
@@ -593,7 +592,6 @@ def main(argv: list[str]) -> int:
         raise
     finally:
         utils.close_distributed()
-    return 0
 
 
 if __name__ == "__main__":

@@ -49,8 +49,9 @@ def _check_token(token: str) -> str:
     return token
 
 
-def serving_token(host: str, token: str | None = None) -> str:
-    """The token a server on `host` checks: `token`, else NANORL_TOKEN, else (loopback only) a fresh one."""
+def serving_token(host: str, token: str | None = None, workers: int | None = None) -> str:
+    """The token a server on `host` checks: `token`, else NANORL_TOKEN, else (loopback only) a fresh one,
+    which only a trainer's own `workers` get (None: a server that is no trainer's)."""
     token = token or os.environ.get("NANORL_TOKEN")
     loopback = host == "localhost"
     with contextlib.suppress(ValueError):  # a host name other than localhost: treat as exposed
@@ -58,6 +59,9 @@ def serving_token(host: str, token: str | None = None) -> str:
     if not token and not loopback:
         raise utils.ConfigError(f"refusing to serve on {host!r} without a token: set NANORL_TOKEN to a "
                                 "shared secret on the trainer and every worker, or bind 127.0.0.1")
+    if not token and workers == 0:  # a trainer no worker could ever join: it would wait for batches forever
+        raise utils.ConfigError("--role trainer without NANORL_TOKEN takes only its own --workers, and there "
+                                "are none: set NANORL_TOKEN for workers to join, or pass --workers N")
     return _check_token(token or secrets.token_urlsafe(32))
 
 

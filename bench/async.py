@@ -33,6 +33,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import rundir  # noqa: E402
 import serve  # noqa: E402
 import transport  # noqa: E402
 import train  # noqa: E402
@@ -68,7 +69,7 @@ def trained_per_second(args, role: list[str], env: dict, worker: list[str] | Non
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for p in procs:  # a worker exits on its own once the trainer says the run is over
             p.wait(timeout=120)
-        walls = {s: w for s, w, _ in utils.read_metrics(Path(tmp) / "run" / "metrics.csv")["loss"]}
+        walls = {s: w for s, w, _ in rundir.read_metrics(Path(tmp) / "run" / "metrics.csv")["loss"]}
     return (args.steps - 1) * args.batch / (walls[args.steps] - walls[1])
 
 

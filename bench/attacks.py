@@ -24,10 +24,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+import rundir  # noqa: E402
 import sandbox  # noqa: E402
 import serve  # noqa: E402
 import transport  # noqa: E402
-import utils  # noqa: E402
 from envs import sql_database  # noqa: E402
 from flood import flood  # noqa: E402
 from modeldir import build_tiny_model  # noqa: E402
@@ -57,7 +57,7 @@ def flags(tiny: str, out: Path, *extra: str) -> list[str]:
 
 def steps(out: Path) -> int:
     path = out / "metrics.csv"
-    return len({s for series in utils.read_metrics(path).values() for s, _, _ in series}) if path.exists() else 0
+    return len({s for series in rundir.read_metrics(path).values() for s, _, _ in series}) if path.exists() else 0
 
 
 def step_rate(out: Path, seconds: float) -> float:

@@ -12,13 +12,13 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import utils  # noqa: E402
+import rundir  # noqa: E402
 from modeldir import build_tiny_model  # noqa: E402
 
 
 def export(run: str, out: str) -> str:
     """The tiny model's directory with its weights replaced by a checkpoint's (a run's newest)."""
-    ckpt = Path(run) if (Path(run) / "weights.safetensors").exists() else utils.checkpoints(Path(run))[-1]
+    ckpt = Path(run) if (Path(run) / "weights.safetensors").exists() else rundir.checkpoints(Path(run))[-1]
     weights = load_file(str(ckpt / "weights.safetensors"))
     if not all(k.startswith("model.") for k in weights) or any("lora_" in k for k in weights):
         raise SystemExit(f"{run}: not a full fine-tuning run of the tiny model (--no-lora)")
@@ -41,7 +41,7 @@ def plot(out: str, runs: dict[str, str]) -> None:
     fig, (by_step, by_wall) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for label, run in runs.items():
         shutil.copy(Path(run) / "metrics.csv", Path(out) / f"{label}.csv")
-        acc = [(s, w, v) for s, w, v in utils.read_metrics(Path(run) / "metrics.csv")["eval_accuracy"] if s >= 0]
+        acc = [(s, w, v) for s, w, v in rundir.read_metrics(Path(run) / "metrics.csv")["eval_accuracy"] if s >= 0]
         start = acc[0][1]
         by_step.plot([s for s, _, _ in acc], [v for *_, v in acc], marker=".", label=label)
         by_wall.plot([w - start for _, w, _ in acc], [v for *_, v in acc], marker=".", label=label)

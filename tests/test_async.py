@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import rundir
 import serve
 import transport
 import train
@@ -74,7 +75,7 @@ def worker(tiny, tmp, url, name, *extra, **env) -> subprocess.Popen:
 
 def metrics(tmp) -> dict:
     path = tmp / "run" / "metrics.csv"
-    return utils.read_metrics(path) if path.exists() else {}
+    return rundir.read_metrics(path) if path.exists() else {}
 
 
 def last(tmp, key, default=0.0) -> float:
@@ -266,7 +267,8 @@ def test_a_worker_that_asks_before_the_resumed_checkpoint_loads_gets_an_id_no_pa
         src.load_state({"next_worker": 2, "position": 2 * serve.STRIDE})  # the run had workers 0 and 1
         asking.join(30)
         first = 2 + serve.SURVIVORS  # and perhaps others after its checkpoint (below)
-        assert got == [first] and src.state() == {"next_worker": first + 1, "position": (first + 1) * serve.STRIDE}
+        state = {"next_worker": first + 1, "position": (first + 1) * serve.STRIDE}
+        assert got == [first] and src.state().items() >= state.items()  # and "counts", the run's totals
     finally:
         src.close()
 
@@ -436,7 +438,7 @@ def test_a_worker_outlives_its_trainer_killed_and_resumed_from_an_older_checkpoi
              proc, "step 8")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    for late in utils.checkpoints(tmp_path / "run")[1:]:  # killed before any checkpoint after step 5
+    for late in rundir.checkpoints(tmp_path / "run")[1:]:  # killed before any checkpoint after step 5
         shutil.rmtree(late)
     # step 8 trained on groups sampled at version 6 or later (--max-staleness 2): the worker is ahead of 5
     resumed = launch(["--resume", str(tmp_path / "run")], tmp_path / "resumed.log")
@@ -465,13 +467,14 @@ def test_a_ctrl_c_at_the_terminal_finishes_the_step_on_the_batches_of_the_worker
         # tokens a row (seconds), which step 2 waits for: --max-staleness 0 refuses the batches before.
         time.sleep(0.5)
         os.killpg(proc.pid, signal.SIGINT)
-        log = finish(proc, tmp_path / "trainer.log", 120)
+        assert proc.wait(timeout=120) == 130  # stopped, not finished: as a shell expects after a Ctrl-C
+        log = (tmp_path / "trainer.log").read_text()
     finally:
         with contextlib.suppress(ProcessLookupError):  # a group left over from a failure
             os.killpg(proc.pid, signal.SIGKILL)
     trained = [s for s, _, _ in metrics(tmp_path)["loss"]]
     assert trained == list(range(1, trained[-1] + 1)) and "interrupted: checkpoint saved" in log
-    assert utils.checkpoints(tmp_path / "run")[-1].name == f"ckpt-{trained[-1]:07d}"
+    assert rundir.checkpoints(tmp_path / "run")[-1].name == f"ckpt-{trained[-1]:07d}"
 
 
 def test_a_stop_while_the_trainer_waits_for_workers_that_never_come_saves_its_steps_at_once(tiny, tmp_path):
@@ -484,14 +487,14 @@ def test_a_stop_while_the_trainer_waits_for_workers_that_never_come_saves_its_st
         wait_for(lambda: "eval_accuracy" in metrics(tmp_path), proc, "the step-0 eval")
         time.sleep(2)  # the step-0 version is published (milliseconds); the trainer waits for batches
         proc.send_signal(signal.SIGINT)
-        wait_for(lambda: utils.checkpoints(tmp_path / "run"), proc, "a checkpoint", limit=60)
+        wait_for(lambda: rundir.checkpoints(tmp_path / "run"), proc, "a checkpoint", limit=60)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 130
     finally:
         proc.kill()
     log = (tmp_path / "trainer.log").read_text()
     assert "Traceback" not in log and f"stopped during step 1 (not saved); checkpoints so far" in log
-    assert [c.name for c in utils.checkpoints(tmp_path / "run")] == ["ckpt-0000000"]  # after the warm-start
+    assert [c.name for c in rundir.checkpoints(tmp_path / "run")] == ["ckpt-0000000"]  # after the warm-start
     assert [s for s, _, _ in metrics(tmp_path)["sft_loss"]] == [-1, 0]
 
 
@@ -512,8 +515,8 @@ def test_rollout_options_work_on_workers_as_in_a_sync_run(tiny, tmp_path):
     assert log.count("--- step 0 prompt:") == 1 and "answer:" in log and "'int_correct':" in log
     # The run goes on in one process (--role sync), drawing problems past the range its one worker
     # (id 0: problems 0, 1, ...) drew from: the trainer's checkpoint says where (it was a KeyError).
-    assert json.loads((tmp_path / "run" / f"ckpt-{steps:07d}" / "meta.json").read_text())["source"] == {
-        "next_worker": 1, "position": serve.STRIDE}
+    saved = json.loads((tmp_path / "run" / f"ckpt-{steps:07d}" / "meta.json").read_text())["source"]
+    assert saved.items() >= {"next_worker": 1, "position": serve.STRIDE}.items()  # and "counts"
     assert train.main(["--resume", str(tmp_path / "run"), "--role", "sync", "--steps", str(steps + 1)]) == 0
     source = json.loads((tmp_path / "run" / f"ckpt-{steps + 1:07d}" / "meta.json").read_text())["source"]
     assert serve.STRIDE + 2 <= source["position"] <= serve.STRIDE + 4  # 2 prompts a round, 1-2 rounds
@@ -561,3 +564,52 @@ def test_multiturn_episodes_from_a_worker_train_with_exact_old_logprobs(tiny, tm
     # Env replies are masked out and each episode has one version: rescoring matches the sampler.
     assert max(v for _, _, v in m["logp_gap"]) < (1e-3 if engine == "vllm" else 1e-4)
     assert {"solved", "solved_first_turn"} <= set(m) and "dropped_no_snapshot" not in m
+
+
+def test_a_resumed_trainer_logs_its_counts_on_from_its_checkpoints_totals(policy, rows):
+    """The counts a trainer logs each step are the run's totals (a test above reads the last as all the
+    groups received); after a --resume they started again from 0, a sawtooth: 2, 4, 6, then 2, 4."""
+    bad, logged, state = dict(rows, tokens=rows["tokens"] + 10_000), [], {}
+    for _ in range(2):  # the run, then the run resumed from the first one's checkpoint
+        src, policy = source_for(policy)
+        try:
+            src.load_state(state)
+            src.publish(0)
+            client = transport.Client(src.inbox.server.url, token=src.inbox.server.token, retries=1)
+            assert client.post("/batch", transport.encode(bad, {"worker": "t"}))[0] == 400  # the server counts it
+            for _ in range(2):  # the step's two groups
+                assert src.inbox.receive(transport.Request("/batch", {}, transport.encode(rows, {"worker": "t"})))[0] == 200
+            meta = src.inbox.take(0, {0})[1]
+            logged.append([meta[k] for k in ("groups_received", "dropped_stale", "batches_rejected", "http_400")])
+            state = json.loads(json.dumps(src.state()))  # as meta.json holds it
+        finally:
+            src.close()
+    assert logged == [[2, 0, 1, 1], [4, 0, 2, 2]]
+
+
+def test_a_trainer_whose_own_workers_all_died_saves_its_finished_steps_and_stops_in_one_line(
+        tiny, tmp_path, monkeypatch, capsys):
+    """Without NANORL_TOKEN only the trainer's --workers can join; when they all die (OOM-killed, say) it
+    waited for batches for good. Now it names each dead one, checkpoints the steps it finished (the
+    step's rollout had not changed the weights) and stops in one line, for a --resume after the fix."""
+    monkeypatch.delenv("NANORL_TOKEN", raising=False)
+    monkeypatch.setattr(serve, "WAITING", 0.5)  # a minute between "waiting for batches" lines otherwise
+    real, killed = serve.AsyncRollouts.next, []
+
+    def next_after_killing_the_worker(self, step):
+        if step == 2:  # steps 1 and 2 finished: no checkpoint is due (--ckpt-every 50)
+            for p in self.procs:
+                p.kill()
+                killed.append(p.pid)
+        return real(self, step)
+
+    monkeypatch.setattr(serve.AsyncRollouts, "next", next_after_killing_the_worker)
+    run = tmp_path / "run"
+    assert train.main(flags(tiny, run, "--role", "trainer", "--workers", "1", "--steps", "5")) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert f"worker process {killed[0]} exited with code -9" in err and err[-1] == (
+        "error: all 1 --workers processes exited and, without NANORL_TOKEN, no other worker can join; see "
+        "their output above, then --resume the run")
+    trained = [s for s, _, _ in rundir.read_metrics(run / "metrics.csv")["loss"]]  # batches queued: 2 or more
+    assert trained == list(range(1, trained[-1] + 1)) and 2 <= trained[-1] < 5
+    assert [c.name for c in rundir.checkpoints(run)] == [f"ckpt-{trained[-1]:07d}"]  # the last finished step

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the torchrun worker runs this file as a script
 
 import rollouts  # noqa: E402
+import rundir  # noqa: E402
 import train  # noqa: E402
 import utils  # noqa: E402
 from envs import CartPole  # noqa: E402
@@ -153,7 +154,7 @@ def ranks(tmp_path_factory):
 
 
 def read_metrics(run: Path) -> dict:
-    return {k: [(s, v) for s, _, v in rows] for k, rows in utils.read_metrics(run / "metrics.csv").items()}
+    return {k: [(s, v) for s, _, v in rows] for k, rows in rundir.read_metrics(run / "metrics.csv").items()}
 
 
 # ---------------------------------------------------------------- tests
@@ -232,12 +233,48 @@ def test_two_rank_cartpole_run_checkpoints_once_and_resumes_on_one_rank(tmp_path
     assert run.name.startswith("cartpole-reinforce_pp-") and not run.name.endswith("-2")
     assert proc.stdout.count("run saved to") == 1  # rank 0 alone reports, logs and checkpoints
     assert [s for s, _ in read_metrics(run)["loss"]] == [1, 2, 3]
-    meta = json.loads((utils.checkpoints(run)[-1] / "meta.json").read_text())
+    meta = json.loads((rundir.checkpoints(run)[-1] / "meta.json").read_text())
     assert meta["step"] == 3 and meta["source"] == {"position": 6}  # 3 steps x 2 ranks' seeds
     train.train(cfg_from("--resume", str(run), "--task", "cartpole", "--algo", "reinforce_pp", "--batch", "8",
                          "--steps", "4", "--eval-every", "3", "--eval-episodes", "2"))
     assert [s for s, _ in read_metrics(run)["loss"]] == [1, 2, 3, 4]
-    assert json.loads((utils.checkpoints(run)[-1] / "meta.json").read_text())["source"] == {"position": 7}
+    assert json.loads((rundir.checkpoints(run)[-1] / "meta.json").read_text())["source"] == {"position": 7}
+
+
+def test_a_two_rank_run_resumed_at_an_earlier_checkpoint_retraces_its_steps_bitwise(tmp_path):
+    """A checkpoint held rank 0's RNG state alone, and a resume forked rank 1's stream from it anew: rank 1
+    then sampled other episodes than the run it continued (weights off by ~1e-2 two steps later). Now each
+    rank's state is saved and restored; the abandoned later checkpoint is set aside, a twin to compare."""
+    run = tmp_path / "run"
+    argv = ["--task", "cartpole", "--algo", "reinforce", "--batch", "8", "--eval-every", "2", "--eval-episodes",
+            "2", "--target", "0", "--ckpt-every", "2", "--no-progress"]
+    proc = torchrun("train.py", *argv, "--steps", "4", "--out", str(run))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert torch.load(run / "ckpt-0000002" / "state.pt", weights_only=True)["torch_rng"].shape[0] == 2  # [W, S]
+    proc = torchrun("train.py", "--resume", str(run / "ckpt-0000002"), "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    aside, = run.glob("replaced-*")
+    a, b = (load_file(str(d / "ckpt-0000004" / "weights.safetensors")) for d in (run, aside))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert read_metrics(run) == read_metrics(aside)  # rewards, losses and evals, step by step
+
+
+def test_a_checkpoint_of_another_world_size_or_an_older_one_gives_rank_0s_state_then_forks_it(monkeypatch):
+    """set_rng_states: [W, S] rows of another W, or an older checkpoint's [S] (rank 0's alone), seed every
+    rank with rank 0's, which split_rng() forks on ranks > 0 as at a fresh start; never a foreign row."""
+    torch.manual_seed(1)
+    first = utils.rng_states()  # [1, S] in one process
+    rows = torch.cat([first, torch.zeros_like(first)])  # a 2-rank checkpoint; row 1 is no valid state
+    for states in (rows, first[0]):
+        torch.manual_seed(2)
+        utils.set_rng_states(states)
+        assert torch.equal(utils.rng_states(), first)  # rank 0: row 0, not forked
+    monkeypatch.setattr(utils, "rank", lambda: 1)
+    utils.set_rng_states(first[0])
+    forked = torch.get_rng_state()
+    torch.set_rng_state(first[0])
+    torch.manual_seed(int(torch.randint(2**62, ())) + 1)  # split_rng's fork for rank 1, by hand
+    assert torch.equal(forked, torch.get_rng_state())
 
 
 def test_two_rank_llm_grpo_run_resumes_on_one_rank(tmp_path):
@@ -250,11 +287,12 @@ def test_two_rank_llm_grpo_run_resumes_on_one_rank(tmp_path):
     assert [s for s, _ in metrics["sft_loss"]] == [0] and metrics["sft_loss"][0][1] > 0
     assert [s for s, _ in metrics["loss"]] == [1, 2] and [s for s, _ in metrics["eval_accuracy"]] == [0, 2]
     assert all(v * 6 == round(v * 6) for _, v in metrics["eval_accuracy"])  # whole problems out of 6, summed over ranks
-    meta = json.loads((utils.checkpoints(run)[-1] / "meta.json").read_text())
-    assert meta["source"] == {"position": 12}  # 8 warm-start demos + 2 steps x 2 prompts (one whole group per rank)
+    meta = json.loads((rundir.checkpoints(run)[-1] / "meta.json").read_text())
+    assert set(meta["source"]) == {"position", "held_out"}
+    assert meta["source"]["position"] == 12  # 8 warm-start demos + 2 steps x 2 prompts (one whole group per rank)
     train.train(cfg_from(*argv[:-2], "--resume", str(run), "--steps", "3"))
     assert [s for s, _ in read_metrics(run)["loss"]] == [1, 2, 3]
-    assert json.loads((utils.checkpoints(run)[-1] / "meta.json").read_text())["source"] == {"position": 14}
+    assert json.loads((rundir.checkpoints(run)[-1] / "meta.json").read_text())["source"]["position"] == 14
 
 
 FAILING = """
@@ -309,7 +347,7 @@ def test_a_stop_during_an_eval_under_torchrun_saves_the_step_before_the_eval_end
             "--eval-episodes", "2", "--no-progress", "--out", str(run)]  # --ckpt-every 50: none due
     proc = torchrun(str(script), *argv, "--steps", "5", "--dist-timeout", "30", timeout=180)
     assert proc.returncode != 0 and "SIGTERM: finishing this step and checkpointing" in proc.stderr
-    assert [c.name for c in utils.checkpoints(run)] == ["ckpt-0000002"]
+    assert [c.name for c in rundir.checkpoints(run)] == ["ckpt-0000002"]
     meta = json.loads((run / "ckpt-0000002" / "meta.json").read_text())
     assert meta["step"] == 2 and meta["source"] == {"position": 4}  # 2 steps x 2 ranks' seeds
     train.train(cfg_from(*argv[:-2], "--resume", str(run), "--steps", "3"))

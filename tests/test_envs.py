@@ -1,5 +1,6 @@
 """Multi-turn text environments: the protocol, the shipped environments on real SQLite and real
 processes, and token-exact multi-turn rollouts (scripted policy, then the real tiny model)."""
+import dataclasses
 import hashlib
 import json
 import math
@@ -26,9 +27,10 @@ from exact import assert_sampled_ids_are_trained
 from judge import JudgeUnavailable
 from model import LLMPolicy, MLPPolicy, Sample
 from modeldir import build_tiny_model
-from rollouts import (WIRE, EnvRollouts, Episode, collate, encode_reply, from_wire, make_batch,
+import tasks
+from rollouts import (WIRE, EnvRollouts, Episode, TaskRollouts, collate, encode_reply, from_wire, make_batch,
                       rollout_control, rollout_multiturn, rollout_single, sample_rows)
-from tasks import Problem, ProceduralTask, RewardError, Task, completion_number
+from tasks import Problem, ProceduralTask, RewardError, Task, completion_number, countdown_correct
 from utils import UMASK, ConfigError
 
 
@@ -176,6 +178,58 @@ def test_an_env_without_its_task_class_is_named_when_its_source_is_built(monkeyp
     with pytest.raises(ConfigError, match=r"^--task taskless: Taskless.task is None: set it to the tasks.Task "
                                           r"class it plays$"):
         EnvRollouts(cfg, ScriptedPolicy(chat_tokenizer(), bisect))
+
+
+class Buggy(ProceduralTask):
+    name = "buggy"
+
+    def generate(self, rng):
+        return Problem("p", str(int("x3")), "k")  # a bug in the user's own task code
+
+
+def test_a_bug_in_a_tasks_own_code_keeps_its_traceback_and_a_bad_split_stays_one_line(monkeypatch, tmp_path):
+    """int("x3") in generate() stopped the run as "error: --task buggy: invalid literal for int() ...", no
+    traceback: every ValueError from building the task was taken for a data or flag problem."""
+    monkeypatch.setitem(tasks.TASKS, "buggy", Buggy)
+    with pytest.raises(ValueError, match=r"^invalid literal for int\(\) with base 10: 'x3'$") as e:
+        TaskRollouts(train.Config(task="buggy"), policy=None)
+    assert type(e.value) is ValueError and e.traceback[-1].name == "generate"
+    argv = ["--task", "buggy", "--model", "tiny", "--sft-steps", "0", "--no-progress", "--out", str(tmp_path)]
+    with pytest.raises(ValueError, match=r"^invalid literal for int\(\)") as e:  # main shows a bug whole
+        train.main(argv)
+    assert type(e.value) is ValueError
+    with pytest.raises(ConfigError, match=r"^--task countdown: eval_size=100001: 100000 at most; lower "
+                                          r"--eval-size$"):
+        TaskRollouts(train.Config(task="countdown", eval_size=100_001), policy=None)
+
+
+class Poems(tasks.DatasetTask):  # the README's judged task, with a reward that needs no judge server
+    name, instruction, numeric = "poems", "", False
+    rewards = [(lambda prompt, completion, answer: 0.5, 1.0)]
+
+
+def test_rows_without_an_answer_for_the_warm_start_are_named_by_file_and_line_before_any_step(
+        monkeypatch, tmp_path):
+    """The warm-start stopped when it first drew such a row (at step 7 of 20, say), naming none of them."""
+    monkeypatch.setitem(tasks.TASKS, "poems", Poems)
+    rows = [{"question": f"Haiku {i}", "answer": f"ref {i}"} for i in range(1, 9)]
+    for i in (2, 6, 8):
+        del rows[i - 1]["answer"]
+    rows[2]["answer"], rows[4]["answer"] = None, ""  # lines 3 and 5: no answer either
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = train.Config(task="poems", data=str(data), eval_size=1, sft_steps=20)
+    assert [p.key for p in tasks.make_task("poems", seed=0, eval_size=1, data=str(data))._eval] == ["Haiku 6"]
+    with pytest.raises(ConfigError) as e:  # line 6 is held out: the warm-start never draws it
+        TaskRollouts(cfg, policy=None)
+    assert str(e.value) == (f"--sft-steps: poems has 4 rows without an answer to imitate ({data}:2, "
+                            f"{data}:3, {data}:5, ...); add answers to its rows, or --sft-steps 0")
+    rows[2]["answer"], rows[7]["answer"] = "ref 3", "ref 8"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError, match=rf"^--sft-steps: poems has 2 rows .* \({data}:2, {data}:5\); add"):
+        TaskRollouts(cfg, policy=None)
+    assert TaskRollouts(dataclasses.replace(cfg, sft_steps=0), policy=None).task.unanswered() == [
+        f"{data}:2", f"{data}:5"]  # without a warm-start they are fine: a judge needs no reference
 
 
 def test_readme_example_solves_in_a_rollout_by_bisection(monkeypatch):
@@ -376,6 +430,23 @@ def test_countdown_calculator_answers_with_the_value_and_the_target():
     assert replies[4][0][0]["content"].startswith("3 * (5 is not a valid expression")
     assert all(r[1:3] == (0.0, False) for r in replies)
     assert env.step("<answer>3 * 5 + 7</answer>") == (None, 1.0, True, {"turns": 6, "solved_at_turn": 6})
+
+
+def test_countdown_calculator_says_what_to_change_when_only_the_part_after_equals_is_refused():
+    """"(1 + 2) * 3 = 9.0" for target 9 (refused, as in single-turn countdown) was told "(1 + 2) * 3 = 9.0
+    = 9, but the target is 9": the reply contradicted itself. A left side that misses shows alone."""
+    env = CountdownEnv(max_turns=9)
+    env.reset(problem := countdown_problem([1, 2, 3], 9))
+    fix = "(1 + 2) * 3 = 9; answer with it alone or as (1 + 2) * 3 = 9. Try again."
+    for tail in (" = 9.0", " == 9", " = 9 exactly", " = 10"):
+        completion = f"<answer>(1 + 2) * 3{tail}</answer>"
+        assert countdown_correct(problem.prompt, completion, problem.answer) == 0.0
+        assert env.step(completion)[:3] == ([{"role": "user", "content": fix}], 0.0, False)
+    reply = env.step("<answer>(1 + 3) * 2 = 9</answer>")[0][0]["content"]
+    assert reply == "(1 + 3) * 2 = 8, but the target is 9. Try again."
+    assert env.step("<answer>(1 + 2) * 3 = 9</answer>")[:3] == (None, 1.0, True)
+    env.reset(countdown_problem([2, 3, 9], 12))
+    assert env.step("<answer>(9 \u2212 3) * 2</answer>")[:3] == (None, 1.0, True)  # a typeset minus
 
 
 # ---------------------------------------------------------------- python_tool

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import envs
+import rundir
 import serve
 import tasks
 import train
@@ -79,6 +80,18 @@ def test_bad_flags_stop_in_one_line_naming_the_fix(capsys, argv, fix):
     assert fix in one_line_error(capsys, argv)
 
 
+def test_a_trainer_that_no_worker_could_join_is_refused_before_a_model_loads(capsys, monkeypatch):
+    """Without NANORL_TOKEN only the trainer's own --workers get its fresh token; with none, it waited for
+    batches for good, saying "waiting for batches (0 live workers)" once a minute."""
+    monkeypatch.delenv("NANORL_TOKEN", raising=False)
+    assert one_line_error(capsys, LLM + ["--role", "trainer"]) == (
+        "error: --role trainer without NANORL_TOKEN takes only its own --workers, and there are none: set "
+        "NANORL_TOKEN for workers to join, or pass --workers N")
+    train.validate(train.parse(LLM + ["--role", "trainer", "--workers", "1"]))  # its own worker: fine
+    monkeypatch.setenv("NANORL_TOKEN", "a-shared-secret-of-32-characters")
+    train.validate(train.parse(LLM + ["--role", "trainer"]))  # workers started by hand may join
+
+
 @pytest.mark.parametrize("argv, fix", [
     # the task's name once: "--task gsm8k: gsm8k: eval_size..." repeated it
     (["--task", "gsm8k", "--data", MIXED, "--eval-size", "9"],
@@ -130,7 +143,7 @@ def test_a_reward_that_turns_nan_mid_run_stops_in_one_line_keeping_the_checkpoin
                                   "--group-size", "4", "--eval-size", "4", "--max-new-tokens", "3", "--steps", "4",
                                   "--ckpt-every", "1"])
     assert err.startswith("error: reward mine returned nan for the completion ") and len(calls) == 4 + 2 * 8 + 1
-    assert [c.name for c in utils.checkpoints(out)] == ["ckpt-0000001", "ckpt-0000002"]
+    assert [c.name for c in rundir.checkpoints(out)] == ["ckpt-0000001", "ckpt-0000002"]
 
 
 def test_resume_of_another_policy_names_the_runs_own_config(capsys, tmp_path):
@@ -173,7 +186,7 @@ def test_run_and_export_directories_that_cannot_be_made_stop_before_training(cap
     assert "a file is in the way of that directory" in err
     for out in (tmp_path / "file", Path("/proc/nanorl-run")):  # /proc: the kernel refuses it to root too
         err = one_line_error(capsys, ["--out", str(out), "--steps", "1", "--no-progress"])
-        assert err.startswith(f"error: --out {out}: cannot create the run directory")
+        assert err.startswith(f"error: {out}: cannot write the run there (")  # Not a directory; Permission...
 
 
 def test_an_export_never_replaces_a_directory_that_holds_anything(capsys, tmp_path, monkeypatch):
@@ -198,6 +211,17 @@ def test_an_export_never_replaces_a_directory_that_holds_anything(capsys, tmp_pa
         assert where.stat().st_mode & 0o777 == 0o777 & ~utils.UMASK  # as mkdir makes it, not mkdtemp's 0700
         modes = {f.name: f.stat().st_mode & 0o777 for f in where.iterdir()}  # safetensors' own were 0600
         assert modes == dict.fromkeys(modes, 0o666 & ~utils.UMASK), modes
+
+
+def test_an_export_that_would_hold_the_run_directory_is_refused_before_training(capsys, tmp_path, monkeypatch):
+    """--export equal to --out, or above it, passed the up-front check while neither existed, trained the
+    whole run, then failed at the end: the run had filled the directory it was to export into."""
+    monkeypatch.chdir(tmp_path)  # empty: `--export .` is no "not empty" refusal here
+    for out, export in (["--out", "run"], "run"), (["--out", "a/run"], "a"), ([], "."):  # [] -> runs/...
+        err = one_line_error(capsys, LLM + out + ["--export", export])
+        assert err == f"error: --export {export}: the run's directory is in it; pick a new or empty directory"
+    assert list(tmp_path.iterdir()) == []  # refused before any directory was made
+    train.validate(train.parse(LLM + ["--out", "run", "--export", "run/model"]))  # inside the run: fine
 
 
 def test_an_export_that_fails_after_training_keeps_the_checkpoints_and_says_how_to_redo_it(
@@ -277,7 +301,7 @@ def test_an_eval_of_a_run_it_may_not_write_to_goes_to_an_out_of_its_own(capsys, 
     assert train.main(["--resume", str(run), "--eval-only", "--out", str(tmp_path / "eval"), "--no-progress"]) == 0
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == files  # not a byte changed
     assert train.main(["--resume", str(run), "--eval-only", "--no-progress"]) == 0  # RUN/eval-0000002
-    elsewhere, inside = (utils.read_metrics(d / "metrics.csv") for d in (tmp_path / "eval", run / "eval-0000002"))
+    elsewhere, inside = (rundir.read_metrics(d / "metrics.csv") for d in (tmp_path / "eval", run / "eval-0000002"))
     assert list(elsewhere) == ["eval_return"] and elsewhere["eval_return"][0][::2] == inside["eval_return"][0][::2]
     other = tmp_path / "other"
     assert train.main(["--out", str(other), *quick]) == 0
@@ -290,8 +314,8 @@ def test_runs_started_in_the_same_second_without_out_each_get_a_directory(capsys
     """The default runs/<task>-<algo>-<time> was shared by a sweep's runs started in one second: the
     second appended to the first's metrics, or was refused once the first had logged a step."""
     monkeypatch.chdir(tmp_path)
-    real = utils.time.strftime  # the time module's own: logging's timestamps (vLLM's, say) still need it
-    monkeypatch.setattr(utils.time, "strftime", lambda fmt, *t: "20261202-000000" if fmt == "%Y%m%d-%H%M%S"
+    real = rundir.time.strftime  # the time module's own: logging's timestamps (vLLM's, say) still need it
+    monkeypatch.setattr(rundir.time, "strftime", lambda fmt, *t: "20261202-000000" if fmt == "%Y%m%d-%H%M%S"
                         else real(fmt, *t))  # one second for all runs
     quick = ["--steps", "1", "--batch", "4", "--eval-episodes", "1", "--no-progress"]
     for seed in "12":
@@ -420,7 +444,7 @@ def test_resume_of_a_run_none_of_whose_checkpoints_loads_warns_and_starts_over_a
     out, quick = tmp_path / "run", ["--steps", "2", "--batch", "4", "--eval-episodes", "1", "--no-progress"]
     assert train.main(["--out", str(out), "--ckpt-every", "1", "--target", "0", *quick]) == 0
     first = (out / "ckpt-0000002" / "weights.safetensors").read_bytes()
-    for ckpt in utils.checkpoints(out):
+    for ckpt in rundir.checkpoints(out):
         (ckpt / "weights.safetensors").write_bytes(b"")  # what a full disk leaves
     capsys.readouterr()
     assert train.main(["--resume", str(out), "--no-progress"]) == 0
@@ -429,7 +453,7 @@ def test_resume_of_a_run_none_of_whose_checkpoints_loads_warns_and_starts_over_a
                                                     f"skipping {out / 'ckpt-0000001'}", f"--resume {out}"]
     assert err[-1] == f"--resume {out}: no checkpoint loads; the run starts over"
     assert (out / "ckpt-0000002" / "weights.safetensors").read_bytes() == first  # step 0's seed: the same run
-    steps = [s for s, _, _ in utils.read_metrics(out / "metrics.csv")["loss"]]
+    steps = [s for s, _, _ in rundir.read_metrics(out / "metrics.csv")["loss"]]
     assert steps == [1, 2]  # the first attempt's rows were dropped, not logged twice
 
 
@@ -447,7 +471,7 @@ def test_resume_of_a_run_that_ran_all_its_steps_says_nothing_trains_and_how_to_g
     assert train.main(["--resume", str(out), "--eval-only", "--no-progress"]) == 0  # an eval is what it asks
     assert train.main(["--resume", str(out), "--steps", "3", "--no-progress"]) == 0
     assert "warning" not in capsys.readouterr().err
-    assert [s for s, _, _ in utils.read_metrics(out / "metrics.csv")["loss"]] == [1, 2, 3]
+    assert [s for s, _, _ in rundir.read_metrics(out / "metrics.csv")["loss"]] == [1, 2, 3]
     assert b"\r" not in (out / "metrics.csv").read_bytes()  # csv's "\r\n" rows beside the "\n" a resume kept
 
 

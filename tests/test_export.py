@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import rundir
 import train
 import utils
 from model import LLMPolicy
@@ -32,7 +33,7 @@ def trained(tmp_path, tiny, *argv):
                                            "--out", str(tmp_path / "run"), *argv])
     out = train.train(cfg)
     policy = LLMPolicy(cfg)
-    utils.load_checkpoint(utils.checkpoints(out)[-1], policy, torch.optim.Adam(policy.trained.values()))
+    rundir.load_checkpoint(rundir.checkpoints(out)[-1], policy, torch.optim.Adam(policy.trained.values()))
     ids = policy.encode_prompt("3+4=") + policy.tokenizer.encode("7", add_special_tokens=False)
     return out, policy, torch.tensor([ids])
 
@@ -51,12 +52,12 @@ def test_lora_export_is_a_peft_adapter_and_merges_into_a_full_model_with_the_tra
     peft = PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
     torch.testing.assert_close(logits(peft, ids), expected, atol=1e-5, rtol=0)
     # Later, from the run alone: evaluate its checkpoint and export the adapter merged into the weights.
-    ckpt = str(utils.checkpoints(out)[-1])  # a checkpoint, not only a run directory
+    ckpt = str(rundir.checkpoints(out)[-1])  # a checkpoint, not only a run directory
     assert train.main(["--resume", ckpt, "--eval-only", "--export", str(tmp_path / "merged"), "--export-merged"]) == 0
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     torch.testing.assert_close(logits(merged, ids), expected, atol=1e-4, rtol=0)
     assert AutoTokenizer.from_pretrained(tmp_path / "merged").encode("3+4=") == policy.tokenizer.encode("3+4=")
-    evals = utils.read_metrics(out / "eval-0000001" / "metrics.csv")
+    evals = rundir.read_metrics(out / "eval-0000001" / "metrics.csv")
     assert list(evals) == ["eval_accuracy"] and evals["eval_accuracy"][0][0] == 1  # at the checkpoint's step
 
 
@@ -70,7 +71,7 @@ def test_eval_only_on_a_bare_model_writes_eval_metrics_without_training(tmp_path
     out = tmp_path / "eval"
     assert train.main(["--task", "arith", "--model", tiny, "--eval-only", "--out", str(out), "--eval-size", "3",
                        "--max-new-tokens", "2", "--no-progress"]) == 0
-    assert list(utils.read_metrics(out / "metrics.csv")) == ["eval_accuracy"] and not list(out.glob("ckpt-*"))
+    assert list(rundir.read_metrics(out / "metrics.csv")) == ["eval_accuracy"] and not list(out.glob("ckpt-*"))
 
 
 VLLM_PROMPT_LOGPROBS = """
@@ -106,3 +107,36 @@ def test_vllm_serves_the_exported_adapter_with_the_trainers_logprobs(tmp_path, t
     expected = torch.log_softmax(logits(policy.model, ids)[0, :-1], -1).gather(1, ids[0, 1:, None])[:, 0]
     torch.testing.assert_close(adapted, expected, atol=1e-3, rtol=0)
     assert (base - expected).abs().max() > 0.05  # without the adapter vLLM's numbers are another model's
+
+
+def test_a_stopped_run_leaves_its_export_to_the_resume_and_a_written_export_never_blocks_one(tmp_path, tiny,
+                                                                                              monkeypatch):
+    """A SIGTERM'd run exported its half-trained model as if final and exited 0. And config.yaml keeps
+    --export, so every --resume of a run that had exported (finished, or stopped so) was refused: "that
+    directory is not empty". Now a stop exports nothing (exit 130); a resume inherits the export until written."""
+    import os
+    import signal
+
+    from rollouts import TaskRollouts
+
+    run, export, real = tmp_path / "run", tmp_path / "model", TaskRollouts.next
+    argv = ["--task", "arith", "--model", tiny, "--steps", "3", "--batch", "4", "--group-size", "2", "--eval-size",
+            "2", "--max-new-tokens", "2", "--no-progress", "--out", str(run), "--export", str(export)]
+
+    def sigterm_in_step_2(self, step):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, step)
+
+    monkeypatch.setattr(TaskRollouts, "next", sigterm_in_step_2)
+    assert train.main(argv) == 130 and not export.exists()
+    monkeypatch.setattr(TaskRollouts, "next", real)
+    assert [c.name for c in rundir.checkpoints(run)] == ["ckpt-0000001", "ckpt-0000002"]
+    assert train.main(["--resume", str(run), "--no-progress"]) == 0  # the run's own end: it exports
+    written = {p.name: p.stat().st_mtime_ns for p in export.iterdir()}
+    assert "adapter_model.safetensors" in written  # LoRA (a pretrained --model's default)
+    assert train.main(["--resume", str(run), "--steps", "4", "--no-progress"]) == 0  # the export is not redone
+    assert {p.name: p.stat().st_mtime_ns for p in export.iterdir()} == written
+    assert rundir.checkpoints(run)[-1].name == "ckpt-0000004"
+    refused = train.main(["--resume", str(run), "--steps", "5", "--export", str(export), "--no-progress"])
+    assert refused == 2 and rundir.checkpoints(run)[-1].name == "ckpt-0000004"  # named again: still refused

@@ -3,6 +3,8 @@ batch the training loop cannot use gets a 4xx and is counted, and whatever was a
 import dataclasses
 import json
 import math
+import socket
+import subprocess
 import threading
 import time
 
@@ -423,3 +425,121 @@ def test_hello_waits_for_the_checkpoint_then_issues_ids_from_it_and_410_after_th
     finally:
         box.close()
     assert hello() == (410, {"finished": True}) and box.next_worker == 67
+
+
+@pytest.mark.parametrize("host, cause, fix", [
+    ("127.0.0.1", "Address already in use", "pick another port, or stop the process that holds it"),
+    ("192.0.2.1", "Cannot assign requested address", "give this machine's host name or address (0.0.0.0: all of them)"),
+])
+def test_a_trainer_that_cannot_listen_at_its_url_stops_in_one_line_naming_it_and_the_fix(capsys, monkeypatch, tmp_path,
+                                                                                        host, cause, fix):
+    """A port another process holds, or an address of another machine (192.0.2.1: documentation's, no
+    one's), was a 20-line OSError traceback out of the server's bind."""
+    monkeypatch.setenv("NANORL_TOKEN", "inbox-test-token-0123456789")  # 192.0.2.1 is not loopback
+    monkeypatch.setattr(train, "build", lambda cfg: serve.Inbox(cfg, VOCAB, 0, MAX_LEN))  # no model: the bind
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        url = f"http://{host}:{held.getsockname()[1]}"
+        argv = ["--task", "arith", "--no-progress", "--role", "trainer", "--steps", "1", "--out", str(tmp_path / "r"),
+                "--trainer-url", url]
+        assert one_line_error(capsys, argv) == f"error: --trainer-url {url}: cannot listen there ({cause}); {fix}"
+
+
+def test_a_trainer_on_every_interface_tells_workers_its_host_name_not_0_0_0_0(capsys, monkeypatch):
+    monkeypatch.setenv("NANORL_TOKEN", "inbox-test-token-0123456789")
+    cfg = utils.load_config(train.Config, ["--task", "arith", "--role", "trainer", "--trainer-url", "http://0.0.0.0:0"])
+    box = serve.Inbox(cfg, VOCAB, 0, MAX_LEN)
+    try:
+        port = box.server.server_address[1]
+        assert capsys.readouterr().err == (f"trainer listening on http://0.0.0.0:{port}; start workers with --role "
+                                           f"rollout --trainer-url http://{socket.gethostname()}:{port} and the same "
+                                           "NANORL_TOKEN\n")
+    finally:
+        box.close()
+
+
+def test_a_batch_ahead_of_a_trainer_that_has_published_nothing_gets_409_saying_so():
+    """A worker that outlived its trainer may post before the resumed one publishes ("outside 0..-1")."""
+    cfg = utils.load_config(train.Config, ["--task", "arith", "--batch", "8", "--group-size", str(K), "--role", "trainer"])
+    box = serve.Inbox(cfg, VOCAB, 0, MAX_LEN)
+    try:
+        box.restore(0)
+        assert post(box, forge()) == (409, {"error": "versions 0..0, but this trainer has published none yet"})
+    finally:
+        box.close()
+
+
+@pytest.mark.parametrize("field, theirs, told", [
+    ("batch", 32, "batch (trainer 8, worker 32)"),
+    ("dynamic_sampling", True, "dynamic_sampling (trainer False, worker True)"),
+    ("max_gen_batches", 2, "max_gen_batches (trainer 3, worker 2)"),
+    ("prompt_reweight", 0.5, "prompt_reweight (trainer 0.0, worker 0.5)"),
+    ("judge_down", "drop", "judge_down (trainer 'fail', worker 'drop')"),
+    ("sandbox", "weak", "sandbox (trainer 'strict', worker 'weak')"),
+])
+def test_a_worker_whose_own_source_would_send_other_batches_is_refused_at_hello_naming_the_option(inbox, field, theirs,
+                                                                                                 told):
+    """Another --batch was welcomed, then had every batch refused (400) until the worker stopped naming the
+    wrong fix (code, model files, token); other rollout options (--dynamic-sampling, ...) were silently the
+    worker's own, whatever the trainer's config.yaml said."""
+    theirs = serve.fingerprint(dataclasses.replace(inbox.cfg, **{field: theirs}))
+    assert inbox.hello(Request("/hello", {}, json.dumps({"fingerprint": theirs}).encode())) == (
+        409, {"error": f"worker and trainer disagree on {told}: start the worker with the trainer's config"})
+    assert inbox.next_worker == 0
+
+
+def test_a_worker_with_another_batch_stops_at_hello_in_one_line_naming_it(capsys, monkeypatch, parsed):
+    monkeypatch.setenv("NANORL_TOKEN", parsed.server.token)
+    monkeypatch.setattr(serve, "LLMPolicy", lambda cfg: pytest.fail("the worker was admitted"))  # (not a hang)
+    argv = ["--task", "arith", "--role", "rollout", "--trainer-url", parsed.server.url, "--batch", "32"]
+    assert one_line_error(capsys, argv) == (
+        "error: the trainer refused this worker (409): worker and trainer disagree on batch (trainer 64, "
+        "worker 32): start the worker with the trainer's config")
+
+
+@pytest.mark.parametrize("token, alive", [(None, 0), ("inbox-test-token-0123456789", 0), (None, 1)])
+def test_a_step_waiting_on_dead_workers_says_each_once_and_stops_when_no_other_can_join(monkeypatch, capsys, token,
+                                                                                       alive):
+    """A trainer whose --workers had all died (kill -9) waited for ever, "0 live workers" once a minute.
+    Without NANORL_TOKEN no other worker can join: it stops. With one, or a worker left, it waits on."""
+    monkeypatch.setattr(serve, "WAITING", 0.05)
+    monkeypatch.delenv("NANORL_TOKEN", raising=False)
+    if token:
+        monkeypatch.setenv("NANORL_TOKEN", token)
+    box = serve.Inbox(utils.load_config(train.Config, ["--task", "arith", "--batch", "8", "--group-size", str(K),
+                                                      "--role", "trainer"]), VOCAB, 0, MAX_LEN)
+    procs = [subprocess.Popen(["sh", "-c", "kill -9 $$"]), subprocess.Popen(["sh", "-c", "exit 3"])]
+    for p in procs:
+        p.wait()
+    procs += [subprocess.Popen(["sleep", "60"]) for _ in range(alive)]
+    said = [f"worker process {procs[0].pid} exited with code -9", f"worker process {procs[1].pid} exited with code 3"]
+    try:
+        box.restore(0)
+        box.serve(0, bytearray(b"v0"), 0.0)
+        capsys.readouterr()  # the trainer's url
+        if not token and not alive:
+            with pytest.raises(utils.ConfigError) as stopped:
+                box.take(0, {0}, procs)
+            assert str(stopped.value) == ("all 2 --workers processes exited and, without NANORL_TOKEN, no other "
+                                          "worker can join; see their output above, then --resume the run")
+            assert capsys.readouterr().err.splitlines() == said
+            return
+        got = []
+        taking = threading.Thread(target=lambda: got.append(box.take(0, {0}, procs)), daemon=True)
+        taking.start()
+        err = ""
+        while err.count("waiting for batches") < 3 and taking.is_alive():  # waits that look at the workers again
+            err += capsys.readouterr().err
+            time.sleep(0.01)
+        assert post(box, forge(groups=2))[0] == 200
+        taking.join(10)
+        lines = (err + capsys.readouterr().err).splitlines()
+        assert lines[:2] == said and set(lines[2:]) == {"step 0: waiting for batches (0 live workers)"}
+        assert got[0][0]["tokens"].shape == (8, 12)
+    finally:
+        box.close()
+        for p in procs[2:]:
+            p.kill()
+            p.wait()
+

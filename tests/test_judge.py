@@ -35,6 +35,14 @@ def test_parse_score_refuses_garbage_and_out_of_range_scores(reply):
     assert parse_score(reply, 10) is None
 
 
+def test_parse_score_reads_spaced_replies_and_refuses_a_long_run_of_spaces_at_once():
+    """Two \\s* met around an optional part in both patterns: 16,000 spaces took 0.6 s, 200,000 minutes."""
+    assert parse_score("Score  **  :  7  /  10", 10) == 0.7 and parse_score("  7  /  10  .  ", 10) == 0.7
+    assert parse_score("score is\n\n 4", 10) == 0.4 and parse_score("5 .", 10) == 0.5
+    for reply in ("score" + " " * 200_000 + "x", "7" + " " * 200_000 + "?", "Score **" + " " * 200_000):
+        assert parse_score(reply, 10) is None
+
+
 def test_parse_score_other_scales():
     assert parse_score("Score: 4", 5) == 0.8
     assert parse_score("4/5", 5) == 0.8
@@ -336,26 +344,27 @@ def dies_at_call(server, n, judge):
 @pytest.mark.usefixtures("one_thread")
 def test_judge_down_mid_run_with_fail_stops_with_one_line_and_keeps_checkpoints(server, tmp_path, tiny, monkeypatch,
                                                                                  capfd):
+    import rundir
     import utils
     reward = dies_at_call(server, 4 + 2 * 8 + 1, Judge("r", server.url, "m", retries=1, backoff=0.01))
     assert judged_run(monkeypatch, tmp_path, tiny, reward) == 1  # the default: --judge-down fail
     err = capfd.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: judge http://127.0.0.1") and "refused" in err[-1] and "--judge-down drop" in err[-1]
     assert "Traceback" not in "\n".join(err)
-    ckpt = utils.checkpoints(tmp_path / "run")[-1]
+    ckpt = rundir.checkpoints(tmp_path / "run")[-1]
     assert ckpt.name == "ckpt-0000002"  # steps 1-2 were saved; step 3 never happened
     import train
     policy, opt, _ = train.build(utils.load_config(train.Config, ["--task", "arith", "--model", tiny]))
-    assert utils.load_checkpoint(ckpt, policy, opt)["step"] == 2
+    assert rundir.load_checkpoint(ckpt, policy, opt)["step"] == 2
 
 
 @pytest.mark.usefixtures("one_thread")
 def test_judge_down_mid_run_with_drop_runs_on_and_counts(server, tmp_path, tiny, monkeypatch, capfd):
-    import utils
+    import rundir
     reward = dies_at_call(server, 4 + 2 * 8 + 1, Judge("r", server.url, "m", retries=1, backoff=0.01))
     with pytest.warns(UserWarning, match=r"a sample is dropped: judge http://127.0.0.1.*refused"):
         assert judged_run(monkeypatch, tmp_path, tiny, reward, "--judge-down", "drop") == 0
-    m = utils.read_metrics(tmp_path / "run" / "metrics.csv")
+    m = rundir.read_metrics(tmp_path / "run" / "metrics.csv")
     assert [(s, v) for s, _, v in m["judge_dropped_frac"]] == [(1, 0), (2, 0), (3, 1), (4, 1)]
     assert [v for _, _, v in m["skipped"]] == [0, 0, 1, 1]  # nothing left to train on: no optimizer step
     judged = [v for _, _, v in m["reward_judge"]]  # the fake judge's "Score: 6"; NaN: no score
@@ -444,6 +453,6 @@ def test_the_readme_judged_task_trains_on_rows_without_answers_and_its_prompts_a
              for _, body, _ in server.requests}
     assert len(asked) == 2 and asked <= {f"Write a haiku about {t}." for t in topics}  # the eval's, the step's
     assert not any("Solve step by step" in body["messages"][-1]["content"] for _, body, _ in server.requests)
-    import utils
-    metrics = utils.read_metrics(tmp_path / "b" / "metrics.csv")
+    import rundir
+    metrics = rundir.read_metrics(tmp_path / "b" / "metrics.csv")
     assert metrics["reward"][0][2] == 0.6 and metrics["eval_accuracy"][-1][2] == 0.0  # 6/10, never full marks

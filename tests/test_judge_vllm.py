@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import rundir
 import tasks
 import train
 import utils
@@ -145,7 +146,7 @@ def test_logged_judge_reward_is_the_mean_of_the_judges_scores(judge_url, tiny, t
     reward = Recorder(judge(judge_url))
     judged_task(monkeypatch, reward)
     out = train.train(config(tiny, tmp_path, "--steps", "2"))
-    m = utils.read_metrics(out / "metrics.csv")
+    m = rundir.read_metrics(out / "metrics.csv")
     assert len(reward.scores) == E + 2 * B + E  # eval at step 0, two steps, the final eval
     for step in range(2):
         scores = reward.scores[E + step * B : E + (step + 1) * B]
@@ -164,7 +165,7 @@ def test_judge_killed_mid_run_with_drop_masks_out_and_counts_the_rest(judge_url,
     judged_task(monkeypatch, reward)
     with pytest.warns(UserWarning, match=r"a sample is dropped: judge http://127.0.0.1.*refused"):
         out = train.train(config(tiny, tmp_path, "--steps", "3", "--judge-down", "drop", "--ckpt-every", "1"))
-    m = utils.read_metrics(out / "metrics.csv")
+    m = rundir.read_metrics(out / "metrics.csv")
     assert [v for _, _, v in m["skipped"]] == [0, 1, 1]  # no token left to train on: no optimizer step
     assert [(s, v) for s, _, v in m["judge_dropped_frac"]] == [(1, 0), (2, 1), (3, 1)]
     assert [math.isnan(v) for _, _, v in m["reward_judge"]] == [False, True, True]  # NaN: no score

@@ -9,6 +9,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+import rundir
 import tasks
 import train
 import utils
@@ -44,7 +45,7 @@ def run(tmp_path, tiny, *argv):
 
 
 def adapter(out):
-    return load_file(str(utils.checkpoints(out)[-1] / "weights.safetensors"))
+    return load_file(str(rundir.checkpoints(out)[-1] / "weights.safetensors"))
 
 
 def test_tiny_grpo_run_changes_only_the_adapter(tmp_path, tiny):
@@ -55,7 +56,7 @@ def test_tiny_grpo_run_changes_only_the_adapter(tmp_path, tiny):
     trained = adapter(out)
     assert set(trained) == set(init) and all("lora_" in k for k in trained)
     assert any(not torch.equal(trained[k], init[k]) for k in trained)
-    metrics = utils.read_metrics(out / "metrics.csv")
+    metrics = rundir.read_metrics(out / "metrics.csv")
     assert [s for s, _, _ in metrics["loss"]] == [1, 2, 3]
     assert [s for s, _, _ in metrics["eval_accuracy"]][0] == 0  # the RL curve starts at step 0
     assert all(v == pytest.approx(1.0, abs=1e-5) for _, _, v in metrics["ratio"])  # on-policy, one epoch
@@ -65,7 +66,7 @@ def test_warm_start_logs_before_and_after_and_rl_starts_at_step_zero(tmp_path, t
     out = run(tmp_path, tiny, "--task", "arith", "--algo", "rloo", "--steps", "1", "--max-new-tokens", "4",
               "--sft-steps", "3", "--no-lora", "--lr", "1e-4", "--progress")
     assert "warm-start: 100%" in (err := capsys.readouterr().err) and "| 3/3 [" in err  # its own progress bar
-    metrics = utils.read_metrics(out / "metrics.csv")
+    metrics = rundir.read_metrics(out / "metrics.csv")
     assert [s for s, _, _ in metrics["sft_loss"]] == [-2, -1, 0]
     assert [s for s, _, _ in metrics["eval_accuracy_before_sft"]] == [-3]
     assert metrics["sft_loss"][-1][2] < metrics["sft_loss"][0][2]  # supervised steps on solver demos reduce the loss
@@ -74,7 +75,7 @@ def test_warm_start_logs_before_and_after_and_rl_starts_at_step_zero(tmp_path, t
 def test_kl_to_the_adapter_free_reference_is_logged_and_starts_at_zero(tmp_path, tiny):
     out = run(tmp_path, tiny, "--task", "digits", "--algo", "grpo", "--steps", "2", "--max-new-tokens", "4", "--kl-coef", "0.1",
               "--lr", "1e-2")
-    kl = utils.read_metrics(out / "metrics.csv")["kl"]
+    kl = rundir.read_metrics(out / "metrics.csv")["kl"]
     assert kl[0][2] == pytest.approx(0.0, abs=1e-6)  # LoRA B starts at 0: policy == reference
     assert kl[1][2] > 0
 
@@ -89,7 +90,7 @@ def test_debug_samples_print_prompt_completion_and_reward_breakdown(tmp_path, ti
 def test_multiturn_grpo_run_completes_with_the_tiny_model(tmp_path, tiny):
     out = run(tmp_path, tiny, "--task", "countdown_multiturn", "--algo", "grpo", "--steps", "1", "--max-new-tokens", "6",
               "--max-turns", "2", "--max-len", "400", "--eval-size", "2")
-    metrics = utils.read_metrics(out / "metrics.csv")
+    metrics = rundir.read_metrics(out / "metrics.csv")
     assert 1 <= metrics["turns"][0][2] <= 2
     assert {"eval_accuracy", "eval_accuracy_first_turn"} <= set(metrics)
 
@@ -180,7 +181,7 @@ def test_eval_sampling_never_changes_the_training_run(tmp_path, tiny):
     common = ["--task", "digits", "--algo", "grpo", "--steps", "3", "--max-new-tokens", "4", "--lr", "1e-2"]
     sampled = run(tmp_path / "a", tiny, *common, "--eval-every", "1", "--pass-k", "2")
     greedy = run(tmp_path / "b", tiny, *common, "--eval-every", "3")
-    a, b = (utils.read_metrics(out / "metrics.csv") for out in (sampled, greedy))
+    a, b = (rundir.read_metrics(out / "metrics.csv") for out in (sampled, greedy))
     assert [s for s, _, _ in a["eval_pass@2"]] == [0, 1, 2, 3] and "eval_pass@2" not in b
     assert [v for _, _, v in a["reward"]] == [v for _, _, v in b["reward"]]
     assert [v for _, _, v in a["loss"]] == [v for _, _, v in b["loss"]]

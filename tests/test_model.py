@@ -15,6 +15,7 @@ import torch
 
 import modeldir
 import rollouts
+import rundir
 import train
 import utils
 from algos import loss_weights, policy_loss
@@ -556,9 +557,9 @@ def test_checkpoint_round_trip_restores_exactly_the_trained_tensors(tiny, tmp_pa
     pol = policy(tiny)
     randomise_adapter(pol)
     opt = torch.optim.Adam([p for p in pol.parameters() if p.requires_grad])
-    ckpt = utils.save_checkpoint(tmp_path, 3, pol, opt, {"wall_s": 0.0, "source": {}}, keep=1)
+    ckpt = rundir.save_checkpoint(tmp_path, 3, pol, opt, {"wall_s": 0.0, "source": {}}, keep=1)
     fresh = policy(tiny)
-    utils.load_checkpoint(ckpt, fresh, torch.optim.Adam([p for p in fresh.parameters() if p.requires_grad]))
+    rundir.load_checkpoint(ckpt, fresh, torch.optim.Adam([p for p in fresh.parameters() if p.requires_grad]))
     a, b = pol.trainable_state(), fresh.trainable_state()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ValueError, match="does not match this policy"):

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+import rundir
 import serve
 import train
 import utils
@@ -129,10 +130,12 @@ def test_a_teacher_that_cannot_load_is_named_by_its_own_flag(models, tmp_path):
 
 
 # ---------------------------------------------------------------- async: the trainer's teacher scores
-def test_async_opd_advantage_is_teacher_minus_each_rows_sampling_version_for_rows_from_the_wire(models):
+def test_async_opd_advantage_is_teacher_minus_each_rows_sampling_version_for_rows_from_the_wire(models,
+                                                                                                 monkeypatch):
     """Rows of two versions POSTed over real HTTP: the advantage is the teacher's log-prob minus the
     log-prob under the very version that sampled the row (a snapshot, not the live weights)."""
     student, teacher = models
+    monkeypatch.setenv("NANORL_TOKEN", "opd-test-token-0123456789")  # this test posts as a worker would
     cfg, policy, _, src, t = setup(student, teacher, "--role", "trainer", "--max-staleness", "2")
     assert isinstance(src, serve.AsyncRollouts)
     client = Client(src.inbox.server.url, src.inbox.server.token)
@@ -175,10 +178,10 @@ def test_async_opd_run_with_the_student_as_teacher_trains_nothing(models, tmp_pa
             "--role", "trainer", "--workers", "1", "--max-staleness", "2"]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    m = utils.read_metrics(run / "metrics.csv")
+    m = rundir.read_metrics(run / "metrics.csv")
     assert [s for s, _, _ in m["loss"]] == [1, 2, 3] and m["groups_received"][-1][2] >= 6  # from the worker
     for key in ("opd_reverse_kl", "adv_mean", "adv_std", "grad_norm"):
         assert [v for _, _, v in m[key]] == [0.0] * 3, key
-    weights = load_file(str(utils.checkpoints(run)[-1] / "weights.safetensors"))
+    weights = load_file(str(rundir.checkpoints(run)[-1] / "weights.safetensors"))
     b = [w for n, w in weights.items() if "lora_B" in n]
     assert b and all(torch.equal(w, torch.zeros_like(w)) for w in b)

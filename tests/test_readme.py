@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+import rundir
 import tasks
 import train
 import utils
@@ -47,7 +48,7 @@ def test_a_new_task_scores_hand_worked_examples_and_trains(registry, tmp_path):
         "--task", "reverse", "--algo", "grpo", "--model", "tiny", "--batch", "8", "--group-size", "4",
         "--max-new-tokens", "6", "--eval-size", "4", "--steps", "2", "--sft-steps", "1", "--no-progress",
         "--out", str(tmp_path / "run")]))
-    metrics = utils.read_metrics(out / "metrics.csv")
+    metrics = rundir.read_metrics(out / "metrics.csv")
     assert [s for s, _, _ in metrics["loss"]] == [1, 2] and "reward_reversed_exactly" in metrics
     assert [s for s, _, _ in metrics["eval_accuracy"]] == [0, 2]
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import report
+import rundir
 import train
 import utils
 from modeldir import build_tiny_model
@@ -58,7 +59,7 @@ def shown(page) -> list[list[str]]:
 
 
 def test_every_metric_is_a_curve_in_its_panel(run, page):
-    keys = set(utils.read_metrics(run / "metrics.csv"))
+    keys = set(rundir.read_metrics(run / "metrics.csv"))
     drawn = page.locator(".chart polyline").evaluate_all("ls => ls.map(l => l.closest('.chart').dataset.key)")
     assert set(drawn) == keys and not page.errors
     points = page.locator('.chart[data-key="eval_accuracy"] polyline').get_attribute("points").split()
@@ -110,7 +111,7 @@ def test_a_sample_that_reads_as_html_is_shown_as_text_and_the_page_still_draws(r
     page.fill("#f-from", "5")
     assert shown(page) == [["5", "train", text, text, "", "", "1", "", "", ""]] and not page.errors
     drawn = page.locator(".chart polyline").count()
-    assert drawn == len(utils.read_metrics(run / "metrics.csv")) and page.title() != "pwned"
+    assert drawn == len(rundir.read_metrics(run / "metrics.csv")) and page.title() != "pwned"
 
 
 def test_a_long_curve_is_thinned_to_evenly_spaced_steps_and_keeps_its_last():

@@ -22,6 +22,7 @@ import yaml
 from safetensors.torch import load_file
 
 import report
+import rundir
 import train
 import utils
 from model import MLPPolicy
@@ -41,11 +42,11 @@ def run(argv, **kw):
 
 
 def rows(out: Path) -> list[tuple[int, str]]:
-    return [(s, k) for k, pts in utils.read_metrics(out / "metrics.csv").items() for s, _, _ in pts]
+    return [(s, k) for k, pts in rundir.read_metrics(out / "metrics.csv").items() for s, _, _ in pts]
 
 
 def final_weights(out: Path) -> dict:
-    return load_file(str(utils.checkpoints(out)[-1] / "weights.safetensors"))
+    return load_file(str(rundir.checkpoints(out)[-1] / "weights.safetensors"))
 
 
 def test_help_shows_each_fields_comment_default_and_choices_grouped_as_in_config():
@@ -65,9 +66,9 @@ def test_resume_skips_a_checkpoint_without_what_nanorl_writes(tmp_path, capsys):
     policy = MLPPolicy(4, 2)
     opt = torch.optim.Adam(policy.parameters())
     for step in (1, 2):
-        utils.save_checkpoint(tmp_path, step, policy, opt, {"wall_s": 0.0, "source": {"position": step}}, keep=3)
+        rundir.save_checkpoint(tmp_path, step, policy, opt, {"wall_s": 0.0, "source": {"position": step}}, keep=3)
     (tmp_path / "ckpt-0000002" / "meta.json").write_text('{"step": 2}')  # valid JSON of another format
-    assert utils.resume_checkpoint(tmp_path, policy, opt)["source"] == {"position": 1}
+    assert rundir.resume_checkpoint(tmp_path, policy, opt)["source"] == {"position": 1}
     err = capsys.readouterr().err
     assert f"skipping {tmp_path / 'ckpt-0000002'}: KeyError: 'meta.json or state.pt lacks" in err
 
@@ -76,25 +77,25 @@ def test_only_rank_0_writes_a_checkpoint(tmp_path, monkeypatch):
     policy = MLPPolicy(4, 2)
     opt, meta = torch.optim.Adam(policy.parameters()), {"wall_s": 0.0, "source": {}}
     monkeypatch.setattr(utils, "rank", lambda: 1)  # torchrun's rank 1: same weights, and rank 0 writes them
-    assert utils.save_checkpoint(tmp_path, 1, policy, opt, meta, keep=3) is None and not any(tmp_path.iterdir())
+    assert rundir.save_checkpoint(tmp_path, 1, policy, opt, meta, keep=3) is None and not any(tmp_path.iterdir())
     monkeypatch.setattr(utils, "rank", lambda: 0)
-    assert utils.save_checkpoint(tmp_path, 1, policy, opt, meta, keep=3) == tmp_path / "ckpt-0000001"
-    assert utils.checkpoints(tmp_path) == [tmp_path / "ckpt-0000001"]
+    assert rundir.save_checkpoint(tmp_path, 1, policy, opt, meta, keep=3) == tmp_path / "ckpt-0000001"
+    assert rundir.checkpoints(tmp_path) == [tmp_path / "ckpt-0000001"]
 
 
 def test_an_empty_or_foreign_state_file_is_skipped_and_a_stray_copy_is_no_checkpoint(tmp_path, capsys):
     policy = MLPPolicy(4, 2)
     opt = torch.optim.Adam(policy.parameters())
     for step in (1, 2, 3):
-        utils.save_checkpoint(tmp_path, step, policy, opt, {"wall_s": 0.0, "source": {"position": step}}, keep=3)
+        rundir.save_checkpoint(tmp_path, step, policy, opt, {"wall_s": 0.0, "source": {"position": step}}, keep=3)
     (tmp_path / "ckpt-0000003" / "state.pt").write_bytes(b"")  # what a full disk leaves
     (tmp_path / "ckpt-0000002" / "state.pt").write_bytes(bytes(range(256)) * 4)  # not a torch.save
     shutil.copytree(tmp_path / "ckpt-0000001", tmp_path / "ckpt-0000001.bak")  # a user's copy: int() crashed on it
-    assert [p.name for p in utils.checkpoints(tmp_path)] == ["ckpt-0000001", "ckpt-0000002", "ckpt-0000003"]
-    assert utils.resume_checkpoint(tmp_path, policy, opt)["step"] == 1  # both escaped the skip before
+    assert [p.name for p in rundir.checkpoints(tmp_path)] == ["ckpt-0000001", "ckpt-0000002", "ckpt-0000003"]
+    assert rundir.resume_checkpoint(tmp_path, policy, opt)["step"] == 1  # both escaped the skip before
     skipped = [line for line in capsys.readouterr().err.splitlines() if line.startswith("skipping")]
     assert [line.split(": ")[1] for line in skipped] == ["EOFError", "UnpicklingError"]
-    utils.save_checkpoint(tmp_path, 4, policy, opt, {"wall_s": 0.0, "source": {}}, keep=1)  # pruning skips it too
+    rundir.save_checkpoint(tmp_path, 4, policy, opt, {"wall_s": 0.0, "source": {}}, keep=1)  # pruning skips it too
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000001.bak", "ckpt-0000004"]
 
 
@@ -106,7 +107,7 @@ def test_a_checkpoint_write_cut_short_by_a_kill_is_swept_by_the_next_save(tmp_pa
 
     def killed_mid_write():
         torch.save = lambda *args, **kw: time.sleep(600)  # in the forked child only: the weights are written
-        utils.save_checkpoint(tmp_path, 1, policy, opt, meta, keep=3)
+        rundir.save_checkpoint(tmp_path, 1, policy, opt, meta, keep=3)
 
     child = multiprocessing.get_context("fork").Process(target=killed_mid_write)
     child.start()
@@ -115,15 +116,15 @@ def test_a_checkpoint_write_cut_short_by_a_kill_is_swept_by_the_next_save(tmp_pa
         time.sleep(0.05)
     os.kill(child.pid, signal.SIGKILL)
     child.join()
-    assert len(list(tmp_path.glob(".tmp-ckpt-*"))) == 1 and utils.checkpoints(tmp_path) == []
-    utils.save_checkpoint(tmp_path, 1, policy, opt, meta, keep=3)
+    assert len(list(tmp_path.glob(".tmp-ckpt-*"))) == 1 and rundir.checkpoints(tmp_path) == []
+    rundir.save_checkpoint(tmp_path, 1, policy, opt, meta, keep=3)
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt-0000001"]
 
 
 def test_a_named_checkpoint_or_an_eval_only_must_load_instead_of_the_untrained_model_standing_in(tmp_path, capsys):
     out = tmp_path / "run"
     assert train.main(cartpole(out, "--steps", "2", "--ckpt-every", "1", "--target", "0")[2:]) == 0
-    for ckpt in utils.checkpoints(out):
+    for ckpt in rundir.checkpoints(out):
         (ckpt / "meta.json").write_text("{")
     capsys.readouterr()
     for argv in (["--resume", str(out / "ckpt-0000002")], ["--resume", str(out), "--eval-only"]):
@@ -167,7 +168,7 @@ def test_resume_alone_restores_the_runs_config_and_warns_about_a_changed_algorit
 
 def test_cartpole_stops_when_solved_and_ends_with_a_summary(tmp_path):
     done = run(cartpole(tmp_path / "run", "--batch", "16", "--eval-episodes", "10", "--eval-every", "5"))
-    evals = utils.read_metrics(tmp_path / "run" / "metrics.csv")["eval_return"]
+    evals = rundir.read_metrics(tmp_path / "run" / "metrics.csv")["eval_return"]
     assert done.returncode == 0 and evals[-1][2] >= 475 and evals[-1][0] < 200  # solved, long before --steps
     assert f"eval_return: best {evals[-1][2]:.4g} (step {evals[-1][0]})" in done.stdout
     assert "report: " in done.stdout and "ckpt-" in done.stdout
@@ -213,7 +214,7 @@ def test_tensorboard_and_wandb_get_the_numbers_of_metrics_csv(tmp_path, monkeypa
     cfg = utils.load_config(train.Config, cartpole(tmp_path / "run", "--steps", "3", "--log", "tensorboard,wandb",
                                                    "--target", "0")[2:])
     out = train.train(cfg)
-    csv = utils.read_metrics(out / "metrics.csv")
+    csv = rundir.read_metrics(out / "metrics.csv")
     events = EventAccumulator(str(out / "tensorboard")).Reload()
     assert set(events.Tags()["scalars"]) == set(csv)
     for key, points in csv.items():
@@ -249,9 +250,9 @@ def wandb_records(path: Path):
 
 
 def test_samples_rotate_past_their_byte_limit_and_a_resume_trims_both_files(tmp_path, monkeypatch):
-    monkeypatch.setattr(utils.Metrics, "SAMPLES_MAX_BYTES", 100)
+    monkeypatch.setattr(rundir.Metrics, "SAMPLES_MAX_BYTES", 100)
     line = len(json.dumps({"step": 1, "text": "x" * 40}) + "\n")  # 64 bytes: every second step rotates
-    metrics, on_disk = utils.Metrics(tmp_path, train.Config()), []
+    metrics, on_disk = rundir.Metrics(tmp_path, train.Config()), []
     for step in range(1, 8):
         metrics.samples(step, [{"text": "x" * 40}])
         on_disk.append(sum(p.stat().st_size for p in tmp_path.glob("samples*.jsonl")) // line)
@@ -260,7 +261,7 @@ def test_samples_rotate_past_their_byte_limit_and_a_resume_trims_both_files(tmp_
     steps = lambda name: [json.loads(x)["step"] for x in (tmp_path / name).read_text().splitlines()]
     assert (steps("samples.1.jsonl"), steps("samples.jsonl")) == ([5, 6], [7])  # 1-4 rotated away
     assert [r["step"] for r in report.read_samples(tmp_path)] == [5, 6, 7]
-    metrics = utils.Metrics(tmp_path, train.Config(), resumed_at=5)  # a resume from step 5's checkpoint
+    metrics = rundir.Metrics(tmp_path, train.Config(), resumed_at=5)  # a resume from step 5's checkpoint
     metrics.samples(6, [{"text": "again"}])
     metrics.close()
     assert [(r["step"], r["text"][:5]) for r in report.read_samples(tmp_path)] == [(5, "xxxxx"), (6, "again")]
@@ -283,9 +284,10 @@ def test_ctrl_c_in_the_warm_start_finishes_its_step_and_resume_alone_continues_i
         return real(self, n)
 
     monkeypatch.setattr(TaskRollouts, "demonstrations", demonstrations_then_ctrl_c)
-    out = train.train(utils.load_config(train.Config, [*flags, "--out", str(tmp_path / "cut")]))
-    assert [c.name for c in utils.checkpoints(out)] == ["ckpt--000002"]  # after warm-start steps -4..-3 of -4..-1
-    assert [s for s, _, _ in utils.read_metrics(out / "metrics.csv")["sft_loss"]] == [-3, -2]
+    out = tmp_path / "cut"
+    assert train.train(utils.load_config(train.Config, [*flags, "--out", str(out)])) is None  # stopped (exit 130)
+    assert [c.name for c in rundir.checkpoints(out)] == ["ckpt--000002"]  # after warm-start steps -4..-3 of -4..-1
+    assert [s for s, _, _ in rundir.read_metrics(out / "metrics.csv")["sft_loss"]] == [-3, -2]
     monkeypatch.setattr(TaskRollouts, "demonstrations", real)
     assert train.main(["--resume", str(out)]) == 0
     a, b = final_weights(full), final_weights(out)
@@ -314,8 +316,9 @@ def test_a_stop_right_after_the_warm_start_saves_it_at_step_0_with_rls_optimizer
         return real(self, *args)
 
     monkeypatch.setattr(TaskRollouts, name, then_ctrl_c)
-    out = train.train(utils.load_config(train.Config, [*flags, "--out", str(tmp_path / "cut")]))
-    assert [c.name for c in utils.checkpoints(out)] == ["ckpt-0000000"]
+    out = tmp_path / "cut"
+    assert train.train(utils.load_config(train.Config, [*flags, "--out", str(out)])) is None
+    assert [c.name for c in rundir.checkpoints(out)] == ["ckpt-0000000"]
     state = torch.load(out / "ckpt-0000000" / "state.pt", weights_only=True)["optimizer"]
     assert state["state"] == {} and state["param_groups"][0]["lr"] == 0.002  # not the warm-start's moments
     assert "eval_accuracy" not in {k for s, k in rows(out) if s == 0}  # skipped, or abandoned: not logged
@@ -336,7 +339,7 @@ def test_a_warm_start_alone_is_checkpointed_and_rl_resumes_from_it_as_one_run_wo
              "--group-size", "2", "--eval-size", "2", "--max-new-tokens", "2", "--no-progress", "--lr", "0.002"]
     full = train.train(utils.load_config(train.Config, [*flags, "--steps", "1", "--out", str(tmp_path / "full")]))
     out = train.train(utils.load_config(train.Config, [*flags, "--steps", "0", "--out", str(tmp_path / "sft")]))
-    assert [c.name for c in utils.checkpoints(out)] == ["ckpt-0000000"]
+    assert [c.name for c in rundir.checkpoints(out)] == ["ckpt-0000000"]
     assert json.loads((out / "ckpt-0000000" / "meta.json").read_text())["evaluated"] is True
     assert train.main(["--resume", str(out), "--steps", "1"]) == 0
     a, b = final_weights(full), final_weights(out)
@@ -347,20 +350,20 @@ def test_a_warm_start_alone_is_checkpointed_and_rl_resumes_from_it_as_one_run_wo
 def test_a_failed_checkpoint_write_keeps_the_previous_one_and_leaves_no_partial_one(tmp_path, monkeypatch):
     policy = MLPPolicy(4, 2)
     opt, meta = torch.optim.Adam(policy.parameters()), {"wall_s": 0.0, "source": {"position": 1}}
-    utils.save_checkpoint(tmp_path, 1, policy, opt, meta, keep=1)
+    rundir.save_checkpoint(tmp_path, 1, policy, opt, meta, keep=1)
     saved = {p.name: p.read_bytes() for p in (tmp_path / "ckpt-0000001").iterdir()}
 
     def full_disk(tensors, path):
         Path(path).write_bytes(b"\0" * 10)  # the start of the file, then the disk is full
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(utils, "save_file", full_disk)
+    monkeypatch.setattr(rundir, "save_file", full_disk)
     for step in (2, 1):  # a new step (keep=1 would prune step 1 after it), and step 1 written again
         with pytest.raises(OSError, match="No space left on device"):
-            utils.save_checkpoint(tmp_path, step, policy, opt, {**meta, "source": {"position": step}}, keep=1)
+            rundir.save_checkpoint(tmp_path, step, policy, opt, {**meta, "source": {"position": step}}, keep=1)
         assert [p.name for p in tmp_path.iterdir()] == ["ckpt-0000001"]  # no ckpt-0000002, no .tmp-ckpt-*
         assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt-0000001").iterdir()} == saved
-    assert utils.resume_checkpoint(tmp_path, policy, opt)["source"] == {"position": 1}
+    assert rundir.resume_checkpoint(tmp_path, policy, opt)["source"] == {"position": 1}
 
 
 def test_a_second_ctrl_c_stops_mid_step_with_exit_130_and_keeps_what_was_saved(tmp_path, capsys, monkeypatch):
@@ -384,7 +387,7 @@ def test_a_second_ctrl_c_stops_mid_step_with_exit_130_and_keeps_what_was_saved(t
     assert "Traceback" not in err and err.splitlines()[-2:] == [
         "Ctrl-C: finishing this step and checkpointing; Ctrl-C again stops now",
         f"stopped during step 3 (not saved); checkpoints so far: --resume {out}"]
-    assert [p.name for p in utils.checkpoints(out)] == ["ckpt-0000001", "ckpt-0000002"]
+    assert [p.name for p in rundir.checkpoints(out)] == ["ckpt-0000001", "ckpt-0000002"]
     assert [s for s, k in rows(out) if k == "loss"] == [1, 2] and signal.getsignal(signal.SIGINT) is handler
     monkeypatch.setattr(ControlRollouts, "next", real)
     assert train.main(["--resume", str(out), "--no-progress"]) == 0
@@ -415,7 +418,7 @@ def test_a_stop_checkpoints_without_waiting_for_the_eval_it_skips_or_abandons(tm
 
     monkeypatch.setattr(ControlRollouts, "next", sigterm_in_step_2)
     monkeypatch.setattr(ControlRollouts, "evaluate", sigterm_in_eval_2)
-    assert train.main(cartpole(out, "--steps", "4", "--ckpt-every", "3", "--target", "0")[2:]) == 0
+    assert train.main(cartpole(out, "--steps", "4", "--ckpt-every", "3", "--target", "0")[2:]) == 130  # stopped
     abandoned = ["the eval at step 2 is abandoned (not logged)"] if during == "eval" else []
     assert capsys.readouterr().err.splitlines() == [
         "SIGTERM: finishing this step and checkpointing; SIGTERM again stops now", *abandoned,
@@ -423,7 +426,7 @@ def test_a_stop_checkpoints_without_waiting_for_the_eval_it_skips_or_abandons(tm
     assert evals == ([0, 1] if during == "eval" else [0]) and signal.getsignal(signal.SIGTERM) is handler
     # a stop in step 2's rollout first saves step 1, the last finished (a SIGKILL would lose only step 2)
     saved = ["ckpt-0000001", "ckpt-0000002"] if during == "step" else ["ckpt-0000002"]
-    assert [p.name for p in utils.checkpoints(out)] == saved
+    assert [p.name for p in rundir.checkpoints(out)] == saved
     assert [s for s, k in rows(out) if k in ("loss", "eval_return")] == [0, 1, 2]  # no eval at step 2
     monkeypatch.setattr(ControlRollouts, "next", real_next)
     monkeypatch.setattr(ControlRollouts, "evaluate", real_eval)
@@ -525,7 +528,7 @@ def test_a_run_directory_takes_one_run_at_a_time_and_a_killed_runs_hold_dies_wit
     live = in_child(cartpole(out, "--steps", "100000", "--ckpt-every", "1", "--target", "0")[2:])
     try:
         deadline = time.time() + 120
-        while len(utils.checkpoints(out)) < 2 and time.time() < deadline:
+        while len(rundir.checkpoints(out)) < 2 and time.time() < deadline:
             time.sleep(0.1)
         assert train.main(["--resume", str(out), "--no-progress"]) == 2
         assert capsys.readouterr().err.splitlines()[-1] == (
@@ -533,7 +536,74 @@ def test_a_run_directory_takes_one_run_at_a_time_and_a_killed_runs_hold_dies_wit
     finally:
         live.kill()  # SIGKILL
         live.join()
-    last = int(utils.checkpoints(out)[-1].name[5:])
+    last = int(rundir.checkpoints(out)[-1].name[5:])
     assert train.main(["--resume", str(out), "--no-progress", "--steps", str(last + 2)]) == 0
     logged = [s for s, k in rows(out) if k == "loss"]
     assert logged == list(range(1, last + 3))  # each step once, in order
+
+
+def test_resuming_an_earlier_checkpoint_sets_the_later_ones_aside_with_the_logs_and_retraces_them(tmp_path, capsys):
+    """--resume RUN/ckpt-2 of a run at step 6 (to go on differently, say): rotation by step then deleted the
+    checkpoint resumed from and kept the abandoned run's ckpt-6, which the summary named and a later --resume
+    loaded, mixing two histories; the abandoned steps' log lines were dropped. Now they move aside, whole."""
+    out = tmp_path / "run"
+    assert run(cartpole(out, "--steps", "6", "--ckpt-every", "2", "--target", "0")).returncode == 0
+    before = (out / "metrics.csv").read_text()
+    assert train.main(["--resume", str(out / "ckpt-0000002"), "--steps", "5", "--no-progress"]) == 0
+    aside, = out.glob("replaced-*")
+    assert f"moved the checkpoints after step 2 to {aside}, with a copy of the logs" in capsys.readouterr().err
+    assert [p.name for p in rundir.checkpoints(out)] == ["ckpt-0000002", "ckpt-0000004", "ckpt-0000005"]
+    assert [p.name for p in rundir.checkpoints(aside)] == ["ckpt-0000004", "ckpt-0000006"]
+    assert (aside / "metrics.csv").read_text() == before and (aside / "config.yaml").exists()
+    assert [s for s, k in rows(out) if k == "loss"] == [1, 2, 3, 4, 5]
+    a, b = (load_file(str(d / "ckpt-0000004" / "weights.safetensors")) for d in (out, aside))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # steps 3-4 again, as the first time: same data, same RNG
+    assert train.main(["--resume", str(out), "--no-progress"]) == 0  # from ckpt-5, not the abandoned ckpt-6
+    assert [s for s, k in rows(out) if k == "loss"] == [1, 2, 3, 4, 5] and len(list(out.glob("replaced-*"))) == 1
+
+
+@pytest.mark.parametrize("damage", ["metrics.csv", "samples.jsonl", "lock"])
+def test_a_damaged_log_line_or_a_run_directory_that_takes_no_writes_stops_a_resume_in_one_line(
+        tmp_path, two_steps, capsys, damage):
+    """A hand-edited line in metrics.csv or samples.jsonl was a ValueError traceback, after config.yaml had
+    been rewritten; a run this user cannot write (another's, a read-only mount) a PermissionError one."""
+    out = shutil.copytree(two_steps, tmp_path / "run")
+    config = (out / "config.yaml").read_text()
+    if damage == "lock":  # what open(".lock", "w") meets: as EACCES or EROFS would, even for root
+        (out / ".lock").unlink(missing_ok=True)
+        (out / ".lock").mkdir()
+    else:
+        with open(out / damage, "a") as f:
+            f.write("\n" if damage == "metrics.csv" else "{not json\n")
+    n = (out / damage).read_text().count("\n") if damage != "lock" else 0
+    assert train.main(["--resume", str(out), "--steps", "3", "--no-progress"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    if damage == "lock":
+        assert err == (f"error: {out}: cannot write the run there (Is a directory); pick another --out (to "
+                       "resume: copy the run to a place you can write)")
+    else:
+        line = "'\\n'" if damage == "metrics.csv" else "'{not json\\n'"
+        assert err == f"error: {out / damage}:{n}: cannot read the line {line}; fix or delete it"
+    assert (out / "config.yaml").read_text() == config and len(rundir.checkpoints(out)) == 2
+
+
+def test_a_resume_whose_data_file_changed_warns_that_the_eval_problems_are_not_the_runs(tmp_path, capsys):
+    """The split is reshuffled from the rows at each start: appending one row to --data and resuming swapped
+    eval problems for former training ones, silently. The checkpoint now holds a digest of the eval keys."""
+    from modeldir import build_tiny_model
+
+    data, out = tmp_path / "add.jsonl", tmp_path / "run"
+    lines = [json.dumps({"question": f"What is {i} plus {i + 1}?", "answer": f"#### {2 * i + 1}"}) for i in range(40)]
+    data.write_text("\n".join(lines) + "\n")
+    tiny = build_tiny_model(str(tmp_path / "tiny"), layers=2, hidden=128, heads=2, intermediate=256)
+    flags = ["--task", "gsm8k", "--data", str(data), "--model", tiny, "--batch", "4", "--group-size", "2",
+             "--eval-size", "8", "--max-new-tokens", "2", "--no-progress", "--out", str(out)]
+    assert train.main([*flags, "--steps", "1"]) == 0
+    assert train.main(["--resume", str(out), "--steps", "2"]) == 0  # the same rows: no warning
+    assert "warning" not in capsys.readouterr().err
+    with open(data, "a") as f:
+        f.write(json.dumps({"question": "What is 2 times 3?", "answer": "#### 6"}) + "\n")
+    assert train.main(["--resume", str(out), "--steps", "3"]) == 0
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "warning: the eval problems are not the run's (its --data rows, --seed or --eval-size changed): evals "
+        "from here on measure others, some perhaps trained on")

@@ -4,6 +4,7 @@ import json
 import math
 import operator
 import os
+import re
 import sys
 import textwrap
 import types
@@ -20,6 +21,7 @@ from tasks import (ExprError, Problem, countdown_correct, extract_answer, format
                    int_correct, last_boxed, completion_number, make_task,
                    numeric_correct, overlong_penalty, parse_number, pass_at_k, safe_eval,
                    solve_countdown)
+from utils import ConfigError
 
 DATA = Path(__file__).parent / "data"
 MIXED = str(DATA / "gsm8k_mixed.jsonl")  # 9 good rows (+1 duplicate), bad lines 3, 5, 8, 15
@@ -77,6 +79,19 @@ def test_a_typeset_minus_sign_is_a_minus():
     assert completion_number("so x = \u22123") == -3 and completion_number("5\u22123") == 3  # still subtraction
     assert numeric_correct("p", "<answer>\u221272</answer>", "-72") == 1.0
     assert numeric_correct("p", "<answer>\u221272</answer>", "72") == 0.0
+    assert safe_eval("(9 \u2212 3) * \u22122") == (-12, [9, 3, 2])  # the expression evaluator too
+    assert countdown_correct("p", "<answer>(9 \u2212 3) * 2</answer>", '{"target": 12, "numbers": [2, 3, 9]}')
+
+
+@pytest.mark.parametrize("text, value", [
+    ("- 12 / 4 %", -3), ("-\t$ 1,234 .", -1234), ("5 \n/\n 2", Fraction(5, 2)), ("$ 5", 5),
+    ("-" + " " * 200_000 + "?", None), ("5" + " " * 200_000 + "?", None), ("$" + " " * 200_000 + "$5", None)],
+    ids=["percent", "tab-dollar", "newline-fraction", "dollar", "run-after-minus", "run-after-5", "run-$"])
+def test_whitespace_around_a_numbers_parts_parses_and_a_long_run_is_refused_at_once(text, value):
+    """A run of n spaces before a non-number took O(n^2) (32,000: 26 s): the pattern had two optional
+    whitespace runs in a row, and fullmatch tried every split of it. 200,000 would take many minutes."""
+    assert parse_number(text) == value
+    assert numeric_correct("p", f"<answer>{text}</answer>", "5") == float(value == 5)
 
 
 def test_last_boxed_balances_braces_and_last_wins():
@@ -415,6 +430,20 @@ def test_a_reward_that_is_not_a_finite_number_stops_naming_its_function(value, o
                             "is a finite number (0.0 for a wrong or malformed answer)")
 
 
+@pytest.mark.parametrize("value, shown", [(10**400, "1" + "0" * 79), (-(10**400), "-1" + "0" * 78),
+                                          (Fraction(10**400, 3), "Fraction(1" + "0" * 70)],
+                         ids=["int", "negative", "fraction"])
+def test_a_reward_past_a_floats_range_stops_naming_its_function_as_a_nan_does(value, shown):
+    """10**400 raised a bare OverflowError from math.isfinite, naming neither the reward nor the fix."""
+    task = make_task("countdown", seed=0, eval_size=0)
+    task.rewards = [(lambda prompt, completion, answer: value, 1.0)]
+    with pytest.raises(tasks.RewardError) as e:
+        task.score("p", "<answer>1</answer>", CD24)
+    assert str(e.value) == (f"reward <lambda> returned {shown} for the completion '<answer>1</answer>'; a "
+                            "reward is a finite number (0.0 for a wrong or malformed answer)")
+    assert tasks.checked(2**1023, "r", "c") == 2.0**1023  # a huge int a float holds still counts
+
+
 def test_a_reward_that_raises_shows_its_traceback_noting_the_completion_it_failed_on():
     def mine(prompt, completion, answer):
         return len(completion.split()[3])  # a bug: short completions have no fourth word
@@ -523,6 +552,35 @@ def test_a_long_answer_that_is_not_a_number_is_named_by_its_last_40_characters(t
     with pytest.raises(ValueError, match="rows.jsonl:1: malformed row") as e:
         make_task("gsm8k", seed=0, eval_size=1, data=path, bad_rows="error")
     assert f"(answer {answer[-40:]!r} is not a number)" in str(e.value)
+
+
+def test_a_json_number_answer_in_exponent_form_reads_as_the_decimal_it_is(tmp_path):
+    """json.dumps writes 0.00001 as 1e-05 (and 1e+20, 1.5e-07): each row was "not a number"."""
+    answers = {"a": 0.00001, "b": 1e20, "c": 1.5e-07, "d": 0.75, "e": 72.0, "f": 4}
+    path = write_rows(tmp_path / "rows.jsonl", [{"question": q, "answer": a} for q, a in answers.items()])
+    assert "1e-05" in Path(path).read_text() and "1e+20" in Path(path).read_text()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no row is malformed
+        task = make_task("gsm8k", seed=0, eval_size=1, data=path)
+    assert {p.key: p.answer for p in task._eval + task._train} == {
+        "a": "1/100000", "b": "100000000000000000000", "c": "3/20000000", "d": "3/4", "e": "72", "f": "4"}
+
+
+def test_a_question_repeated_with_another_answer_is_a_malformed_row_and_a_same_one_merges(tmp_path):
+    """The second answer was dropped in silence: which of two references is right is the user's call."""
+    rows = [*plus_one_rows(2), {"question": "What is 0  plus 1?", "answer": "#### 1"},  # the same: merged
+            {"question": " What is 0 plus 1?", "answer": "3"}]  # line 4: another answer to line 1's question
+    path = write_rows(tmp_path / "rows.jsonl", rows)
+    why = f"question already at {path}:1 with answer '1'"
+    with pytest.warns(UserWarning, match=f"^gsm8k: skipped 1 malformed rows: {re.escape(path)}:4 \\("):
+        task = make_task("gsm8k", seed=0, eval_size=1, data=path)
+    assert task.skipped == [f"{path}:4 ({why})"]
+    assert sorted((p.key, p.answer) for p in task._eval + task._train) == [("What is 0 plus 1?", "1"),
+                                                                         ("What is 1 plus 1?", "2")]
+    with pytest.raises(ConfigError) as e:
+        make_task("gsm8k", seed=0, eval_size=1, data=path, bad_rows="error")
+    assert str(e.value) == (f"{path}:4: malformed row ({why}); fix or delete that line, or pass --bad-rows "
+                            "skip to drop such rows")
 
 
 @pytest.mark.parametrize("usable, fix", [(1, "add rows"), (2, "lower it to 1 or less")])

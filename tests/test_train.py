@@ -13,6 +13,7 @@ import yaml
 from safetensors.torch import load_file
 
 import rollouts
+import rundir
 import train
 import utils
 from envs import EVAL_SEED, CartPole
@@ -31,7 +32,7 @@ def quick(tmp_path, *argv):
 
 
 def weights(run: Path) -> dict:
-    return load_file(str(utils.checkpoints(run)[-1] / "weights.safetensors"))
+    return load_file(str(rundir.checkpoints(run)[-1] / "weights.safetensors"))
 
 
 # ---------------------------------------------------------------- config
@@ -164,7 +165,7 @@ def test_a_grouped_estimator_on_cartpole_gets_its_presets_groups_by_default_and_
     given = train.parse(["--algo", algo, "--group-size", "4", "--batch", "8"])
     assert (given.group_size, given.batch) == (4, 8)  # what is given wins
     assert train.main(["--algo", algo, "--out", str(tmp_path / "run"), "--no-progress"]) == 0
-    assert utils.read_metrics(tmp_path / "run" / "metrics.csv")["eval_return"][-1][2] >= 475
+    assert rundir.read_metrics(tmp_path / "run" / "metrics.csv")["eval_return"][-1][2] >= 475
 
 
 # ---------------------------------------------------------------- environment
@@ -306,7 +307,7 @@ def test_every_algorithm_trains_two_steps_end_to_end(tmp_path, preset):
     torch.manual_seed(cfg.seed)
     init = MLPPolicy(4, 2, cfg.hidden, critic=cfg.algo == "ppo").state_dict()
     out = train.train(cfg)
-    metrics = utils.read_metrics(out / "metrics.csv")
+    metrics = rundir.read_metrics(out / "metrics.csv")
     assert [s for s, _, _ in metrics["loss"]] == [1, 2]
     assert [s for s, _, _ in metrics["eval_return"]] == [0, 1, 2] and metrics["skipped"][-1][2] == 0  # step 0: the starting point
     trained = weights(out)
@@ -322,7 +323,7 @@ def test_four_steps_equal_two_steps_plus_resume_plus_two_bitwise(tmp_path):
                           "--algo", "ppo", "--inner-epochs", "2", "--minibatches", "2"]))
     a, b = weights(full), weights(half)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    steps = [s for s, _, _ in utils.read_metrics(half / "metrics.csv")["loss"]]
+    steps = [s for s, _, _ in rundir.read_metrics(half / "metrics.csv")["loss"]]
     assert steps == [1, 2, 3, 4]
 
 
@@ -349,7 +350,7 @@ def test_second_ctrl_c_stops_a_source_that_never_returns_and_keeps_the_checkpoin
     with pytest.raises(KeyboardInterrupt):
         train.train(cfg)
     out = Path(cfg.out)
-    assert utils.checkpoints(out)[-1].name == "ckpt-0000002"  # steps 1 and 2 finished; step 3 never did
+    assert rundir.checkpoints(out)[-1].name == "ckpt-0000002"  # steps 1 and 2 finished; step 3 never did
     assert signal.getsignal(signal.SIGINT) is before  # the handler was put back
 
 
@@ -380,10 +381,10 @@ def test_a_state_file_that_would_run_code_is_skipped_unrun(tmp_path, capsys):
     policy = MLPPolicy(4, 2)
     opt, marker = torch.optim.Adam(policy.parameters()), tmp_path / "ran"
     for step in (1, 2):
-        utils.save_checkpoint(tmp_path, step, policy, opt, {"wall_s": 0.0, "source": {"position": step}}, keep=3)
+        rundir.save_checkpoint(tmp_path, step, policy, opt, {"wall_s": 0.0, "source": {"position": step}}, keep=3)
     state = torch.load(tmp_path / "ckpt-0000002" / "state.pt", weights_only=True)
     torch.save({**state, "extra": Planted(marker)}, tmp_path / "ckpt-0000002" / "state.pt")  # all keys present
-    assert utils.resume_checkpoint(tmp_path, policy, opt)["step"] == 1 and not marker.exists()
+    assert rundir.resume_checkpoint(tmp_path, policy, opt)["step"] == 1 and not marker.exists()
     assert "skipping " + str(tmp_path / "ckpt-0000002") + ": UnpicklingError" in capsys.readouterr().err
 
 
@@ -402,9 +403,11 @@ def test_ctrl_c_finishes_the_step_then_checkpoints(tmp_path, monkeypatch):
         return real_next(self, step)
 
     monkeypatch.setattr(rollouts.ControlRollouts, "next", next_then_interrupt)
-    out = train.train(quick(tmp_path, "--steps", "50"))
-    assert utils.checkpoints(out)[-1].name == "ckpt-0000003"
-    assert [s for s, _, _ in utils.read_metrics(out / "metrics.csv")["loss"]][-1] == 3
+    cfg = quick(tmp_path, "--steps", "50")
+    assert train.train(cfg) is None  # stopped, not finished (main: exit 130)
+    out = Path(cfg.out)
+    assert rundir.checkpoints(out)[-1].name == "ckpt-0000003"
+    assert [s for s, _, _ in rundir.read_metrics(out / "metrics.csv")["loss"]][-1] == 3
 
 
 def test_sigterm_finishes_the_step_then_checkpoints_like_ctrl_c(tmp_path, monkeypatch, capfd):
@@ -419,9 +422,11 @@ def test_sigterm_finishes_the_step_then_checkpoints_like_ctrl_c(tmp_path, monkey
 
     monkeypatch.setattr(rollouts.ControlRollouts, "next", next_then_terminate)
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    out = train.train(quick(tmp_path, "--steps", "50"))
-    assert utils.checkpoints(out)[-1].name == "ckpt-0000003"  # step 3 (index 2) finished, then saved
-    assert [s for s, _, _ in utils.read_metrics(out / "metrics.csv")["loss"]][-1] == 3
+    cfg = quick(tmp_path, "--steps", "50")
+    assert train.train(cfg) is None
+    out = Path(cfg.out)
+    assert rundir.checkpoints(out)[-1].name == "ckpt-0000003"  # step 3 (index 2) finished, then saved
+    assert [s for s, _, _ in rundir.read_metrics(out / "metrics.csv")["loss"]][-1] == 3
     assert "SIGTERM: finishing this step and checkpointing; SIGTERM again stops now" in capfd.readouterr().err
     assert {s: signal.getsignal(s) for s in before} == before  # both handlers were put back
 
@@ -430,5 +435,5 @@ def test_evaluating_a_checkpoint_again_replaces_the_eval_instead_of_adding_a_sec
     out = train.train(quick(tmp_path, "--steps", "2"))
     for _ in range(2):
         assert train.main(["--resume", str(out), "--eval-only", "--no-progress"]) == 0
-    evals = utils.read_metrics(out / "eval-0000002" / "metrics.csv")
+    evals = rundir.read_metrics(out / "eval-0000002" / "metrics.csv")
     assert list(evals) == ["eval_return"] and [s for s, _, _ in evals["eval_return"]] == [2]  # was [2, 2]

@@ -550,6 +550,19 @@ def test_loopback_without_token_generates_one_and_still_requires_it(monkeypatch)
         assert Client(srv.url, srv.token).get("/hello") == (200, b'{"ok": 1}')
 
 
+def test_a_trainer_whose_token_no_worker_but_its_own_could_have_and_that_has_none_is_refused(monkeypatch):
+    """--role trainer --workers 0 without NANORL_TOKEN waited for batches for ever: its fresh token reaches
+    only the workers it starts, and a worker started by hand stops without a token."""
+    monkeypatch.delenv("NANORL_TOKEN", raising=False)
+    with pytest.raises(ValueError) as refused:
+        transport.serving_token("127.0.0.1", workers=0)
+    assert str(refused.value) == ("--role trainer without NANORL_TOKEN takes only its own --workers, and there "
+                                  "are none: set NANORL_TOKEN for workers to join, or pass --workers N")
+    assert len(transport.serving_token("127.0.0.1", workers=1)) == 43  # its own worker gets a fresh one
+    monkeypatch.setenv("NANORL_TOKEN", TOKEN)
+    assert transport.serving_token("127.0.0.1", workers=0) == TOKEN  # workers started by hand join with it
+
+
 def test_env_token_is_used_by_server_and_client(monkeypatch):
     monkeypatch.setenv("NANORL_TOKEN", "env-token-abcdefghijklmnop")
     with Server({("GET", "/hello"): lambda req: (200, None)}) as srv:

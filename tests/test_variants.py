@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 import rollouts
+import rundir
 import train
 import utils
 from algos import group_baseline, masked_mean
@@ -327,7 +328,7 @@ def test_prompt_reweight_replays_recent_prompts_with_spread_and_survives_a_check
 
 def llm_run(tmp_path, *argv):
     out = train.train(cfg_from(*LLM, "--steps", "2", "--eval-every", "2", "--out", str(tmp_path / "run"), *argv))
-    return {k: [v for _, _, v in rows] for k, rows in utils.read_metrics(out / "metrics.csv").items()}
+    return {k: [v for _, _, v in rows] for k, rows in rundir.read_metrics(out / "metrics.csv").items()}
 
 
 @pytest.mark.parametrize("argv", [
@@ -357,7 +358,7 @@ def test_ppo_trains_an_llm_critic_on_the_policy_trunk(tmp_path):
     m = llm_run(tmp_path, "--algo", "ppo", "--gamma", "1", "--lam", "1", "--inner-epochs", "2", "--vf-clip", "0.2",
                 "--critic-max-grad-norm", "0.5", "--overlong-buffer", "3")  # the penalty: rewards a random model earns
     assert m["skipped"] == [0, 0] and len(m["critic_grad_norm"]) == 2
-    weights = load_file(str(utils.checkpoints(tmp_path / "run")[-1] / "weights.safetensors"))
+    weights = load_file(str(rundir.checkpoints(tmp_path / "run")[-1] / "weights.safetensors"))
     assert weights["v.weight"].abs().sum() > 0  # the zero-initialised head has learned something
 
 
