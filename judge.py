@@ -134,7 +134,10 @@ class Judge:
                     cause, fix = f"{cause} to {e.headers['Location']}", "make that URL the endpoint"
                 if e.code != 429 and e.code < 500:  # a bad request, key or model: asking again cannot help
                     break
-            except (OSError, ValueError, KeyError, IndexError, TypeError) as e:  # down, timed out, not JSON
+            # down, timed out, not HTTP (a non-HTTP port, headers past http.client's caps), not JSON (or
+            # nested past the recursion limit): each is a judge without a score, for --judge-down
+            except (OSError, ValueError, KeyError, IndexError, TypeError, RecursionError,
+                    http.client.HTTPException) as e:
                 cause = f"{type(e).__name__}: {e}"
             else:
                 if isinstance(reply, str) and (score := parse_score(reply, self.high)) is not None:

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 import rundir
 import utils
-from modeldir import LOAD_HINT, cache_root, resolve_model
+from modeldir import LOAD_HINT, cache_root, resolve_model, whole
 
 
 class MLPPolicy(nn.Module):
@@ -131,7 +131,8 @@ def load_lm(path: str, cfg, device: torch.device) -> nn.Module:
     # A frozen LoRA base may live in bf16; anything trained stays fp32 (autocast does the bf16 compute).
     dtype = DTYPES[cfg.dtype] if cfg.lora else torch.float32
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn).to(device)
+        lm, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn,
+                                                        output_loading_info=True)
     except (ValueError, ImportError, OSError, SafetensorError) as e:
         why = str(e).splitlines()[0]
         if isinstance(e, ImportError) or "attn_implementation" in why:  # an unknown or uninstalled kernel
@@ -140,6 +141,7 @@ def load_lm(path: str, cfg, device: torch.device) -> nn.Module:
         cached = cache_root() in Path(path).parents
         fix = f"delete {path} (the cache's copy) and rerun" if cached else LOAD_HINT
         raise utils.ConfigError(f"--model {cfg.model}: no causal LM loads from it ({why}); {fix}") from None
+    return whole(lm, info, cfg.model).to(device)
 
 
 class LLMPolicy(nn.Module):

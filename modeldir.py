@@ -55,6 +55,8 @@ def resolve_model(name: str) -> str:
         AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as e:
         why = str(e).splitlines()[0]
+        if local.parent != Path(".") and local.parent.is_dir():  # runs/x: likely a directory not yet made
+            why = f"no directory {local} here, and from the hub: {why}"
         typo = utils.closest(name, ("tiny", "smollm2-135m"))  # the names that need no download
         raise utils.ConfigError(f"--model {name}: cannot load it ({why}){typo}; {LOAD_HINT}") from None
     return name
@@ -109,7 +111,8 @@ def gguf_to_hf(file: Path) -> str:
     if (final / "config.json").exists():
         return str(final)
     try:
-        lm = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
+        lm, info = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32,
+                                                        output_loading_info=True)
         tok = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
     except ImportError:  # transformers reads GGUF through the optional gguf package
         raise utils.ConfigError(f'--model {file}: reading GGUF needs the gguf package: pip install gguf '
@@ -120,7 +123,17 @@ def gguf_to_hf(file: Path) -> str:
                else "transformers reads GGUF for " + ", ".join(GGUF_SUPPORTED_ARCHITECTURES[1:]))
         raise utils.ConfigError(f"--model {file}: cannot read it as GGUF ({why}); {fix}") from None
     del lm.config.quantization_config  # the weights are dequantised: the directory is a plain fp32 model
-    return publish(final, lm, tok)
+    return publish(final, whole(lm, info, str(file)), tok)
+
+
+def whole(lm: torch.nn.Module, info: dict, name: str) -> torch.nn.Module:
+    """A from_pretrained model whose files held every weight: transformers fills missing ones at random, and
+    a vocab-only GGUF or a weights file of another model would train, exit 0 and be cached as a model."""
+    if missing := info["missing_keys"]:
+        raise utils.ConfigError(f"--model {name}: its files hold no weights for {len(missing)} of its "
+                                f"tensors (e.g. {sorted(missing)[0]}); pass a whole model, not a vocab-only "
+                                "or adapter file")
+    return lm
 
 
 def publish(final: Path, lm: torch.nn.Module, tok) -> str:

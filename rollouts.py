@@ -1,8 +1,6 @@
 """Where batches come from: the typed Batch, what a batch source promises the loop (stage 1 `next(step)
 -> Batch`, stage 4 `publish`) and the three rollouts (control, single-turn, multi-turn). Async rollout
 workers (`--role rollout`) run these very sources, so every option behaves alike in sync and async runs."""
-from __future__ import annotations
-
 import contextlib
 import hashlib
 import math
@@ -53,7 +51,7 @@ class Batch:
     def __len__(self) -> int:
         return len(self.mask)
 
-    def select(self, rows: slice) -> Batch:
+    def select(self, rows: slice) -> "Batch":
         """Rows `rows` of the stage-1 fields, e.g. one rank's share."""
         t = [getattr(self, f.name)[rows] for f in fields(self)[:10]]  # tokens .. version
         return Batch(*t, {k: v[rows] for k, v in self.stats.items()}, self.texts[rows])
@@ -362,12 +360,13 @@ class TaskRollouts(BatchSource):
         problems, cfg, task = self.task.eval_problems()[utils.rank() :: utils.world()], self.cfg, self.task
         greedy = rollout_single(self.policy, task, problems, 1, cfg, greedy=True)  # judged: rewards[0] counts
         texts = [g[0].text for g in greedy]
-        sums = {"n": len(problems), "eval_accuracy": sum(map(task.correct, problems, texts))}
+        sums = {"n": len(problems), "eval_accuracy": sum(task.correct(g[0].problem, g[0].text, g[0].parts)
+                                                         for g in greedy)}
         if type(task).lenient is not tasks.Task.lenient:  # by type: a rank without problems has the key too
             sums["eval_accuracy_lenient"] = sum(map(task.lenient, problems, texts))  # right, any format
         if k := cfg.pass_k:
             groups = rollout_single(self.policy, task, problems, k, cfg)
-            c = [sum(task.correct(r.problem, r.text) for r in g) for g in groups]
+            c = [sum(task.correct(r.problem, r.text, r.parts) for r in g) for g in groups]
             sums |= {"eval_pass@1": sum(c) / k, f"eval_pass@{k}": sum(tasks.pass_at_k(k, ci, k) for ci in c)}
         sums = utils.reduce_dict(sums)
         self.eval_batch = collate(greedy, self.policy.pad_id, 0) if greedy else None

@@ -317,9 +317,12 @@ def checkpoints(run: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
-def holds_run(run: Path) -> bool:
-    """A checkpoint or a logged metric, which a new run would mix with (a failed start may leave none)."""
-    metrics = run / "metrics.csv"
+def holds_run(run: Path, eval_only: bool = False) -> bool:
+    """A checkpoint or a logged metric, which a new run would mix with (a failed start may leave none). An
+    --eval-only may log into another's directory (config.yaml's line), each eval at its checkpoint's step."""
+    metrics, config = run / "metrics.csv", run / "config.yaml"
+    if eval_only and config.exists() and "eval_only: true" in config.read_text().splitlines():
+        return bool(checkpoints(run))
     return bool(checkpoints(run)) or (metrics.exists() and metrics.read_bytes().count(b"\n") > 1)
 
 
@@ -353,7 +356,8 @@ def resume_checkpoint(run: Path, policy: torch.nn.Module, opt: torch.optim.Optim
         except (SafetensorError, json.JSONDecodeError, KeyError, OSError, RuntimeError, EOFError,
                 pickle.UnpicklingError) as e:
             stderr(f"skipping {ckpt}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'empty'}")
-    if named or required:
-        raise ConfigError(f"--resume {run}: no checkpoint of it loads (above); resume another run or ckpt-*")
+    if named or required:  # (an --eval-only's directory, RUN/eval-STEP, holds none)
+        why = "no checkpoint of it loads (above)" if named or checkpoints(run) else "it holds no checkpoint"
+        raise ConfigError(f"--resume {run}: {why}; resume another run or ckpt-*")
     stderr(f"--resume {run}: no checkpoint loads; the run starts over")
     return None

@@ -40,10 +40,13 @@ class SandboxUnavailable(RuntimeError):
 # the wall clock, kills everything and writes "returncode timed_out". As pid 1 the code ignores
 # signals it has no handler for: past RLIMIT_FSIZE its writes fail with EFBIG, not SIGXFSZ.
 _LAUNCHER = r"""
-import ctypes, os, resource, select, signal, struct, sys  # the rare paths import theirs: every run pays these
+import ctypes, os, pwd, resource, select, signal, struct, sys  # all runs need these; rare paths import theirs
 status, flags, uid_base, cpu, mem, fsize, nofile, nproc, files = map(int, sys.argv[1:10])
 NEWNS, NEWUSER, NEWPID = 0x20000, 0x10000000, 0x20000000
-NOSUID, NODEV, NOEXEC, BIND, REC_PRIVATE = 2, 4, 8, 4096, 0x44000
+RDONLY, NOSUID, NODEV, NOEXEC, BIND, REC_PRIVATE = 1, 2, 4, 8, 4096, 0x44000
+# SysV shm, semaphores, message queues and memfds hold memory past the mappings RLIMIT_AS counts: shmget,
+# semget, msgget and memfd_create fail (ENOSPC) under a seccomp filter, which kills any other syscall ABI
+ABI = {"x86_64": (0xC000003E, 29, 64, 68, 319), "aarch64": (0xC00000B7, 194, 190, 186, 279)}
 libc = ctypes.CDLL(None, use_errno=True)
 def check(ok, what):
     if not ok:
@@ -83,6 +86,9 @@ if pid == 0:
             os.symlink("/proc/self/fd" + fd, f"/dev/{name}")
         os.mkdir("/dev/shm")
         read_only(b"/dev")
+        for d in {pwd.getpwuid(os.getuid()).pw_dir, "/home", "/root"} - {"/"}:  # this user's files, others'
+            if os.path.isdir(d) and os.access(d, os.X_OK):  # (one it cannot enter is hidden already)
+                mount(b"tmpfs", d, b"tmpfs", RDONLY | NOSUID | NODEV | NOEXEC, b"size=4k,nr_inodes=2")
         opts = b"size=%dk,nr_inodes=%d,mode=1777" % (max(64, fsize >> 10), files)
         mount(b"tmpfs", "/tmp", b"tmpfs", NOSUID | NODEV, opts)
         for d in ("/var/tmp", "/dev/shm", "/run"):  # the same scratch: one bound on bytes and files
@@ -108,6 +114,14 @@ if pid == 0:
     # host writable), and setuid binaries cannot give any back.
     check(libc.capset(struct.pack("Ii", 0x20080522, 0), bytes(24)) == 0, "dropping capabilities")
     check(libc.prctl(38, 1, 0, 0, 0) == 0, "no_new_privs")
+    check(os.uname().machine in ABI or not flags, f"no syscall numbers for {os.uname().machine}")
+    if os.uname().machine in ABI:  # [arch?, nr, x32?, 4 calls] -> allow, ENOSPC, kill (jumps skip ahead)
+        arch, *calls = ABI[os.uname().machine]
+        bpf = [(0x20, 0, 0, 4), (0x15, 0, 8, arch), (0x20, 0, 0, 0), (0x35, 5, 0, 0x40000000),
+               *[(0x15, 4 - i, 0, nr) for i, nr in enumerate(calls)],
+               (6, 0, 0, 0x7FFF0000), (6, 0, 0, 0x5001C), (6, 0, 0, 0x80000000)]
+        prog = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *insn) for insn in bpf))
+        check(libc.prctl(22, 2, struct.pack("HxxxxxxQ", len(bpf), ctypes.addressof(prog))) == 0, "seccomp")
     sys.argv = ["main.py"]
     os.environ.clear()
     # an uncaught error prints the usual traceback, minus this launcher's frame
@@ -189,7 +203,7 @@ def sandbox_plan(mode: str) -> tuple[str, int, int]:
         for python in pythons:  # importing json, not loaded at start-up, proves the uid can read the stdlib
             r = run_python("import json\nprint(json.dumps(6 * 7))", timeout_s=30.0, cpu_s=10, fsize_mb=1,
                            files=64, nproc=32, max_output=999, plan=(python, flags, uid_base))
-            if r.stdout == "42\n":
+            if r.stdout == "42\n" and r.returncode == 0 and not r.timed_out:  # the launcher's, too
                 kind = ("isolated (namespaces, host read-only, private scratch" if flags
                         else "WEAK mode (--sandbox weak: rlimits only")
                 sys.stderr.write(f"sandbox: {kind}{', a uid per run' * root}): {python if flags else why}\n")
@@ -235,10 +249,13 @@ query = sys.stdin.buffer.read().decode()
 for r, v in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_FSIZE, 0), (resource.RLIMIT_CORE, 0)):
     resource.setrlimit(r, (v, v))
 ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
+def authorize(action, _, name, *__):  # fts3_tokenizer(x, pointer) takes any address for a tokenizer's code
+    ok = action in ALLOWED and not (action == sqlite3.SQLITE_FUNCTION and name.lower() == "fts3_tokenizer")
+    return sqlite3.SQLITE_OK if ok else sqlite3.SQLITE_DENY
 try:
     con = sqlite3.connect(path, uri=True)
     con.execute("PRAGMA temp_store = MEMORY")
-    con.set_authorizer(lambda action, *_: sqlite3.SQLITE_OK if action in ALLOWED else sqlite3.SQLITE_DENY)
+    con.set_authorizer(authorize)
     con.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 1_000_000)  # no string or blob over 1 MB
     cur, rows, size = con.execute(query), [], 0
     while len(rows) <= max_rows and (row := cur.fetchone()) is not None:

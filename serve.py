@@ -40,6 +40,7 @@ SURVIVORS = 64  # ids a resumed trainer skips: those issued after its checkpoint
 LONG_POLL = 2.0  # seconds GET /adapter waits for a newer version; also the workers' heartbeat period
 HEARTBEAT = 10.0  # a worker silent for longer is not counted as live
 WAITING = 60.0  # seconds a step waits without a batch between its "waiting for batches" lines
+CHECKS = 2.0  # seconds between looks at the trainer's own --workers while it waits: a dead one is told soon
 REFUSALS = 5  # bad batches (not 409s: sampled ahead of a --resumed trainer) in a row that stop a worker
 
 
@@ -221,13 +222,14 @@ class Inbox:
         """The step's usable groups, sorted by version, collated; and the transport's numbers (with
         the rows' texts). A group too old, or of a version without a snapshot, is dropped and counted.
         procs: the --workers processes, whose deaths a step waiting for batches tells."""
-        got = []
+        got, said = [], time.monotonic()
         with self.cond:  # wait_for releases it while the HTTP threads fill the queue
             while len(got) < self.groups:
-                if not self.cond.wait_for(lambda: self.queue, timeout=WAITING):
+                if not self.cond.wait_for(lambda: self.queue, timeout=min(CHECKS, WAITING)):
                     self.check_workers(procs)
-                    live = len(self.live())
-                    utils.stderr(f"step {step}: waiting for batches ({live} live workers{self.refusal})")
+                    if time.monotonic() - said >= WAITING:
+                        said, live = time.monotonic(), len(self.live())
+                        utils.stderr(f"step {step}: waiting for batches ({live} live workers{self.refusal})")
                 taken, self.queue = self.queue[: self.groups - len(got)], self.queue[self.groups - len(got):]
                 self.cond.notify_all()  # room for a worker whose POST is waiting
                 for g in taken:

@@ -269,7 +269,11 @@ class Task:
             total += weight * r
         return total, parts
 
-    def correct(self, problem: Problem, completion: str) -> bool:
+    def correct(self, problem: Problem, completion: str, parts: dict[str, float] | None = None) -> bool:
+        """Whether rewards[0] gives 1 or more. `parts`: score()'s of this completion, read so that a judge is
+        not asked again (under --judge-down drop its NaN, a sample dropped, is not correct)."""
+        if parts:
+            return next(iter(parts.values())) >= 1.0
         return self.rewards[0][0](problem.prompt, completion, problem.answer) >= 1.0
 
     def lenient(self, problem: Problem, completion: str) -> bool | None:

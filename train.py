@@ -155,14 +155,15 @@ def choices() -> dict:
 
 
 def validate(cfg: Config) -> None:
-    """Rejects impossible combinations up front, naming the fix."""
+    """Rejects impossible combinations up front, naming the fix (parse() makes a resumed run's --out "")."""
     err = utils.ConfigError
     for name, valid in choices().items():
         if (value := getattr(cfg, name)) not in valid:
             raise err(f"unknown --{name.replace('_', '-')} '{value}'{utils.closest(value, valid)} "
                       f"(choices: {', '.join(valid)})")
     for low, names in ((0, "steps sft_steps micro_batch max_staleness workers pass_k debug_samples samples "
-                           "loss_agg_constant vf_coef vf_clip max_grad_norm critic_max_grad_norm kl_coef"),
+                           "loss_agg_constant vf_coef vf_clip max_grad_norm critic_max_grad_norm kl_coef "
+                           "target"),
                        (1, "batch group_size eval_every eval_episodes eval_size gen_batch max_new_tokens "
                            "inner_epochs minibatches ckpt_every keep_ckpts max_turns max_gen_batches max_len "
                            "hidden lora_rank lora_alpha dist_timeout")):
@@ -190,7 +191,7 @@ def validate(cfg: Config) -> None:
         raise err(f"--log {cfg.log}: choose from {', '.join(rundir.LOGGERS)} (metrics.csv is always written)")
     if cfg.resume and not Path(cfg.resume).is_dir():
         raise err(f"--resume {cfg.resume}: no such run directory")
-    if cfg.out and cfg.role != "rollout" and rundir.holds_run(Path(cfg.out)):  # parse(): a resume's own is ""
+    if cfg.out and cfg.role != "rollout" and rundir.holds_run(Path(cfg.out), cfg.eval_only):
         raise err(f"{cfg.out} holds a run: --resume {cfg.out} continues it, or pick another --out")
     if cfg.export and (why := rundir.export_blocker(Path(cfg.export), Path(cfg.out or cfg.resume or "runs"))):
         raise err(f"--export {cfg.export}: {why}; pick a new or empty directory")
@@ -229,8 +230,7 @@ def validate_modes(cfg: Config) -> None:
              ("export_merged", cfg.export, "--export DIR"),
              ("workers", cfg.role == "trainer", "--role trainer (resuming async in sync: --workers 0)"),
              ("trainer_url", cfg.role != "sync", "--role trainer or rollout (sync resume: --trainer-url '')"),
-             ("vllm", cfg.role == "rollout" and cfg.lora, "--role rollout and --lora (with full fine-tuning "
-              "every sync would ship the whole model)"))
+             ("vllm", cfg.role == "rollout" and cfg.lora, "--role rollout and --lora (syncs send adapters)"))
     for names, on, needs in tunes:  # an option tuning another that is off would do nothing
         for name in names.split():
             if not on and getattr(cfg, name) != getattr(Config, name):
@@ -377,8 +377,7 @@ def update(policy, opt, batch: Batch, cfg: Config) -> dict:
     for _ in range(cfg.inner_epochs):
         order = torch.randperm(n) if cfg.minibatches > 1 else torch.arange(n)
         for mb in order.chunk(cfg.minibatches):
-            # A minibatch is weighted as if it were the batch: by its share of the tokens (token_mean)
-            # or of the rows (seq_mean, constant), over all ranks. One minibatch keeps the weights.
+            # A minibatch weighs its share of all ranks' tokens (token_mean) or rows (seq_mean, constant)
             share = utils.all_sum(unit[mb].sum()) / utils.all_sum(unit.sum()) if cfg.minibatches > 1 else 1.0
             tokens = utils.all_sum(batch.loss_mask[mb].sum())  # logged stats are token means
             opt.zero_grad(set_to_none=True)
@@ -394,8 +393,7 @@ def update(policy, opt, batch: Batch, cfg: Config) -> dict:
             norms = {"grad_norm": torch.nn.utils.clip_grad_norm_(actor, cfg.max_grad_norm or math.inf)}
             if critic:  # a clip of its own, so that neither gradient's scale crowds out the other
                 norms["critic_grad_norm"] = torch.nn.utils.clip_grad_norm_(critic, cfg.critic_max_grad_norm)
-            # A NaN/inf never reaches the weights; nor does a step without tokens (every sample dropped),
-            # which would still move them by Adam's momentum.
+            # No NaN/inf reaches the weights, nor a step without tokens (Adam's momentum would move them)
             if torch.isfinite(torch.stack([total, *norms.values()])).all() and tokens:
                 opt.step()
             else:
@@ -430,11 +428,11 @@ def train(cfg: Config) -> Path | None:
     if cfg.eval_only:
         return evaluate_only(cfg, policy, source, meta["step"] if meta else 0)
     teacher = load_teacher(cfg, policy) if cfg.teacher else None
-    out, log, step, last_eval = rundir.where(cfg), rundir.Metrics(), 0, {}
+    out, log, step, last_eval = rundir.where(cfg), rundir.Metrics(), 0, (meta or {}).get("last_eval", {})
     def stop(step: int, log, evaluated: bool = False) -> bool:  # after each step: a stop seen by one rank
         # stops all here, saved as `step` left them (log: the caller's, SFT's; evaluated: its eval logged).
-        state = {"wall_s": log.wall(), "source": source.state(), "evaluated": evaluated}  # StopSignals may
-        rng = utils.rng_states()  # save them later. A failed save keeps the rest.
+        state = dict(wall_s=log.wall(), source=source.state(), evaluated=evaluated, last_eval=last_eval)
+        rng = utils.rng_states()  # StopSignals may save them later. A failed save keeps the rest.
         signals.save = lambda: rundir.save_checkpoint(out, step, policy, opt, state, cfg.keep_ckpts, rng)
         if utils.reduce_dict({"stop": signals.seen})["stop"]:
             signals.seen = True  # also on a rank that saw no signal
@@ -447,7 +445,7 @@ def train(cfg: Config) -> Path | None:
         log, step = start_run(cfg, out, policy, opt, source, meta, stop)
         bar = tqdm(range(step, cfg.steps), initial=step, total=cfg.steps, dynamic_ncols=True,
                    disable=not cfg.progress or utils.rank() > 0)
-        for step in bar if not signals.seen else ():
+        for step in bar if not (signals.seen or report.reached(last_eval, cfg.target)) else ():
             batch = source.next(step)  # 1. rollout
             batch = prepare(policy, batch, cfg, source.weights, teacher)  # 2. advantage
             stats = update(policy, opt, batch, cfg)  # 3. update
@@ -489,8 +487,10 @@ def resume(cfg: Config, policy, opt, source: BatchSource) -> dict | None:
     """--resume: the newest checkpoint that loads, into policy, optimizer and source (None: none does)."""
     meta = rundir.resume_checkpoint(Path(cfg.resume), policy, opt, cfg.eval_only) if cfg.resume else None
     source.load_state(meta["source"] if meta else {})  # every rank reads it: multi-node needs a shared --out
-    if meta and meta["step"] >= cfg.steps and not cfg.eval_only:  # nothing trains: only the summary again
-        utils.stderr(f"warning: the run is at step {meta['step']} of --steps {cfg.steps}; raise it to go on")
+    reached = meta and report.reached(meta.get("last_eval", {}), cfg.target)  # --target: train() stops
+    if meta and (meta["step"] >= cfg.steps or reached) and not cfg.eval_only:  # nothing trains: the summary
+        at = f"of --steps {cfg.steps}" if meta["step"] >= cfg.steps else f"at its --target {cfg.target}"
+        utils.stderr(f"warning: the run is at step {meta['step']} {at}; raise it to go on")
     return meta
 
 
@@ -560,9 +560,11 @@ def parse(argv: list[str]) -> Config:
         raise utils.ConfigError(f"--out {cfg.out}: a resumed run goes on in {rundir.where(cfg)}; drop --out")
     if (cfg.task in CONTROL) != (old.task in CONTROL):  # an MLP's checkpoint never loads into an LM, nor back
         raise utils.ConfigError(f"--task {cfg.task}: the run trained {old.task}, another policy; drop --task")
-    for name in ("task", "data", "model", "lora", "lora_rank", "lora_targets", "algo", "loss"):  # what trains
+    for name in "task data model lora lora_rank lora_targets algo loss teacher opd_reward_coef".split():
         if getattr(cfg, name) != getattr(old, name):
             utils.stderr(f"warning: {name} {getattr(cfg, name)!r} replaces the run's {getattr(old, name)!r}")
+    if cfg.sft_steps != old.sft_steps and not cfg.eval_only:  # its warm-start is history, as its steps are
+        raise utils.ConfigError(f"--sft-steps {cfg.sft_steps}: its warm-start was {old.sft_steps}; drop it")
     # The run's --export is written at its end: a resume inherits it while unwritten (an --eval-only never)
     if cfg.export == old.export and (cfg.eval_only or rundir.export_blocker(Path(cfg.export))):
         cfg = dataclasses.replace(cfg, export=given.export, export_merged=given.export_merged)

@@ -106,6 +106,10 @@ def load_config(cls, argv: list[str], choices: dict | None = None, base: Path | 
         if not bad.startswith("-"):  # a value without its flag: `train.py arith`, `--lora false`
             owner = [f"--{n.replace('_', '-')} {bad}" for n, valid in (choices or {}).items() if bad in valid]
             hint = f"did you mean '{owner[0]}'?" if owner else "a flag takes a value, a switch (--lora) none"
+            at = argv.index(bad)
+            switch = argv[at - 1].removeprefix("--").removeprefix("no-") if at else ""
+            if getattr(fields.get(switch.replace("-", "_")), "type", None) is bool:  # `--lora false`
+                hint = f"--{switch} is a switch, without a value: --{switch} turns it on, --no-{switch} off"
             raise ConfigError(f"unexpected value '{bad}': {hint}")
         flags = ["--" + n.replace("_", "-") for n in fields] + ["--config"]
         raise ConfigError(f"unknown flag {bad}{closest(bad, flags)}")

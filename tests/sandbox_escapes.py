@@ -125,6 +125,23 @@ def escapes(run_python, work: Path) -> dict[str, tuple[bool, str]]:
                    "print(' '.join(sorted(os.listdir('/dev'))))")
     seen = r.stdout.splitlines() + [r.stderr.strip()[-80:]]
     out["see the host's devices in /dev"] = (seen[:2] == ["16 1", MINIMAL_DEV], f"{seen[0]}; /dev: {seen[1][:60]}")
+    # Memory past the 512 MB limit (RLIMIT_AS) that no mapping holds: SysV shm segments filled and detached
+    # (3 GB held), then memfds (64 fds of 16 MB a process); each must stop at the limit or fail at once
+    r = run_python("import ctypes, mmap, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                   "libc.shmat.restype = ctypes.c_void_p\nheld = 0\nfor i in range(16):\n"
+                   "    sid = libc.shmget(0, 64 << 20, 0o1600)\n    if sid < 0:\n        break\n"
+                   "    addr = libc.shmat(sid, None, 0)\n    ctypes.memset(addr, 1, 64 << 20)\n"
+                   "    libc.shmdt(ctypes.c_void_p(addr))\n    held += 64\nfds = []\ntry:\n"
+                   "    for i in range(40):\n        fds.append(os.memfd_create('m'))\n"
+                   "        os.write(fds[-1], b'x' * (15 << 20))\n        held += 15\nexcept OSError:\n"
+                   "    pass\nprint(held)", timeout_s=30.0, cpu_s=30)
+    held = int(r.stdout) if r.stdout.strip().isdigit() else -1
+    out["hold memory past the limit in SysV shm or memfds"] = (0 <= held <= 512, f"{held} MB; {r.stderr[-60:]}")
+    secret = work / "secret.txt"  # in the caller's home: 0600, as ~/.ssh/id_* or a hub token
+    secret.write_text(token)
+    secret.chmod(0o600)
+    r = run_python(f"print(open({str(secret)!r}).read())")
+    out["read a private file in the caller's home"] = (token not in r.stdout, (r.stdout + r.stderr)[-80:])
     r = run_python(f"import os, signal\ntry:\n    os.kill({victim.pid}, signal.SIGKILL)\n    print('sent')\n"
                    "except OSError as e:\n    print(e.strerror)")
     time.sleep(0.2)

@@ -100,7 +100,7 @@ def finish(proc, log, limit=300) -> str:
 
 # ---------------------------------------------------------------- in process: exactness
 @pytest.mark.parametrize("argv, message", [
-    (["--task", "arith", "--role", "rollout", "--trainer-url", "http://h:1", "--vllm", "--no-lora"], "would ship the whole model"),
+    (["--task", "arith", "--role", "rollout", "--trainer-url", "http://h:1", "--vllm", "--no-lora"], "(syncs send adapters)"),
     (["--task", "arith", "--role", "rollout"], "needs --trainer-url"),
     (["--role", "trainer"], "--role is for LLM tasks, not cartpole: drop it or pick another --task"),
     (["--task", "arith", "--role", "trainer", "--max-staleness", "-1"], "--max-staleness >= 0"),

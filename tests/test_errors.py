@@ -75,6 +75,9 @@ def one_line_error(capsys, argv) -> str:
     (["--max-grad-norm", "-1"], "need --max-grad-norm >= 0 (got -1.0)"),  # 0 is off
     (["--dist-timeout", "0"], "need --dist-timeout >= 1 (got 0.0)"),
     (["--dual-clip", "-1"], "dual_clip 0 (off) or > 1"),
+    (["--target", "-1"], "need --target >= 0 (got -1.0)"),
+    # YAML's `lora: false` works; on the command line the hint named --lora, which turns it on
+    (LLM + ["--no-lora", "false"], "'false': --lora is a switch, without a value: --lora turns it on, --no-lora off"),  # every eval reached it: the run stopped at its first
 ])
 def test_bad_flags_stop_in_one_line_naming_the_fix(capsys, argv, fix):
     assert fix in one_line_error(capsys, argv)
@@ -310,6 +313,26 @@ def test_an_eval_of_a_run_it_may_not_write_to_goes_to_an_out_of_its_own(capsys, 
     assert err == f"error: {other} holds a run: --resume {other} continues it, or pick another --out"
 
 
+def test_an_eval_only_may_log_again_into_its_own_out_but_never_into_a_training_runs(capsys, tmp_path):
+    """A second `--resume RUN --eval-only --out X` (another checkpoint, or the same after a fix) was refused as
+    "X holds a run". An eval's directory now takes it, each eval at its checkpoint's step (one of a step
+    already there replaces it); a training run into an eval's directory is refused, as the reverse is
+    (test_an_eval_of_a_run_it_may_not_write_to_goes_to_an_out_of_its_own)."""
+    run, quick = tmp_path / "run", ["--steps", "2", "--batch", "4", "--eval-episodes", "2", "--no-progress"]
+    assert train.main(["--out", str(run), "--ckpt-every", "1", "--keep-ckpts", "5", *quick]) == 0
+    evals = tmp_path / "evals"
+    for ckpt in ("ckpt-0000002", "ckpt-0000001", "ckpt-0000001"):
+        assert train.main(["--resume", str(run / ckpt), "--eval-only", "--out", str(evals), "--no-progress"]) == 0
+    # ckpt-1's eval (logged at step 1) drops the lines after step 0: ckpt-2's; its rerun replaces itself
+    assert [s for s, _, _ in rundir.read_metrics(evals / "metrics.csv")["eval_return"]] == [1]
+    capsys.readouterr()
+    err = one_line_error(capsys, ["--out", str(evals), *quick])
+    assert err == f"error: {evals} holds a run: --resume {evals} continues it, or pick another --out"
+    # an eval's directory for a run: it said "no checkpoint of it loads (above)", with nothing above
+    err = one_line_error(capsys, ["--resume", str(evals), "--eval-only", "--no-progress"])
+    assert err == f"error: --resume {evals}: it holds no checkpoint; resume another run or ckpt-*"
+
+
 def test_runs_started_in_the_same_second_without_out_each_get_a_directory(capsys, tmp_path, monkeypatch):
     """The default runs/<task>-<algo>-<time> was shared by a sweep's runs started in one second: the
     second appended to the first's metrics, or was refused once the first had logged a step."""
@@ -543,3 +566,75 @@ def test_under_torchrun_the_resource_line_names_the_rank_that_lacked_it(capsys, 
     assert capsys.readouterr().err.splitlines() == [
         "error: rank 1 of 2: out of memory (allocate 20.00 MiB); lower --micro-batch, --gen-batch, --batch or "
         "an eval's size, then --resume the run or run again"]
+
+
+def test_resume_of_a_run_that_reached_its_target_trains_no_further_until_the_target_is_raised(capsys, tmp_path):
+    """A run that stopped at its --target trained on when resumed (a requeued job, a --resume to export), to
+    its next eval. Its checkpoint now holds its last eval: the resume says so and trains nothing, unless
+    --target is raised (0: never)."""
+    out = tmp_path / "run"
+    quick = ["--batch", "4", "--eval-episodes", "1", "--eval-every", "2", "--no-progress"]
+    assert train.main(["--out", str(out), "--steps", "6", "--target", "1", *quick]) == 0  # any return is >= 1
+    logged = (out / "metrics.csv").read_bytes()
+    assert [s for s, _, _ in rundir.read_metrics(out / "metrics.csv")["loss"]] == [1, 2]
+    capsys.readouterr()
+    assert train.main(["--resume", str(out), "--no-progress"]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warned == ["warning: the run is at step 2 at its --target 1.0; raise it to go on"]
+    assert (out / "metrics.csv").read_bytes() == logged  # no step ran, none was logged again
+    assert train.main(["--resume", str(out), "--target", "0", "--no-progress"]) == 0
+    assert [s for s, _, _ in rundir.read_metrics(out / "metrics.csv")["loss"]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_resume_that_changes_the_warm_start_is_refused_in_one_line(capsys, tmp_path):
+    """The warm-start is fixed when a run starts: a changed --sft-steps on --resume was silently ignored."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(utils.dump_config(train.Config(task="arith", model="tiny", sft_steps=200)))
+    err = one_line_error(capsys, ["--resume", str(run), "--sft-steps", "50"])
+    assert err == "error: --sft-steps 50: its warm-start was 200; drop it"
+    assert train.parse(["--resume", str(run), "--sft-steps", "200"]).sft_steps == 200  # the same is no change
+    assert train.parse(["--resume", str(run), "--eval-only", "--sft-steps", "0"]).sft_steps == 0  # nothing trains
+
+
+def test_a_teacher_or_model_under_a_local_directory_that_is_not_there_yet_is_named_as_a_missing_directory(
+        capsys, tmp_path, monkeypatch):
+    """configs/smollm2_add_opd_cpu.yaml run before its teacher was made: `runs/add-teacher` was asked of the
+    hub (a minute of retries offline) and the line blamed the network. It now names the missing directory."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as the hub's own "not found", at once
+    (tmp_path / "runs").mkdir()
+    import modeldir
+    with pytest.raises(utils.ConfigError, match=r"^--model runs/add-teacher: cannot load it \(no directory "
+                       r"runs/add-teacher here, and from the hub: "):
+        modeldir.resolve_model("runs/add-teacher")
+    with pytest.raises(utils.ConfigError) as e:  # a hub id whose first part is no local directory: as before
+        modeldir.resolve_model("nanorl-no-such-org/model")
+    assert "no directory" not in str(e.value)
+
+
+def test_a_resume_that_swaps_the_teacher_warns_as_one_that_swaps_the_model(capsys, tmp_path):
+    """--algo opd trains toward --teacher: a resume with another one replaced it without a word."""
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = train.Config(task="arith", model="tiny", algo="opd", teacher="tiny", sft_steps=0, group_size=8)
+    (run / "config.yaml").write_text(utils.dump_config(saved))
+    capsys.readouterr()
+    cfg = train.parse(["--resume", str(run), "--teacher", "/teachers/t2", "--opd-reward-coef", "0.5"])
+    assert cfg.teacher == "/teachers/t2" and capsys.readouterr().err.splitlines() == [
+        "warning: teacher '/teachers/t2' replaces the run's 'tiny'",
+        "warning: opd_reward_coef 0.5 replaces the run's 0.0"]
+
+
+def test_a_model_whose_files_lack_its_weights_is_refused_not_filled_at_random(capsys, tmp_path):
+    """config.json and a tokenizer beside a weights file of another model (an adapter's, a wrong copy): the
+    missing weights were drawn at random, and the run evaluated (or trained) that, exiting 0."""
+    from safetensors.torch import save_file
+    import shutil
+    model = tmp_path / "model"
+    shutil.copytree(build_tiny_model(str(tmp_path / "tiny"), layers=1, hidden=64, heads=1, intermediate=128), model)
+    save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)}, str(model / "model.safetensors"))
+    err = one_line_error(capsys, ["--task", "arith", "--model", str(model), "--eval-only", "--eval-size", "2",
+                                  "--out", str(tmp_path / "eval"), "--no-progress"])
+    assert re.fullmatch(rf"error: --model {model}: its files hold no weights for \d+ of its tensors \(e\.g\. "
+                        r"[\w.]+\); pass a whole model, not a vocab-only or adapter file", err), err

@@ -543,3 +543,32 @@ def test_a_step_waiting_on_dead_workers_says_each_once_and_stops_when_no_other_c
             p.kill()
             p.wait()
 
+
+
+def test_a_dead_worker_of_the_trainers_own_is_told_within_seconds_not_at_the_minutes_waiting_line(
+        monkeypatch, capsys):
+    """The --workers processes were looked at only when a "waiting for batches" line was due, a minute
+    without a batch: a trainer whose workers had all died said so, and stopped, a minute late."""
+    monkeypatch.delenv("NANORL_TOKEN", raising=False)
+    box = serve.Inbox(utils.load_config(train.Config, ["--task", "arith", "--batch", "8", "--group-size", str(K),
+                                                      "--role", "trainer"]), VOCAB, 0, MAX_LEN)
+    dead = subprocess.Popen(["sh", "-c", "exit 3"])
+    dead.wait()
+    box.restore(0)
+    box.serve(0, bytearray(b"v0"), 0.0)
+    raised = []
+
+    def take():
+        try:
+            box.take(0, {0}, [dead])
+        except utils.ConfigError as e:
+            raised.append(str(e))
+
+    taking = threading.Thread(target=take, daemon=True)
+    try:
+        taking.start()
+        taking.join(serve.WAITING / 2)  # 30 s: the old code told it at 60
+        assert raised and raised[0].startswith("all 1 --workers processes exited")
+        assert "waiting for batches" not in capsys.readouterr().err
+    finally:
+        box.close()

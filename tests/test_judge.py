@@ -377,6 +377,38 @@ def test_judge_down_mid_run_with_drop_runs_on_and_counts(server, tmp_path, tiny,
     assert dropped and all(r["rewards"]["judge"] is None and r["adv"] is None for r in dropped)
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_a_judge_that_counts_for_accuracy_is_asked_once_per_eval_sample_and_a_dropped_one_is_not_correct(
+        server, tmp_path, tiny, monkeypatch):
+    """With the judge as rewards[0] (the README's judged task), the eval asked it again for accuracy, outside
+    --judge-down drop: a judge that was down stopped the run under drop, naming the flag it had."""
+    import rundir
+    import tasks
+    import train
+
+    class JudgedFirst(tasks.Arith):
+        name = "judged_first"
+
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.rewards = [(Judge("r", server.url, "m", retries=0), 1.0), (tasks.int_correct, 1.0)]  # no cache
+
+    monkeypatch.setitem(tasks.TASKS, "judged_first", JudgedFirst)
+    argv = ["--task", "judged_first", "--model", tiny, "--no-progress", "--algo", "grpo", "--batch", "8",
+            "--group-size", "4", "--eval-size", "4", "--max-new-tokens", "3", "--steps", "1", "--eval-every", "1"]
+    server.reply = "Score: 10"  # every sample is correct, by the judge
+    assert train.main([*argv, "--out", str(tmp_path / "up")]) == 0
+    assert len(server.requests) <= 4 + 8 + 4  # eval, step, eval: each sample once at most (a repeat: cached)
+    accuracy = rundir.read_metrics(tmp_path / "up" / "metrics.csv")["eval_accuracy"]
+    assert [(s, v) for s, _, v in accuracy] == [(0, 1.0), (1, 1.0)]
+    server.fail, server.requests[:] = 10 ** 9, []  # down: every request gets a 503
+    with pytest.warns(UserWarning, match="a sample is dropped"):
+        assert train.main([*argv, "--out", str(tmp_path / "down"), "--judge-down", "drop"]) == 0
+    accuracy = rundir.read_metrics(tmp_path / "down" / "metrics.csv")["eval_accuracy"]
+    assert [(s, v) for s, _, v in accuracy] == [(0, 0.0), (1, 0.0)]
+    assert len(server.requests) <= 4 + 8 + 4
+
+
 def dripping_server(tls: ssl.SSLContext | None = None):
     """A raw socket endpoint that answers a well-formed "Score: 6" reply one byte every 20 ms (~6 s in
     all, each byte well within any per-read timeout); records how many it sent before the client left."""
@@ -421,6 +453,45 @@ def test_a_dripping_server_is_cut_off_at_the_timeout_not_read_forever(scheme, tm
     thread.join(30)
     (at, total), = sent
     assert 0 < at < total / 2  # cut off mid-reply at ~1 s of its ~6; a per-read timeout reads all of it
+    listener.close()
+
+
+def raw_server(reply: bytes):
+    """A raw socket endpoint that sends `reply` to each request, then closes the connection."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # closed by the test
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(reply)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener
+
+
+def http_reply(body: bytes, headers: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%s\r\n%s" % (len(body), headers, body)
+
+
+@pytest.mark.parametrize("reply, cause", [
+    (b"HELLO THERE\r\n\r\n", "BadStatusLine"),  # not an HTTP server (ssh, a database) on that port
+    (http_reply(b"{}", b"X-Long: " + b"a" * 70000 + b"\r\n"), "LineTooLong"),
+    (http_reply(b"{}", b"".join(b"X-%d: 1\r\n" % i for i in range(120))), "more than 100 headers"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n100\r\nabc", "IncompleteRead"),  # cut mid-chunk
+    (http_reply(b"[" * 100_000), "RecursionError"),  # JSON nested past Python's recursion limit
+])
+def test_a_reply_that_is_no_http_or_no_json_is_a_judge_without_a_score_not_a_crash(reply, cause):
+    """Each raised its own exception (http.client's, RecursionError) through the run: a traceback under
+    --judge-down fail, and a dead run under drop, which catches JudgeUnavailable."""
+    listener = raw_server(reply)
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+    with pytest.raises(JudgeUnavailable, match=rf"after 2 tries \(.*{cause}"):
+        Judge("r", url, "m", timeout=5.0, retries=1, backoff=0.01)("p", "c", "")
     listener.close()
 
 

@@ -19,7 +19,7 @@ import pytest
 
 import sandbox
 from envs import PythonToolEnv
-from sandbox import SANDBOX_UID_BASE, run_python, sandbox_plan
+from sandbox import SANDBOX_UID_BASE, SandboxUnavailable, run_python, sandbox_plan
 from tasks import Problem
 
 PYTHON, FLAGS, UID_BASE = sandbox_plan("strict")
@@ -209,7 +209,11 @@ def test_each_run_gets_its_own_unprivileged_uid_and_no_groups():
     ids = [run_python("import os\nprint(os.getuid(), os.getgid(), os.getgroups())").stdout for _ in range(2)]
     (uid1, gid1, groups1), (uid2, *_) = (line.split(" ", 2) for line in ids)
     assert int(uid1) >= SANDBOX_UID_BASE and uid1 == gid1 and groups1 == "[]\n" and uid1 != uid2
-    assert run_python("print(open('/root/.bashrc').read())").stderr.endswith("Permission denied: '/root/.bashrc'\n")
+    # root's home is hidden (an empty tmpfs), and without the mount namespace the uid alone keeps it unread
+    assert run_python("print(open('/root/.bashrc').read())").stderr.endswith("No such file or directory: "
+                                                                           "'/root/.bashrc'\n")
+    assert run_python("print(open('/root/.bashrc').read())", plan=(PYTHON, 0, UID_BASE)).stderr.endswith(
+        "Permission denied: '/root/.bashrc'\n")
 
 
 @pytest.mark.skipif(not UID_BASE, reason="a uid per run needs root")
@@ -322,6 +326,35 @@ def test_where_the_strict_sandbox_fails_the_refusal_names_the_reason_and_weak_lo
     assert "--sandbox weak" in err and sandbox._mode == "strict"
     assert sandbox.sandbox_plan("weak")[1:] == (0, UID_BASE)
     assert capsys.readouterr().err.endswith(": sandbox setup failed: unshare: Invalid argument\n")
+
+
+def test_a_launcher_that_fails_after_the_code_ran_is_no_sandbox(monkeypatch, tmp_path):
+    """A python3 without os.pidfd_open (3.8, as root's system Python on Ubuntu 20.04) ran the check's code,
+    which printed 42, then failed to enforce the wall clock: the check passed, and every run outlived its
+    timeout. A plan now needs the launcher's own success too."""
+    fake = tmp_path / "python3"  # runs `-I -S -c LAUNCHER args` as the real one would, without pidfd_open
+    fake.write_text(f"#!{PYTHON} -I\nimport os, sys, time\nsys.argv = sys.argv[4:]\n"
+                    "def pidfd_open(pid):  # after the code's print: the launcher fails once it has run\n"
+                    "    time.sleep(2)\n    raise AttributeError(\"module 'os' has no attribute 'pidfd_open'\")\n"
+                    "os.pidfd_open = pidfd_open\nexec(sys.argv[0])\n")
+    fake.chmod(0o755)
+    r = run_python("print(42)", plan=(str(fake), FLAGS, 0))
+    assert r.stdout == "42\n" and r.returncode == 1 and "pidfd_open" in r.stderr  # what the check saw
+    monkeypatch.setattr(sandbox.sys, "executable", str(fake))
+    monkeypatch.setattr(sandbox.shutil, "which", lambda *a, **k: None)
+    with pytest.raises(SandboxUnavailable, match=r"cannot isolate model code here \(AttributeError: .*pidfd_open"):
+        sandbox.sandbox_plan.__wrapped__("strict")
+
+
+def test_sql_cannot_register_a_pointer_as_an_fts3_tokenizer():
+    """fts3_tokenizer('simple') gave libsqlite's address and fts3_tokenizer(name, blob) took any pointer: the
+    first steps of a known SQLite code-execution technique, in a child with the trainer's rights."""
+    from envs import sql_database
+
+    for query in ("SELECT hex(fts3_tokenizer('simple'))", "SELECT FTS3_TOKENIZER('x', x'4141414141414141')"):
+        with pytest.raises(sqlite3.DatabaseError, match="not authorized"):
+            sandbox.run_sql(sql_database("shop"), query)
+    assert sandbox.run_sql(sql_database("shop"), "SELECT lower('A'), count(*) > 0 FROM customers")[1] == [("a", 1)]
 
 
 def _one_line_error(capsys, argv) -> str:

@@ -68,7 +68,8 @@ def test_a_flag_is_never_taken_as_an_abbreviation():  # --step 3 is a typo, not 
 @pytest.mark.parametrize("argv, said", [
     (["arith"], "unexpected value 'arith': did you mean '--task arith'?"),  # the flag's name left out
     (["--steps", "3", "grpo"], "unexpected value 'grpo': did you mean '--algo grpo'?"),
-    (["--lora", "false"], "unexpected value 'false': a flag takes a value, a switch (--lora) none"),
+    (["--lora", "false"], "unexpected value 'false': --lora is a switch, without a value: --lora turns it on, "
+                          "--no-lora off"),
     (["--steps", "3", "4"], "unexpected value '4': a flag takes a value, a switch (--lora) none"),
 ])
 def test_a_value_without_its_flag_is_named_as_a_value_never_as_an_unknown_flag(argv, said):
