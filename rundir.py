@@ -221,16 +221,21 @@ def plot(out: Path, keys: tuple[str, ...]) -> None:
 @contextlib.contextmanager
 def atomic_dir(final: Path):
     """A fresh directory beside `final`, renamed to `final` (replacing it) once the block has filled it:
-    a reader never sees half of it."""
+    a reader never sees half of it. An empty `final` (an --export DIR: a mount point, or in a directory
+    this user cannot write, where no rename can replace it) is filled from a fresh directory inside it."""
+    in_place = final.is_dir() and not any(final.iterdir())
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final if in_place else final.parent))
     tmp.chmod(0o777 & ~UMASK)  # as mkdir would: mkdtemp's 0700 hid exports and caches from other users
     try:
         yield tmp
         for path in tmp.rglob("*"):  # as open() and mkdir would: safetensors writes its files 0600
             path.chmod((0o777 if path.is_dir() else 0o666) & ~UMASK)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        for path in tmp.iterdir() if in_place else ():
+            os.replace(path, final / path.name)
+        if not in_place:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
     except (SafetensorError, RuntimeError) as e:  # how safetensors and torch.save report a failed write
         free = shutil.disk_usage(tmp).free >> 20  # the cause (a full disk, say) is only in their message
         raise OSError(errno.EIO, f"{e}; {free} MiB free there", str(final)) from e

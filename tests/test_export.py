@@ -67,6 +67,32 @@ def test_full_fine_tuning_exports_a_save_pretrained_model_with_the_trainers_logi
     assert torch.equal(logits(exported, ids), logits(policy.model, ids))
 
 
+def test_an_export_into_an_empty_mount_point_or_an_empty_directory_in_a_read_only_one_is_written(tmp_path, tiny):
+    """The export was built beside DIR and renamed over it: an empty volume (`docker -v host:/out`) failed with
+    EBUSY, and so did the retry the message named. An empty DIR is now filled from inside it."""
+    import os
+    import subprocess
+
+    _, policy, ids = trained(tmp_path, tiny, "--no-lora")
+    if os.geteuid() == 0:  # a real mount point: no rename replaces it
+        mnt = tmp_path / "mnt"
+        mnt.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], check=True)
+    else:  # an empty directory that its read-only parent cannot have replaced
+        (tmp_path / "ro").mkdir()
+        (mnt := tmp_path / "ro" / "out").mkdir()
+        (tmp_path / "ro").chmod(0o555)
+    try:
+        policy.export(str(mnt))
+        assert sorted(p.name for p in mnt.iterdir() if p.name.startswith(".")) == []  # no temporary left
+        torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(mnt), ids), logits(policy.model, ids))
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["umount", str(mnt)], check=True)
+        else:
+            (tmp_path / "ro").chmod(0o755)
+
+
 def test_eval_only_on_a_bare_model_writes_eval_metrics_without_training(tmp_path, tiny):
     out = tmp_path / "eval"
     assert train.main(["--task", "arith", "--model", tiny, "--eval-only", "--out", str(out), "--eval-size", "3",
