@@ -59,6 +59,15 @@ def own_userns():  # mapping only our ids (all an ordinary user may map), and al
                        ("self/gid_map", f"{ids[1]} {ids[1]} 1"), ("sys/user/max_user_namespaces", "0")):
         with open(f"/proc/{name}", "w") as f:
             f.write(text)
+def tasks_of(uid):  # RLIMIT_NPROC counts every thread of a uid on the machine, the trainer's too
+    n = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
+        except (OSError, ValueError):  # it exited meanwhile
+            continue
+        n += int(fields["Threads"]) if int(fields["Uid"].split()[0]) == uid else 0
+    return n
 def mount(src, dst, kind=None, flags=BIND, opts=None):
     check(libc.mount(src, dst.encode(), kind, flags, opts) == 0, dst)
 def read_only(path):  # recursively: mount_setattr(2), Linux >= 5.12
@@ -97,6 +106,8 @@ if pid == 0:
         os.chdir("/tmp")
         with open("main.py", "w", encoding="utf-8") as f:  # for tracebacks' source lines
             f.write(src)
+    if not (uid or flags & NEWUSER):  # the caller's own uid, without a namespace's count: the run's on top
+        nproc += tasks_of(os.getuid()) - 1  # (this process is the run's first)
     for r, v in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, mem), (resource.RLIMIT_FSIZE, fsize),
                  (resource.RLIMIT_NOFILE, nofile), (resource.RLIMIT_NPROC, nproc), (resource.RLIMIT_CORE, 0)):
         resource.setrlimit(r, (v, v))

@@ -223,7 +223,11 @@ def checked(reward, who: str, completion: str) -> float:
     judge's missing score does, None would fail deep in the loop, and neither says which reward erred."""
     if isinstance(reward, numbers.Real) and abs(reward) <= sys.float_info.max:  # isfinite(10**400) overflows
         return float(reward)
-    raise RewardError(f"{who} returned {reward!r:.80} for the completion {completion[:60]!r}; a reward is a "
+    try:
+        shown = f"{reward!r:.80}"
+    except ValueError:  # repr() refuses an int past 4,300 digits (a reward of 10**5000)
+        shown = f"a value too large to print ({type(reward).__name__})"
+    raise RewardError(f"{who} returned {shown} for the completion {completion[:60]!r}; a reward is a "
                       "finite number (0.0 for a wrong or malformed answer)")
 
 

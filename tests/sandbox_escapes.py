@@ -192,5 +192,15 @@ if __name__ == "__main__":  # SANDBOX_DIR WORK_DIR [--plan] [--no-userns] [--no-
         plan = str(e)
     if "--plan" in sys.argv or isinstance(plan, str):  # only what sandbox_plan decides here
         print(json.dumps(plan))
+    elif "--fork" in sys.argv:  # what model code that starts processes gets, and how many a bomb gets
+        others = [subprocess.Popen(["/bin/sleep", "30"]) for _ in range(10)]  # the user's other processes
+        said = sandbox.run_python("import subprocess\nprint(subprocess.run(['/bin/echo', 'hi'], "
+                                  "capture_output=True).stdout.decode().strip())").stdout.strip()
+        bomb = sandbox.run_python("import os, time\nn = 0\ntry:\n    while n < 100:\n        if os.fork() == 0:\n"
+                                  "            time.sleep(5)\n            os._exit(0)\n        n += 1\n"
+                                  "except OSError:\n    pass\nprint(n)", timeout_s=10.0).stdout.strip()
+        for p in others:
+            p.kill()
+        print(json.dumps([said, bomb]))
     else:
         print(json.dumps(escapes(sandbox.run_python, Path(sys.argv[2]))))

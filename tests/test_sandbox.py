@@ -290,6 +290,16 @@ def test_without_user_namespaces_an_ordinary_user_is_refused_in_one_line_unless_
 
 
 @as_root
+def test_the_weak_mode_of_an_ordinary_user_lets_the_code_start_its_own_processes_up_to_the_limit():
+    """RLIMIT_NPROC counts all the user's threads on the machine (here 10 other processes; the trainer alone
+    has more than 8), so in the weak mode every fork of the code failed; the run's come on top of them now."""
+    said, forked = escape_suite_as("nanorl-tester", "--no-userns", "--weak", "--fork")
+    # nproc 8, the code's own process one of them (7), as under a uid of its own; 8 if a process counted
+    # at the start (the previous run's launcher, exiting) was gone by the last fork
+    assert said == "hi" and int(forked) in (7, 8)
+
+
+@as_root
 def test_root_where_unshare_is_denied_is_refused_unless_weak_which_keeps_the_uid_per_run():
     refused = escape_suite_as("root", "--plan", "--no-unshare")  # a seccomp filter, as Docker's default profile
     assert refused.startswith("sandbox: cannot isolate model code here (sandbox setup failed: unshare: Operation")

@@ -431,8 +431,10 @@ def test_a_reward_that_is_not_a_finite_number_stops_naming_its_function(value, o
 
 
 @pytest.mark.parametrize("value, shown", [(10**400, "1" + "0" * 79), (-(10**400), "-1" + "0" * 78),
-                                          (Fraction(10**400, 3), "Fraction(1" + "0" * 70)],
-                         ids=["int", "negative", "fraction"])
+                                          (Fraction(10**400, 3), "Fraction(1" + "0" * 70),
+                                          (10**5000, "a value too large to print (int)"),  # repr() raised ValueError
+                                          (Fraction(10**5000, 3), "a value too large to print (Fraction)")],
+                         ids=["int", "negative", "fraction", "past repr", "fraction past repr"])
 def test_a_reward_past_a_floats_range_stops_naming_its_function_as_a_nan_does(value, shown):
     """10**400 raised a bare OverflowError from math.isfinite, naming neither the reward nor the fix."""
     task = make_task("countdown", seed=0, eval_size=0)
