@@ -150,7 +150,7 @@ def task_defaults(given: dict) -> dict:
 def choices() -> dict:
     """Fields with a fixed set of values: validate() checks them first, and --help lists them."""
     return {"task": sources(), "algo": ALGOS, "loss": LOSSES, "loss_agg": AGGREGATIONS, "kl_estimator": KL,
-            "tis": IS_LEVELS, "mis": IS_LEVELS, "bad_rows": ("skip", "error"),
+            "tis": IS_LEVELS, "mis": IS_LEVELS, "bad_rows": ("skip", "error"), "dtype": tuple(DTYPES),
             "role": ("sync", "trainer", "rollout"), "judge_down": ("fail", "drop"), "sandbox": sandbox.MODES}
 
 

@@ -43,6 +43,8 @@ def coerce(field: dataclasses.Field, value, source: str):
     if kind == "str" and (value is None or isinstance(value, bool)):  # `tis: off` would be tis "False"
         raise ConfigError(f"{source}: '{field.name}' must be text, got {value!r}: quote it, as in 'off' "
                           "(YAML reads an unquoted off, no, yes or null as no text)")
+    if kind == "str" and isinstance(value, (list, dict)):  # `out: [dir]` would write into "['dir']"
+        raise ConfigError(f"{source}: '{field.name}' must be text, got {value!r}")
     try:
         if kind == "str" or isinstance(value, bool) == (kind == "bool"):
             typed = field.type(value)
@@ -113,6 +115,8 @@ def load_config(cls, argv: list[str], choices: dict | None = None, base: Path | 
             raise ConfigError(f"unexpected value '{bad}': {hint}")
         flags = ["--" + n.replace("_", "-") for n in fields] + ["--config"]
         raise ConfigError(f"unknown flag {bad}{closest(bad, flags)}")
+    if sum(a.split("=")[0] == "--config" for a in argv) > 1:  # argparse would keep the last alone
+        raise ConfigError("--config given twice: merge the presets into one file (flags override it)")
     values = {}
     for source in filter(None, (base, args.config)):
         try:

@@ -76,6 +76,9 @@ def one_line_error(capsys, argv) -> str:
     (["--dist-timeout", "0"], "need --dist-timeout >= 1 (got 0.0)"),
     (["--dual-clip", "-1"], "dual_clip 0 (off) or > 1"),
     (["--target", "-1"], "need --target >= 0 (got -1.0)"),
+    (LLM + ["--dtype", "fp16"], "unknown --dtype 'fp16'; did you mean 'bf16'? (choices: fp32, bf16)"),  # at load
+    (["--config", "configs/cartpole_ppo.yaml", "--config", "configs/cartpole_grpo.yaml"],  # the first was dropped
+     "--config given twice: merge the presets into one file (flags override it)"),
     # YAML's `lora: false` works; on the command line the hint named --lora, which turns it on
     (LLM + ["--no-lora", "false"], "'false': --lora is a switch, without a value: --lora turns it on, --no-lora off"),  # every eval reached it: the run stopped at its first
 ])
@@ -634,7 +637,17 @@ def test_a_model_whose_files_lack_its_weights_is_refused_not_filled_at_random(ca
     model = tmp_path / "model"
     shutil.copytree(build_tiny_model(str(tmp_path / "tiny"), layers=1, hidden=64, heads=1, intermediate=128), model)
     save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)}, str(model / "model.safetensors"))
-    err = one_line_error(capsys, ["--task", "arith", "--model", str(model), "--eval-only", "--eval-size", "2",
-                                  "--out", str(tmp_path / "eval"), "--no-progress"])
-    assert re.fullmatch(rf"error: --model {model}: its files hold no weights for \d+ of its tensors \(e\.g\. "
-                        r"[\w.]+\); pass a whole model, not a vocab-only or adapter file", err), err
+    cfg = utils.load_config(train.Config, ["--task", "arith", "--model", str(model)])
+    with pytest.raises(utils.ConfigError) as e:  # (main prints it as one line; transformers logs its table)
+        LLMPolicy(cfg)
+    assert re.fullmatch(rf"--model {model}: its files hold no weights for \d+ of its tensors \(e\.g\. "
+                        r"[\w.]+\); pass a whole model, not a vocab-only or adapter file", str(e.value))
+
+
+@pytest.mark.parametrize("line", ["out: [/tmp/listed]", "task: [cartpole]", "log: {tensorboard: 1}"])
+def test_a_yaml_list_or_mapping_for_a_text_setting_is_refused_naming_the_file(capsys, tmp_path, line):
+    """`out: [dir]` ran, into a directory named "['dir']" in the working directory."""
+    (tmp_path / "p.yaml").write_text(line + "\n")
+    err = one_line_error(capsys, ["--config", str(tmp_path / "p.yaml"), "--steps", "1"])
+    key, value = line.split(": ", 1)
+    assert err.startswith(f"error: {tmp_path / 'p.yaml'}: '{key}' must be text, got ") and not Path("['/tmp").exists()
