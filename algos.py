@@ -55,10 +55,11 @@ def gae(rewards, values, mask, last_value, terminated, gamma: float, lam: float)
 def group_baseline(scores: torch.Tensor, group: torch.Tensor):
     """Per-row mean, std (population) and size of the row's group; all [N]."""
     _, idx = torch.unique(group, return_inverse=True)
-    per_row = torch.stack([torch.ones_like(scores), scores, scores**2], 1)  # [N, 3]
-    k, total, sq = torch.zeros(int(idx.max()) + 1, 3).index_add_(0, idx, per_row).T  # each [groups]
-    mean = total / k
-    std = (sq / k - mean**2).clamp(min=0).sqrt()
+    sums = lambda x: torch.zeros(int(idx.max()) + 1).index_add_(0, idx, x)  # [groups]
+    k = sums(torch.ones_like(scores))
+    mean = sums(scores) / k
+    # about the mean, not E[x^2] - mean^2, which cancels to 0 in float32 for rewards like 1000 +- 0.01
+    std = (sums((scores - mean[idx]) ** 2) / k).sqrt()
     return mean[idx], std[idx], k[idx]
 
 
@@ -111,7 +112,9 @@ GROUPED = {"grpo", "rloo"}  # estimators that need group_size >= 2
 AGGREGATIONS = ("token_mean", "seq_mean", "constant")
 LOSSES = ("ppo", "gspo", "cispo")
 IS_LEVELS = ("off", "token", "sequence")  # sampler/trainer mismatch corrections
-# KL(policy || ref) per token from samples of the policy (Schulman's k1, k2, k3; --kl-estimator's trade-offs)
+# KL(policy || ref) per token from samples of the policy (Schulman's k1, k2, k3). As a loss their gradients
+# differ: k2's is that of KL(policy || ref), k3's that of KL(ref || policy) (GRPO's), k1's is zero in
+# expectation; as a reward (--kl-in-reward) k1 gives the true KL's gradient.
 KL = {"k1": lambda logp, ref_logp: logp - ref_logp,
       "k2": lambda logp, ref_logp: 0.5 * (logp - ref_logp) ** 2,
       "k3": lambda logp, ref_logp: torch.exp(ref_logp - logp) - (ref_logp - logp) - 1}

@@ -47,8 +47,10 @@ class CartPole:
 class TextEnv:
     """In the spirit of gymnasium: reset(problem) -> (chat messages, info), step(completion) ->
     (reply messages or None, reward, done, info). Subclasses define `respond(completion) -> (reply
-    text or None, reward, solved)`; a solve, a reply of None or `max_turns` turns end the episode,
-    whose reward is the sum of its turns'. `task`: the tasks.Task class that supplies problems."""
+    text or None, reward, solved)`; a solve, a reply of None or `max_turns` turns (the rollout sets
+    --max-turns on each instance) end the episode, whose reward is the sum of its turns'. A step of
+    one's own reports a solve as info["solved_at_turn"] = its turn, from 1 (0 or absent: unsolved),
+    which the `solved` metric and eval accuracy count. `task`: the tasks.Task class of its problems."""
 
     max_turns = 4
     task: type | None = None

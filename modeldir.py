@@ -47,16 +47,20 @@ def resolve_model(name: str) -> str:
     if (local / "adapter_config.json").is_file() and not (local / "config.json").is_file():
         raise utils.ConfigError(f"--model {name}: a LoRA adapter (an --export), not a model; --export DIR "
                                 "--export-merged writes one that --model loads")
+    if (local / "config.yaml").is_file() and not (local / "config.json").is_file():  # e.g. a teacher's run
+        raise utils.ConfigError(f"--model {name}: a run directory, not a model; --resume {name} --eval-only "
+                                "--export DIR --export-merged writes one that --model loads")
     if local.is_dir():
         name = str(local)
-    elif name.startswith((".", "/", "~")):
+    # A hub id is NAME or OWNER/NAME: a longer path, or one into a directory here without models (runs/x), is
+    # a directory not made yet, which the hub would only answer after ~25 s of retries offline.
+    elif name.startswith((".", "/", "~")) or name.count("/") > 1 or (
+            "/" in name and local.parent.is_dir() and not any(local.parent.glob("*/config.json"))):
         raise utils.ConfigError(f"--model {name}: no such directory; {LOAD_HINT}")
     try:
         AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as e:
         why = str(e).splitlines()[0]
-        if local.parent != Path(".") and local.parent.is_dir():  # runs/x: likely a directory not yet made
-            why = f"no directory {local} here, and from the hub: {why}"
         typo = utils.closest(name, ("tiny", "smollm2-135m"))  # the names that need no download
         raise utils.ConfigError(f"--model {name}: cannot load it ({why}){typo}; {LOAD_HINT}") from None
     return name
@@ -111,12 +115,15 @@ def gguf_to_hf(file: Path) -> str:
     if (final / "config.json").exists():
         return str(final)
     try:
+        refuse_non_model(file)
         lm, info = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32,
                                                         output_loading_info=True)
         tok = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
     except ImportError:  # transformers reads GGUF through the optional gguf package
         raise utils.ConfigError(f'--model {file}: reading GGUF needs the gguf package: pip install gguf '
                                 '(or pip install -e ".[demo]")') from None
+    except utils.ConfigError:  # a ValueError too, but already the line to show
+        raise
     except (ValueError, struct.error) as e:  # what a truncated, corrupt or foreign file raises
         why = str(e).splitlines()[0]
         fix = ("the file is truncated or corrupt: download it again" if "not supported" not in why
@@ -126,9 +133,23 @@ def gguf_to_hf(file: Path) -> str:
     return publish(final, whole(lm, info, str(file)), tok)
 
 
+def refuse_non_model(file: Path) -> None:
+    """transformers builds the network the file's settings describe (a 7B Llama where none) before it looks
+    for weights: an adapter or a vocab-only file filled memory or read as corrupt. Refused first."""
+    from gguf import GGUFReader  # optional, as for transformers' own GGUF reading (~3 s for SmolLM2's 93 MB)
+
+    reader = GGUFReader(file)
+    if (kind := reader.fields.get("general.type")) and kind.contents() == "adapter":
+        raise utils.ConfigError(f"--model {file}: a LoRA adapter in GGUF, not a model; pass the model it "
+                                "adapts (its .gguf, hub id or directory); --lora trains an adapter of it")
+    if not reader.tensors:  # llama.cpp's --vocab-only files keep the settings of the model (a 7B's, say)
+        raise utils.ConfigError(f"--model {file}: a vocab-only GGUF (a tokenizer, no weights), not a model; "
+                                "pass a whole model's .gguf")
+
+
 def whole(lm: torch.nn.Module, info: dict, name: str) -> torch.nn.Module:
     """A from_pretrained model whose files held every weight: transformers fills missing ones at random, and
-    a vocab-only GGUF or a weights file of another model would train, exit 0 and be cached as a model."""
+    a GGUF short of tensors or another model's weights file would train, exit 0 and be cached as a model."""
     if missing := info["missing_keys"]:
         raise utils.ConfigError(f"--model {name}: its files hold no weights for {len(missing)} of its "
                                 f"tensors (e.g. {sorted(missing)[0]}); pass a whole model, not a vocab-only "

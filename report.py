@@ -62,8 +62,12 @@ def summary(run: Path, wall_s: float, export: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1 or not (Path(argv[0]) / "config.yaml").exists():
+    if len(argv) != 1:
         utils.stderr("usage: python report.py RUN_DIR (a run directory of train.py, with its config.yaml)")
+        return 2
+    if not (Path(argv[0]) / "config.yaml").exists():
+        why = "no config.yaml in it" if Path(argv[0]).is_dir() else "no such directory"
+        utils.stderr(f"{argv[0]}: {why}; pass a run directory of train.py (runs/NAME)")
         return 2
     try:
         print(write_report(Path(argv[0])))

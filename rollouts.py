@@ -193,9 +193,25 @@ def encode_reply(policy, messages: list[dict], eos_id: int) -> list[int]:
     return policy.tokenizer.encode(text, add_special_tokens=False)
 
 
-def _start(policy, env_factory, problem: Problem) -> Episode:
+def _checked(env: TextEnv, method: str, arg) -> tuple:
+    """env.reset(problem) or env.step(completion), the shape of its result checked: a wrong one failed deep
+    in the rollout ("not enough values to unpack", "string indices must be integers")."""
+    out, step = getattr(env, method)(arg), method == "step"
+    chat = lambda x: isinstance(x, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                 and isinstance(m.get("content"), str) for m in x)
+    if isinstance(out, tuple) and len(out) == (4 if step else 2) and isinstance(out[-1], dict) and (
+            chat(out[0]) or step and out[0] is None):
+        return out
+    given = f"the completion {arg[:60]!r}" if step else f"the problem {arg.key!r}"
+    want = "(reply messages or None, reward, done, info)" if step else "(messages, info)"
+    raise tasks.RewardError(f"{type(env).__name__}.{method} returned {out!r:.80} for {given}; it returns "
+                            f"{want}, messages a list of {{'role': text, 'content': text}} dicts")
+
+
+def _start(policy, env_factory, problem: Problem, max_turns: int) -> Episode:
     env = env_factory()
-    messages, _ = env.reset(problem)
+    env.max_turns = max_turns  # the run's, not the class's default; so an env's __init__ need not take it
+    messages, _ = _checked(env, "reset", problem)
     if len(messages) == 1 or not policy.use_template:  # as single-turn tasks encode their prompts
         return Episode(problem, policy.encode_prompt("\n\n".join(m["content"] for m in messages)), env)
     return Episode(problem, policy.tokenizer.encode(_chat(policy, messages), add_special_tokens=False), env)
@@ -207,7 +223,8 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
     """group_size episodes per problem, up to max_turns model turns each, with one policy.generate call
     per turn for all live episodes; env steps run in 8 threads (the sandbox and SQLite release the GIL).
     Only the model's tokens have mask 1. An episode whose next turn would pass max_len ends, truncated."""
-    eps = [_start(policy, env_factory, p) for p in problems for _ in range(group_size)]
+    eps = [_start(policy, env_factory, p, max_turns) for p in problems for _ in range(group_size)]
+    wide = max(map(len, policy.tokenizer.get_vocab()))  # no token covers more characters than its entry has
     max_len = min(max_len, policy.positions or max_len)  # learned positions (GPT-2's) end an episode too
     if (longest := max(len(e.prompt) for e in eps)) >= max_len:
         raise utils.ConfigError(f"a prompt has {longest} tokens, not fewer than max_len={max_len}; "
@@ -222,7 +239,7 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
                 e.mask += [1] * len(s.ids[:r])
                 e.truncated = s.truncated or len(s.ids) > r
             texts = [policy.decode(s.ids[:r]) for s, r in zip(samples, room)]
-            steps = pool.map(lambda e, t: e.env.step(t), live, texts)
+            steps = pool.map(lambda e, t: _checked(e.env, "step", t), live, texts)
             for e, t, (obs, reward, done, info) in zip(live, texts, steps):
                 e.reward += tasks.checked(reward, f"{type(e.env).__name__}.step", t)
                 e.turns += 1
@@ -231,8 +248,12 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
                 # A turn cut off mid-way ends the episode: a reply must follow the turn's end token.
                 e.done = done or e.truncated or e.turns == max_turns
                 if not e.done:
-                    reply = encode_reply(policy, obs, e.ids[-1])
-                    if len(e.prompt) + len(e.ids) + len(reply) >= max_len:
+                    left = max_len - len(e.prompt) - len(e.ids)
+                    # A huge reply (a dumped file) would be tokenized whole, for seconds and GBs, only to end
+                    # the episode. Cut past (left + 1) * wide characters, it still needs over `left` tokens.
+                    cut = [m | {"content": m["content"][: (left + 1) * wide]} for m in obs]
+                    reply = encode_reply(policy, cut, e.ids[-1])
+                    if len(reply) >= left:
                         e.done = e.truncated = True
                     else:
                         e.ids, e.logps = e.ids + reply, e.logps + [0.0] * len(reply)
@@ -383,8 +404,10 @@ class TaskRollouts(BatchSource):
                                     "--sft-steps 0")
         ids = [tok.encode(text, add_special_tokens=False) + [tok.eos_token_id] for text in texts]
         demos = [Sample(d, [0.0] * len(d), False) for d in ids]
-        prefixes = [self.policy.encode_prompt(p.prompt) for p in problems]
-        return make_batch(prefixes, demos, [0.0] * n, self.policy.pad_id)
+        return make_batch([self.prompt_ids(p) for p in problems], demos, [0.0] * n, self.policy.pad_id)
+
+    def prompt_ids(self, problem: Problem) -> list[int]:  # what the warm-start imitates after
+        return self.policy.encode_prompt(problem.prompt)
 
     def state(self) -> dict:
         spread = {"spread": [astuple(p) for p in self.spread]} if self.spread else {}
@@ -407,8 +430,11 @@ class EnvRollouts(TaskRollouts):
         if not (isinstance(env.task, type) and issubclass(env.task, tasks.Task)):
             raise utils.ConfigError(f"{env.__name__}.task is {env.task!r}: set it to the tasks.Task "
                                     "class it plays")
-        self.env = lambda: env(cfg.max_turns)  # --max-turns ends an episode, not the env class's default
+        self.env = env
         return env.task(seed=cfg.seed, eval_size=cfg.eval_size)
+
+    def prompt_ids(self, problem: Problem) -> list[int]:  # the env's reset messages, which may reword it
+        return _start(self.policy, self.env, problem, self.cfg.max_turns).prompt
 
     def episodes(self, problems: list[Problem], k: int, greedy: bool = False, version: int = 0) -> Batch:
         cfg = self.cfg

@@ -5,6 +5,7 @@ import csv
 import dataclasses
 import errno
 import fcntl
+import hashlib
 import itertools
 import json
 import os
@@ -48,10 +49,11 @@ class Metrics:
         except BlockingIOError:
             raise ConfigError(f"{out}: another run is still writing there; stop it first (a new run can "
                               "take another --out)") from None
-        if resumed_at is not None:
+        if resumed_at is not None:  # an --eval-only's directory may collect evals: only its step's go
+            keep = (lambda s: s != resumed_at + 1) if cfg.eval_only else (lambda s: s <= resumed_at)
             set_aside(out, resumed_at)
             for name in LOGS:
-                truncate_log(out / name, resumed_at)
+                truncate_log(out / name, keep)
         (out / "config.yaml").write_text(dump_config(cfg))
         self.csv_file = open(out / "metrics.csv", "a", newline="")
         # "\n", not csv's "\r\n": truncate_log rewrites a resumed run's lines with "\n": one ending a file
@@ -59,7 +61,8 @@ class Metrics:
         if self.csv_file.tell() == 0:  # a new file
             self.writer.writerow(["step", "wall_s", "key", "value"])
         self.samples_file = open(out / "samples.jsonl", "a")
-        self.loggers = [LOGGERS[name](out, cfg, resumed_at) for name in filter(None, cfg.log.split(","))]
+        names = dict.fromkeys(filter(None, cfg.log.split(",")))  # --log tensorboard,tensorboard: one
+        self.loggers = [LOGGERS[name](out, cfg, resumed_at) for name in names]
 
     def wall(self) -> float:
         return time.perf_counter() - self.t0
@@ -97,8 +100,8 @@ class Metrics:
 LOGS = ("metrics.csv", "samples.jsonl", "samples.1.jsonl")
 
 
-def truncate_log(path: Path, last_step: float) -> None:
-    """Keeps metrics.csv's / samples.jsonl's lines up to last_step, less a last line cut short by a kill."""
+def truncate_log(path: Path, keep) -> None:
+    """Keeps metrics.csv's / samples.jsonl's lines of the steps `keep` takes, less a last line cut short."""
     if not path.exists():
         return
     lines = path.read_text().splitlines(keepends=True)
@@ -107,7 +110,7 @@ def truncate_log(path: Path, last_step: float) -> None:
     kept = lines[:1] if csv_file else []  # the header
     for n, line in enumerate(lines[len(kept):], len(kept) + 1):
         try:
-            if line.endswith("\n") and step(line) <= last_step:
+            if line.endswith("\n") and keep(step(line)):
                 kept.append(line)
         except (ValueError, KeyError, TypeError):  # a hand edit: the run must not drop what it cannot read
             raise ConfigError(f"{path}:{n}: cannot read the line {line[:40]!r}; fix or delete it") from None
@@ -162,8 +165,11 @@ class WandB:
             import wandb  # optional: only --log wandb needs it
         except ImportError:
             raise ConfigError("--log wandb needs the wandb package: pip install wandb") from None
+        # the id names the directory, as resumes of it find it again, and no other one (runs/a/eval-0000030)
+        where = hashlib.sha256(os.fsencode(out.resolve())).hexdigest()[:8]
+        ident = re.sub(r"[^\w-]", "_", f"{out.name}-{where}")
         self.wandb, self.run = wandb, wandb.init(dir=str(out), name=out.name, config=dataclasses.asdict(cfg),
-                                                  resume="allow", id=re.sub(r"[^\w-]", "_", out.name))
+                                                  resume="allow", id=ident)
         self.run.define_metric("*", step_metric="step")
         self.pending: list[dict] = []
 
@@ -174,13 +180,19 @@ class WandB:
         """A table per eval, with the training rows since the last (a table a step: 10,000 artifacts)."""
         self.pending += [{"step": step, **row} for row in rows]
         if rows and rows[0]["kind"] == "eval":
-            columns = sorted({k for row in self.pending for k in row})
-            cell = lambda v: json.dumps(v) if isinstance(v, dict) else v  # a reward breakdown: one text cell
-            data = [[cell(r.get(c)) for c in columns] for r in self.pending]
-            self.run.log({"step": step, "samples": self.wandb.Table(columns=columns, data=data)})
-            self.pending = []
+            self.flush()
+
+    def flush(self) -> None:
+        columns = sorted({k for row in self.pending for k in row})
+        cell = lambda v: json.dumps(v) if isinstance(v, dict) else v  # a reward breakdown: one text cell
+        data = [[cell(r.get(c)) for c in columns] for r in self.pending]
+        table = self.wandb.Table(columns=columns, data=data)
+        self.run.log({"step": self.pending[-1]["step"], "samples": table})
+        self.pending = []
 
     def close(self) -> None:
+        if self.pending:  # the training rows since the last eval (a stopped run's; its resume goes on)
+            self.flush()
         self.run.finish()
 
 
@@ -188,11 +200,11 @@ LOGGERS = {"tensorboard": TensorBoard, "wandb": WandB}
 
 
 def read_metrics(path: Path) -> dict[str, list[tuple[int, float, float]]]:
+    """metrics.csv's series by key, less a last line still being written (report.py beside a live run)."""
     series: dict[str, list] = {}
-    with open(path) as f:
-        for row in csv.DictReader(f):
-            point = int(row["step"]), float(row["wall_s"]), float(row["value"])
-            series.setdefault(row["key"], []).append(point)
+    for row in csv.DictReader(line for line in path.read_text().splitlines(True) if line.endswith("\n")):
+        point = int(row["step"]), float(row["wall_s"]), float(row["value"])
+        series.setdefault(row["key"], []).append(point)
     return series
 
 
@@ -273,14 +285,20 @@ def fresh_dir(prefix: str) -> Path:
 
 def where(cfg) -> Path:
     """A run's directory (train.Config's): --resume's, the run of a --resume ckpt-*, --out, or a new one."""
-    if cfg.resume:
-        return Path(cfg.resume).parent if Path(cfg.resume).name.startswith("ckpt-") else Path(cfg.resume)
-    return Path(cfg.out) if cfg.out else fresh_dir(f"runs/{cfg.task}-{cfg.algo}")
+    if not cfg.resume:
+        return Path(cfg.out) if cfg.out else fresh_dir(f"runs/{cfg.task}-{cfg.algo}")
+    ckpt = Path(cfg.resume)
+    if not ckpt.name.startswith("ckpt-"):
+        return ckpt
+    if not ckpt.is_dir() and (ckpt.parent / "config.yaml").exists():  # a run, and a step it has not kept
+        have = ", ".join(c.name for c in checkpoints(ckpt.parent)) or "no checkpoint"
+        raise ConfigError(f"--resume {ckpt}: no such checkpoint; {ckpt.parent} has {have}")
+    return ckpt.parent
 
 
 def atomic_write(path: Path, data: bytes) -> None:
     """`data` as the file's new content, fsync'd beside it and renamed over it: never half a file."""
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # report.py may rewrite a live run's report.html
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -344,7 +362,9 @@ def load_checkpoint(ckpt: Path, policy: torch.nn.Module, opt: torch.optim.Optimi
         raise ConfigError(f"{ckpt}: its tensors do not match this policy (model, LoRA, --hidden or PPO "
                           f"critic unlike the run's); --resume {ckpt.parent} alone restores the run's own")
     policy.load_state_dict(weights, strict=False)
+    lr = opt.param_groups[0]["lr"]  # this run's --lr (a resume may change it): the saved one would stand
     opt.load_state_dict(state["optimizer"])
+    opt.param_groups[0]["lr"] = lr
     set_rng_states(state["torch_rng"])
     return meta
 

@@ -22,7 +22,6 @@ import numbers
 import operator
 import random
 import re
-import sys
 import warnings
 from dataclasses import dataclass
 from decimal import Decimal
@@ -214,6 +213,9 @@ def overlong_penalty(max_len: int, buffer: int, length: Callable[[str], int] = l
     return overlong_penalty
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # rewards live in float32 tensors
+
+
 class RewardError(ValueError):
     """A reward that is not a finite number, or an env's reply that is not text: a bug in what it names."""
 
@@ -221,14 +223,15 @@ class RewardError(ValueError):
 def checked(reward, who: str, completion: str) -> float:
     """`reward` as a float. Anything but a finite number stops the run: a NaN would mask its group as a
     judge's missing score does, None would fail deep in the loop, and neither says which reward erred."""
-    if isinstance(reward, numbers.Real) and abs(reward) <= sys.float_info.max:  # isfinite(10**400) overflows
+    # abs(), not isfinite(10**400), which overflows; past float32's range a reward is inf in the batch
+    if isinstance(reward, numbers.Real) and abs(reward) <= FLOAT32_MAX:  # and its group's advantages NaN
         return float(reward)
     try:
         shown = f"{reward!r:.80}"
     except ValueError:  # repr() refuses an int past 4,300 digits (a reward of 10**5000)
         shown = f"a value too large to print ({type(reward).__name__})"
     raise RewardError(f"{who} returned {shown} for the completion {completion[:60]!r}; a reward is a "
-                      "finite number (0.0 for a wrong or malformed answer)")
+                      "finite number within float32's range (0.0 for a wrong or malformed answer)")
 
 
 # ---------------------------------------------------------------- tasks

@@ -90,7 +90,7 @@ class Config:
     teacher: str = ""  # --algo opd: the model (as --model) whose log-probs the student learns; same tokens
     opd_reward_coef: float = 0.0  # --algo opd: weight of the task's return in the advantage; 0 = pure OPD
     kl_coef: float = 0.0  # KL to the reference; RL-from-verifiable-rewards usually needs none
-    kl_estimator: str = "k3"  # k1 (unbiased, may go < 0), k2 (low variance, biased), k3 (unbiased, >= 0)
+    kl_estimator: str = "k3"  # a loss: k3 (GRPO's) or k2; with --kl-in-reward k1 (as a loss: no gradient)
     kl_in_reward: bool = False  # kl_coef * KL comes off each token's reward, instead of a loss term
     tis: str = "off"  # truncated IS against sampler/trainer mismatch: token or sequence ratio, capped
     tis_cap: float = 2.0  # 2 keeps the variance bounded while correcting typical vLLM-vs-trainer gaps
@@ -144,6 +144,7 @@ def task_defaults(given: dict) -> dict:
             "sft_steps": 200 if tiny else 0,  # arith_chain: 32 s to 15% held-out; sql: ~39 min (2 cores)
             "max_new_tokens": kind.max_new_tokens,  # the task's own budget ("12+7=" needs 8, GSM8K 512)
             "max_turns": getattr(TEXT_ENVS.get(task), "max_turns", Config.max_turns),  # a text env's own
+            "gamma": 1.0,  # per token, 0.99 gave a 300-token answer's first token 5% of its reward
             "micro_batch": 0 if tiny else max(1, 2048 // longest)}  # 2048 tokens: bench/memory.py
 
 
@@ -166,7 +167,7 @@ def validate(cfg: Config) -> None:
                            "target"),
                        (1, "batch group_size eval_every eval_episodes eval_size gen_batch max_new_tokens "
                            "inner_epochs minibatches ckpt_every keep_ckpts max_turns max_gen_batches max_len "
-                           "hidden lora_rank lora_alpha dist_timeout")):
+                           "hidden lora_rank lora_alpha dist_timeout tis_cap mis_high")):
         for name in names.split():
             if getattr(cfg, name) < low:
                 raise err(f"need --{name.replace('_', '-')} >= {low} (got {getattr(cfg, name)})")
@@ -178,13 +179,13 @@ def validate(cfg: Config) -> None:
         raise err(f"--batch {cfg.batch} is the global batch: {utils.world()} rank(s) need a multiple of "
                   f"{unit}, whole groups of --group-size {cfg.group_size} in --minibatches {cfg.minibatches} "
                   f"each; try --batch {unit * -(-cfg.batch // unit)}")
-    if not (0 < cfg.gamma <= 1 and 0 <= cfg.lam <= 1 and min(cfg.lr, cfg.sft_lr, cfg.worker_patience) > 0):
-        raise err("need 0 < gamma <= 1, 0 <= lam <= 1, and lr, sft_lr and worker_patience > 0")
-    if not (0 < cfg.eps_low <= 1 and cfg.eps_high > 0) or not (cfg.dual_clip == 0 or cfg.dual_clip > 1):
-        raise err(f"need 0 < eps_low <= 1, eps_high > 0 and dual_clip 0 (off) or > 1 "
-                  f"(got {cfg.eps_low}, {cfg.eps_high}, {cfg.dual_clip})")
-    if cfg.tis_cap < 1 or not 0 < cfg.mis_low <= 1 <= cfg.mis_high:
-        raise err("need tis_cap >= 1 and mis_low <= 1 <= mis_high: agreeing engines get weight 1")
+    for names, ok, want in (("gamma eps_low mis_low", lambda v: 0 < v <= 1, "0 < {} <= 1"),
+                            ("lam", lambda v: 0 <= v <= 1, "0 <= {} <= 1"),
+                            ("lr sft_lr worker_patience eps_high", lambda v: v > 0, "{} > 0"),
+                            ("dual_clip", lambda v: v == 0 or v > 1, "{} 0 (off) or > 1")):
+        for name in names.split():
+            if not ok(value := getattr(cfg, name)):
+                raise err(f"need {want.format(name)} (got {value})")
     if cfg.eval_only and (utils.world() > 1 or cfg.role != "sync"):
         raise err("--eval-only runs in one process: drop torchrun and --role")
     if set(filter(None, cfg.log.split(","))) - set(rundir.LOGGERS):
@@ -428,14 +429,13 @@ def train(cfg: Config) -> Path | None:
     if cfg.eval_only:
         return evaluate_only(cfg, policy, source, meta["step"] if meta else 0)
     teacher = load_teacher(cfg, policy) if cfg.teacher else None
-    out, log, step, last_eval = rundir.where(cfg), rundir.Metrics(), 0, (meta or {}).get("last_eval", {})
-    def stop(step: int, log, evaluated: bool = False) -> bool:  # after each step: a stop seen by one rank
-        # stops all here, saved as `step` left them (log: the caller's, SFT's; evaluated: its eval logged).
+    out = utils.from_rank0(rundir.where(cfg))  # under torchrun, rank 0 alone makes a new run's directory
+    log, step, last_eval = rundir.Metrics(), 0, (meta or {}).get("last_eval", {})
+    def stop(step: int, log, evaluated: bool = False) -> bool:  # after a step; evaluated: its eval logged
         state = dict(wall_s=log.wall(), source=source.state(), evaluated=evaluated, last_eval=last_eval)
         rng = utils.rng_states()  # StopSignals may save them later. A failed save keeps the rest.
         signals.save = lambda: rundir.save_checkpoint(out, step, policy, opt, state, cfg.keep_ckpts, rng)
-        if utils.reduce_dict({"stop": signals.seen})["stop"]:
-            signals.seen = True  # also on a rank that saw no signal
+        if signals.agreed():
             signals.save()
             utils.stderr(f"interrupted: checkpoint saved; continue with --resume {out}")
         return signals.seen
@@ -470,7 +470,7 @@ def train(cfg: Config) -> Path | None:
     except utils.ConfigError:  # one to fix, mid-run (an async trainer's --workers all died): keep the steps
         signals.save()
         raise
-    except (KeyboardInterrupt, OSError):  # Ctrl-C twice, a full disk
+    except (KeyboardInterrupt, OSError, utils.RankLost):  # Ctrl-C twice, a full disk, another rank gone
         utils.stderr(f"stopped during step {step + 1} (not saved); checkpoints so far: --resume {out}")
         raise
     finally:
@@ -578,7 +578,7 @@ def main(argv: list[str]) -> int:
         if cfg.role == "rollout":  # a worker generates and never trains
             return serve.run_worker(cfg)
         utils.init_distributed(cfg.dist_timeout)
-        return 0 if train(cfg) else 130  # None: stopped, not finished (130, as a shell expects after Ctrl-C)
+        return 0 if train(cfg) else utils.stopped()  # None: stopped, not finished (130, as after Ctrl-C)
     except (utils.ConfigError, JudgeUnavailable, sandbox.SandboxUnavailable, tasks.RewardError) as e:  # fixes
         utils.stderr(f"error: {e}")
         return 1 if isinstance(e, JudgeUnavailable) else 2  # 1: a judge down (--judge-down fail), run saved

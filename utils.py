@@ -5,6 +5,7 @@ import dataclasses
 import datetime
 import difflib
 import errno
+import functools
 import inspect
 import math
 import os
@@ -148,8 +149,10 @@ DISK_REFUSED = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO)
 
 
 def refused(e: Exception) -> str | None:
-    """main()'s one line for a write the disk refused or an allocation memory refused (numpy's and Python's
-    MemoryError, torch's OutOfMemoryError on a GPU, its CPU allocator's RuntimeError); None: a bug."""
+    """main()'s one line for a refused write or allocation (numpy's and Python's MemoryError, torch's
+    OutOfMemoryError on a GPU, its CPU allocator's RuntimeError) or a lost rank; None: a bug."""
+    if isinstance(e, RankLost):
+        return str(e)
     if isinstance(e, OSError) and e.errno in DISK_REFUSED:
         return f"a write failed ({e}); make room, then --resume the run or run again"
     if isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e):
@@ -193,6 +196,11 @@ class StopSignals:
         if {self.evaluate, self.rollout} & running:
             self.save()  # rank 0 writes it (nothing collective), then the step or the eval goes on
 
+    def agreed(self) -> bool:
+        """Whether any rank saw a stop, on every rank (all ask after a step): one rank's stop stops all."""
+        self.seen = bool(reduce_dict({"stop": self.seen})["stop"])
+        return self.seen
+
     def restore(self) -> None:
         for s, handler in self.previous.items():
             signal.signal(s, handler)
@@ -201,6 +209,24 @@ class StopSignals:
 # ---------------------------------------------------------------- distributed
 # Data parallelism the plain way: torchrun starts a process per GPU or CPU slot, each rolls out its share
 # of the batch, and the only traffic is all-reduced sums (no-ops in one process; all ranks call them alike).
+class RankLost(Exception):
+    """A collective that another rank never joined (it died, or hung past --dist-timeout): not this rank's."""
+
+
+def collective(fn):
+    """fn, a collective, raising RankLost where gloo reports a peer gone or silent (a plain RuntimeError)."""
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:
+            if not (gone := re.search(r"connection \w+ by peer|timed out", str(e), re.IGNORECASE)):
+                raise  # anything else is a bug here, shown whole
+            raise RankLost(f"another rank died or hung (gloo: {gone[0].lower()}), not this one: its error or "
+                           "exit code (torchrun's summary) says why; then --resume the run") from e
+    return checked
+
+
 def init_distributed(timeout_s: float) -> None:
     """Joins torchrun's group; a rank stuck in a collective for timeout_s raises rather than hangs."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or dist.is_initialized():
@@ -233,6 +259,15 @@ def exit_process(code: int) -> None:
     sys.exit(code)
 
 
+@collective
+def stopped() -> int:
+    """130, a shell's code for a run stopped by Ctrl-C, once every rank is here: a rank exiting first would
+    have torchrun SIGTERM the others, rank 0 while it writes the report."""
+    if world() > 1:
+        dist.barrier()
+    return 130
+
+
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -241,6 +276,7 @@ def world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+@collective
 def all_sum(x: torch.Tensor) -> torch.Tensor:
     """The sum of x over ranks, as a new tensor without grad (x itself in a single process)."""
     if world() == 1:
@@ -256,6 +292,7 @@ def reduce_dict(values: dict[str, float], mean: bool = False) -> dict[str, float
     return dict(zip(values, (total / world() if mean else total).tolist()))
 
 
+@collective
 def sum_grads(module: torch.nn.Module) -> None:
     """Every rank's .grad becomes the sum over ranks. All reduces are queued before the first wait,
     so hundreds of small LoRA tensors cost about one round trip, and no flat copy is needed."""
@@ -268,6 +305,7 @@ def sum_grads(module: torch.nn.Module) -> None:
             work.wait()
 
 
+@collective
 def broadcast_bytes(data: bytearray | None) -> bytearray:
     """Rank 0's bytes on every rank, as a uint8 tensor, never pickled: a bytearray decode views uncopied."""
     if world() == 1:
@@ -279,6 +317,12 @@ def broadcast_bytes(data: bytearray | None) -> bytearray:
     return data if rank() == 0 else bytearray(buf.numpy())
 
 
+def from_rank0(path: Path) -> Path:
+    """Rank 0's path on every rank: a new run's directory is the one rank 0 made, the others' only a guess."""
+    return Path(os.fsdecode(bytes(broadcast_bytes(bytearray(os.fsencode(path))))))
+
+
+@collective
 @torch.no_grad()
 def broadcast_weights(module: torch.nn.Module) -> None:
     """Rank 0's weights everywhere; ranks then stay identical: same summed gradients, same optimizer."""
@@ -293,6 +337,7 @@ def split_rng() -> None:
         torch.manual_seed(int(torch.randint(2**62, ())) + rank())
 
 
+@collective
 def rng_states() -> torch.Tensor:
     """[W, S] uint8: every rank's torch RNG state (the CPU's, then this GPU's, which samples there)."""
     mine = torch.get_rng_state()

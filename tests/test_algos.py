@@ -137,6 +137,12 @@ def test_grpo_divides_by_the_groups_population_std():
     assert torch.allclose(adv[:, 0], t([-1 / 3, -4 / 3, 5 / 3]) / std, atol=1e-5)
 
 
+def test_grpo_std_of_large_nearly_equal_rewards_does_not_cancel_in_float32():
+    """E[x^2] - mean^2 in float32 gave std 0 for rewards 1000 +- 0.01, and advantages of about +-6000."""
+    adv = algos.grpo(grouped([1000.0, 1000.01, 999.99, 1000.0], [0, 0, 0, 0]), CFG)
+    assert torch.allclose(adv[:, 0], t([0, 2**0.5, -(2**0.5), 0]), atol=1e-3)  # +-0.01 over std 0.01 / sqrt 2
+
+
 @pytest.mark.parametrize("algo, expected", [("grpo", [-1.5**0.5, 0, 1.5**0.5]), ("rloo", [-1.5, 0, 1.5])])
 def test_grouped_estimators_sum_each_rows_own_tokens_and_leave_padding_zero(algo, expected):
     # rows of lengths 3, 2, 1, each rewarded on its last real token: returns 1, 2, 3, one group

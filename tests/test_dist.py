@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -296,7 +297,7 @@ def test_two_rank_llm_grpo_run_resumes_on_one_rank(tmp_path):
 
 
 FAILING = """
-import sys, time
+import os, sys, time
 import rollouts, train, utils
 real = rollouts.ControlRollouts.next
 def next_or_fail(self, step):
@@ -308,18 +309,58 @@ utils.exit_process(utils.record(train.main)(sys.argv[1:]))
 """
 
 
+LOST = "error: rank 0 of 2: another rank died or hung (gloo: "
+
+
 @pytest.mark.parametrize("action, timeout, message", [
     ("raise RuntimeError('simulated crash')", "60", "rank 1 of 2 failed (RuntimeError: simulated crash)"),
-    ("time.sleep(600)", "5", "rank 0 of 2 failed"),  # a hung rank: rank 0's collective times out instead
+    ("os.kill(os.getpid(), 9)", "60", LOST + "connection"),  # the OOM killer's, or a lost node's
+    ("time.sleep(600)", "5", LOST + "timed out)"),  # a hung rank: rank 0's collective times out instead
 ])
 def test_a_failing_rank_stops_the_whole_run_with_a_message(tmp_path, action, timeout, message):
+    """The rank left behind says, in one line without a traceback, that another rank is the cause (gloo's
+    own error blamed it), and where the run's checkpoints are."""
     script = tmp_path / "failing.py"
     script.write_text(FAILING.format(action=action))
     proc = torchrun(str(script), "--batch", "4", "--steps", "5", "--eval-episodes", "2", "--no-progress",
                     "--dist-timeout", timeout, "--out", str(tmp_path / "run"), timeout=180)
     assert proc.returncode != 0
-    assert message in proc.stderr
+    assert message in proc.stderr and LOST in proc.stderr and "[rank0]:" not in proc.stderr
+    assert f"checkpoints so far: --resume {tmp_path / 'run'}\n" in proc.stderr
     assert not list((tmp_path / "run").glob("ckpt-*"))  # no checkpoint of a half-finished run
+
+
+STOPPED = """
+import os, signal, sys
+import rollouts, train, utils
+real = rollouts.ControlRollouts.next
+def next_then_stop(self, step):
+    if step == 1:  # a scheduler's SIGTERM to every rank
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real(self, step)
+rollouts.ControlRollouts.next = next_then_stop
+utils.exit_process(utils.record(train.main)(sys.argv[1:]))
+"""
+
+
+def test_every_rank_names_the_run_directory_rank_0_made_and_exits_130_on_a_stop(tmp_path):
+    """Without --out, rank 1 named the directory it would have made, another run's when rank 0's name was
+    taken (a sweep's runs started in the same second): rank 0 made runs/NAME-2, rank 1 said NAME."""
+    script = tmp_path / "stopped.py"
+    script.write_text(STOPPED)
+    for t in range(120):  # every name of the next two minutes is taken: rank 0 makes NAME-2
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() // 1 + t))
+        (tmp_path / "runs" / f"cartpole-reinforce-{stamp}").mkdir(parents=True, exist_ok=True)
+    proc = torchrun(str(script), "--batch", "4", "--steps", "5", "--eval-episodes", "2", "--no-progress",
+                    cwd=tmp_path)
+    run, = {c.parent for c in (tmp_path / "runs").glob("*/ckpt-*")}
+    assert run.name.endswith("-2")
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("interrupted:")]
+    assert lines == [f"interrupted: checkpoint saved; continue with --resume runs/{run.name}"] * 2
+    # each rank exits 130, as one process does, rank 0 after its summary (a rank that exited first had torchrun
+    # SIGTERM rank 0 while it wrote it); torchrun itself reports 1 (README: torchrun quirks)
+    assert proc.stderr.count("exitcode  : 130") == 2 and proc.returncode == 1
+    assert proc.stdout.count(f"run saved to runs/{run.name}") == 1
 
 
 KILLED_IN_EVAL = """

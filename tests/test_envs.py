@@ -180,6 +180,108 @@ def test_an_env_without_its_task_class_is_named_when_its_source_is_built(monkeyp
         EnvRollouts(cfg, ScriptedPolicy(chat_tokenizer(), bisect))
 
 
+SHAPES = {  # what a user's own step or reset returned -> the start of the one line that names it
+    "step, a pair": ("step", lambda env, c: (None, 1.0), "Shaped.step returned (None, 1.0)"),
+    "step, text": ("step", lambda env, c: ("lower", 0.0, False, {}),
+                   "Shaped.step returned ('lower', 0.0, False, {})"),
+    "step, no info": ("step", lambda env, c: (None, 1.0, True, None),
+                      "Shaped.step returned (None, 1.0, True, None)"),
+    "reset, text": ("reset", lambda env, p: p.prompt, "Shaped.reset returned 'I picked a whole number"),
+    "reset, content 5": ("reset", lambda env, p: ([{"role": "user", "content": 5}], {}),
+                         "Shaped.reset returned ([{'role': 'user', 'content': 5}], {})"),
+}
+
+
+@pytest.mark.parametrize("case", SHAPES)
+def test_an_env_whose_own_step_or_reset_returns_a_wrong_shape_stops_in_one_line_naming_it(case):
+    """They failed deep in the rollout: "not enough values to unpack (expected 4, got 2)", "string indices
+    must be integers", "'NoneType' object has no attribute 'get'"."""
+    method, wrong, start = SHAPES[case]
+    problems = GuessTask(seed=0, eval_size=1).eval_problems()  # under 50: bisection's first guess is wrong
+    Shaped = type("Shaped", (GuessNumber,), {method: wrong})
+    with pytest.raises(RewardError) as e:
+        rollout_multiturn(ScriptedPolicy(chat_tokenizer(), bisect), Shaped, problems, group_size=1,
+                          max_turns=7, max_new_tokens=8, max_len=4096)
+    given = f"the problem {problems[0].key!r}" if method == "reset" else "the completion '50'"
+    want = "(messages, info)" if method == "reset" else "(reply messages or None, reward, done, info)"
+    assert str(e.value).startswith(start) and str(e.value).endswith(
+        f" for {given}; it returns {want}, messages a list of {{'role': text, 'content': text}} dicts")
+
+
+def test_an_env_whose_reset_returns_text_stops_the_run_with_one_line(monkeypatch, capsys, tmp_path):
+    class Bare(GuessNumber):
+        def reset(self, problem):
+            return problem.prompt
+
+    monkeypatch.setitem(TEXT_ENVS, "bare", Bare)
+    argv = ["--task", "bare", "--eval-size", "50", "--steps", "1", "--sft-steps", "0", "--batch", "2",
+            "--group-size", "2", "--max-new-tokens", "4", "--no-progress", "--out", str(tmp_path)]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: Bare.reset returned 'I picked a whole number from 1 to 100. Guess it.' "
+                          "for the problem '")
+    assert err.endswith("; it returns (messages, info), messages a list of {'role': text, 'content': text} dicts\n")
+
+
+def test_an_env_without_max_turns_in_its_init_plays_the_runs_max_turns(monkeypatch):
+    """EnvRollouts called env(cfg.max_turns): "__init__() takes 1 positional argument but 2 were given"."""
+    class NoArgs(GuessNumber):  # max_turns = 7, GuessNumber's
+        def __init__(self):
+            self.guesses = []
+
+    monkeypatch.setitem(TEXT_ENVS, "noargs", NoArgs)
+    for max_turns in (2, 9):  # under and over the class's 7: --max-turns decides both ways
+        cfg = train.Config(task="noargs", algo="grpo", batch=4, group_size=2, eval_size=4, max_new_tokens=8,
+                           max_turns=max_turns)
+        batch = EnvRollouts(cfg, ScriptedPolicy(chat_tokenizer(), lambda text: "0")).next(0)  # never right
+        assert batch.stats["turns"].tolist() == [max_turns] * 4 and batch.stats["solved"].sum() == 0
+
+
+def test_an_env_with_its_own_step_is_solved_by_its_info_solved_at_turn_as_documented():
+    class OwnStep(GuessNumber):
+        def step(self, completion):
+            self.turn += 1
+            right = completion_number(completion) == int(self.problem.answer)
+            return None, 1.0, True, {"solved_at_turn": self.turn} if right else {}  # absent: unsolved
+
+    problems = [Problem("Guess.", "50", "50"), Problem("Guess.", "7", "7")]
+    batch = rollout_multiturn(ScriptedPolicy(chat_tokenizer(), bisect), OwnStep, problems, group_size=1,
+                              max_turns=7, max_new_tokens=8, max_len=4096)
+    assert batch.stats["solved"].tolist() == [1.0, 0.0] and batch.rewards.sum(1).tolist() == [1.0, 1.0]
+    assert batch.stats["solved_first_turn"].tolist() == [1.0, 0.0]
+    assert 'info["solved_at_turn"]' in TextEnv.__doc__ and '`info["solved_at_turn"]`' in README
+
+
+def test_a_huge_reply_is_tokenized_only_as_far_as_max_len_can_hold_and_ends_the_episode():
+    """A 2 MB reply was tokenized whole (seconds and GBs with a real tokenizer) to end the episode anyway."""
+    class Dump(GuessNumber):
+        def respond(self, completion):
+            return "x" * 2_000_000, 0.0, False
+
+    policy, seen = ScriptedPolicy(chat_tokenizer(), bisect), []
+    encode = policy.tokenizer.encode
+    policy.tokenizer.encode = lambda text, **kw: seen.append(len(text)) or encode(text, **kw)
+    batch = rollout_multiturn(policy, Dump, [Problem("Guess.", "37", "37")], group_size=1, max_turns=7,
+                              max_new_tokens=8, max_len=100)
+    assert batch.stats["turns"].tolist() == [1] and batch.truncated.tolist() == [True]
+    assert batch.attn.sum().item() == len(policy.encode_prompt("Guess.")) + len("50") + 1  # no reply in it
+    # 100 positions at most: the reply's content is cut to under 101 * 12 characters (<|im_start|>, the
+    # longest token, has 12), plus the template's 50 around it
+    assert max(seen) < 101 * 12 + 50
+
+
+def test_the_warm_start_of_an_env_task_imitates_after_the_envs_own_opening(monkeypatch):
+    """It imitated after problem.prompt alone, a prefix the rollouts never show (here: no system message)."""
+    monkeypatch.setitem(TEXT_ENVS, "brief", WithSystem)
+    cfg = train.Config(task="brief", algo="grpo", batch=2, group_size=2, eval_size=4, sft_steps=1)
+    source = EnvRollouts(cfg, ScriptedPolicy(chat_tokenizer(), bisect))
+    problem = source.task.train_problem(0)
+    tok, demo = source.policy.tokenizer, source.demonstrations(1)
+    assert tok.decode(demo.tokens[0][demo.attn[0] > 0]) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n" + problem.prompt
+        + "<|im_end|>\n<|im_start|>assistant\n" + source.task.solve(problem) + "<|im_end|>")
+
+
 class Buggy(ProceduralTask):
     name = "buggy"
 

@@ -74,7 +74,9 @@ def one_line_error(capsys, argv) -> str:
     (LLM + ["--kl-coef", "-0.1"], "need --kl-coef >= 0 (got -0.1)"),
     (["--max-grad-norm", "-1"], "need --max-grad-norm >= 0 (got -1.0)"),  # 0 is off
     (["--dist-timeout", "0"], "need --dist-timeout >= 1 (got 0.0)"),
-    (["--dual-clip", "-1"], "dual_clip 0 (off) or > 1"),
+    (["--dual-clip", "-1"], "need dual_clip 0 (off) or > 1 (got -1.0)"),
+    (["--lr", "-1"], "need lr > 0 (got -1.0)"),  # the message listed five ranges, none named as broken
+    (LLM + ["--mis-high", "0.5"], "need --mis-high >= 1 (got 0.5)"),
     (["--target", "-1"], "need --target >= 0 (got -1.0)"),
     (LLM + ["--dtype", "fp16"], "unknown --dtype 'fp16'; did you mean 'bf16'? (choices: fp32, bf16)"),  # at load
     (["--config", "configs/cartpole_ppo.yaml", "--config", "configs/cartpole_grpo.yaml"],  # the first was dropped
@@ -326,8 +328,8 @@ def test_an_eval_only_may_log_again_into_its_own_out_but_never_into_a_training_r
     evals = tmp_path / "evals"
     for ckpt in ("ckpt-0000002", "ckpt-0000001", "ckpt-0000001"):
         assert train.main(["--resume", str(run / ckpt), "--eval-only", "--out", str(evals), "--no-progress"]) == 0
-    # ckpt-1's eval (logged at step 1) drops the lines after step 0: ckpt-2's; its rerun replaces itself
-    assert [s for s, _, _ in rundir.read_metrics(evals / "metrics.csv")["eval_return"]] == [1]
+    # ckpt-1's eval keeps ckpt-2's (it dropped every step after its own, silently); its rerun replaces itself
+    assert [s for s, _, _ in rundir.read_metrics(evals / "metrics.csv")["eval_return"]] == [2, 1]
     capsys.readouterr()
     err = one_line_error(capsys, ["--out", str(evals), *quick])
     assert err == f"error: {evals} holds a run: --resume {evals} continues it, or pick another --out"
@@ -600,20 +602,35 @@ def test_a_resume_that_changes_the_warm_start_is_refused_in_one_line(capsys, tmp
     assert train.parse(["--resume", str(run), "--eval-only", "--sft-steps", "0"]).sft_steps == 0  # nothing trains
 
 
-def test_a_teacher_or_model_under_a_local_directory_that_is_not_there_yet_is_named_as_a_missing_directory(
-        capsys, tmp_path, monkeypatch):
+def test_a_path_fails_at_once_and_only_a_hub_id_is_asked_of_the_hub(tmp_path, monkeypatch):
     """configs/smollm2_add_opd_cpu.yaml run before its teacher was made: `runs/add-teacher` was asked of the
-    hub (a minute of retries offline) and the line blamed the network. It now names the missing directory."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as the hub's own "not found", at once
-    (tmp_path / "runs").mkdir()
+    hub (~25 s of retries offline) before its error. A hub id is NAME or OWNER/NAME; a longer path, or one
+    into a directory here without models, is a missing directory at once; a run's directory is named as one."""
+    import transformers
     import modeldir
-    with pytest.raises(utils.ConfigError, match=r"^--model runs/add-teacher: cannot load it \(no directory "
-                       r"runs/add-teacher here, and from the hub: "):
-        modeldir.resolve_model("runs/add-teacher")
-    with pytest.raises(utils.ConfigError) as e:  # a hub id whose first part is no local directory: as before
-        modeldir.resolve_model("nanorl-no-such-org/model")
-    assert "no directory" not in str(e.value)
+    asked = []
+
+    def hub(name, *args, **kwargs):
+        asked.append(name)
+        raise OSError(f"{name} is not on the hub")
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", hub)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "teacher").mkdir(parents=True)
+    (tmp_path / "runs" / "teacher" / "config.yaml").write_text("task: arith\n")
+    (tmp_path / "Qwen" / "Qwen3-8B").mkdir(parents=True)
+    (tmp_path / "Qwen" / "Qwen3-8B" / "config.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    for path in ("runs/add-teacher", "runs/x/ckpt-0000010", "models/a/b", "./x", "empty/x"):
+        with pytest.raises(utils.ConfigError, match=rf"^--model {path}: no such directory; check the model"):
+            modeldir.resolve_model(path)
+    with pytest.raises(utils.ConfigError, match=r"^--model runs/teacher: a run directory, not a model; "
+                       r"--resume runs/teacher --eval-only --export DIR --export-merged writes one that"):
+        modeldir.resolve_model("runs/teacher")
+    with pytest.raises(utils.ConfigError, match=r"^--model Qwen/Qwen3-0.6B: cannot load it \(Qwen/Qwen3"):
+        modeldir.resolve_model("Qwen/Qwen3-0.6B")  # ./Qwen holds a model, no run: a hub id, asked of the hub
+    with pytest.raises(utils.ConfigError, match=r"^--model gpt2: cannot load it \(gpt2"):
+        modeldir.resolve_model("gpt2")  # a NAME alone is a hub id, whatever this directory holds
+    assert asked == ["Qwen/Qwen3-0.6B", "gpt2"]
 
 
 def test_a_resume_that_swaps_the_teacher_warns_as_one_that_swaps_the_model(capsys, tmp_path):

@@ -131,6 +131,9 @@ def test_defaults_follow_the_task_and_lora_and_never_override_what_was_given(tmp
     assert parse("--task", "countdown").max_new_tokens == tasks.Countdown.max_new_tokens == 512
     assert parse("--task", "countdown_multiturn").max_new_tokens == 512  # the env's task's budget
     assert parse("--task", "arith", "--no-lora").lr == 5e-5  # full fine-tuning moves every weight
+    # per token, CartPole's 0.99 gave a correct 300-token answer's first tokens negative reinforce_pp advantages
+    assert [parse(*a).gamma for a in (("--task", "gsm8k", "--algo", "reinforce_pp"), ("--task", "countdown_multiturn"),
+                                      ("--task", "arith", "--gamma", "0.9"))] == [1.0, 1.0, 0.9]
     given = parse("--task", "arith", "--algo", "rloo", "--lr", "0.003", "--group-size", "4", "--batch", "8",
                   "--max-new-tokens", "5")
     assert (given.algo, given.lr, given.group_size, given.batch, given.max_new_tokens) == ("rloo", 0.003, 4, 8, 5)

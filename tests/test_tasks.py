@@ -427,7 +427,7 @@ def test_a_reward_that_is_not_a_finite_number_stops_naming_its_function(value, o
     with pytest.raises(tasks.RewardError) as e:
         task.score("p", "<answer>1</answer>", CD24)
     assert str(e.value) == (f"reward mine returned {value!r} for the completion '<answer>1</answer>'; a reward "
-                            "is a finite number (0.0 for a wrong or malformed answer)")
+                            "is a finite number within float32's range (0.0 for a wrong or malformed answer)")
 
 
 @pytest.mark.parametrize("value, shown", [(10**400, "1" + "0" * 79), (-(10**400), "-1" + "0" * 78),
@@ -442,8 +442,15 @@ def test_a_reward_past_a_floats_range_stops_naming_its_function_as_a_nan_does(va
     with pytest.raises(tasks.RewardError) as e:
         task.score("p", "<answer>1</answer>", CD24)
     assert str(e.value) == (f"reward <lambda> returned {shown} for the completion '<answer>1</answer>'; a "
-                            "reward is a finite number (0.0 for a wrong or malformed answer)")
-    assert tasks.checked(2**1023, "r", "c") == 2.0**1023  # a huge int a float holds still counts
+                            "reward is a finite number within float32's range (0.0 for a wrong or malformed answer)")
+    assert tasks.checked(2**127, "r", "c") == 2.0**127  # a huge int float32 holds still counts
+
+
+@pytest.mark.parametrize("value", [1e39, -(2**128), 2.0**1023])
+def test_a_reward_past_float32s_range_stops_the_run_as_it_would_be_inf_in_the_batch(value):
+    """float32(1e39) is inf: its group's advantages were NaN and every such step was skipped, unexplained."""
+    with pytest.raises(tasks.RewardError, match="within float32's range"):
+        tasks.checked(value, "reward big", "c")
 
 
 def test_a_reward_that_raises_shows_its_traceback_noting_the_completion_it_failed_on():
