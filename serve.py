@@ -4,13 +4,15 @@
     NANORL_TOKEN=... python train.py --config C --role rollout --trainer-url http://HOST:PORT [--vllm]
 
 Routes: POST /hello (fingerprint check, worker id), GET /adapter?have=V (long-polls a newer adapter),
-POST /batch (scored groups). HTTP, token and codec are transport.py's; workers run rollouts.py's sources.
+POST /batch (scored groups, numbered by their worker). Both carry the trainer process's run, which /hello
+gives. HTTP, token and codec are transport.py's; workers run rollouts.py's sources.
 """
 import contextlib
 import errno
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import statistics
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+import tasks
 import utils
 from model import LLMPolicy, VLLMGenerator
 from rollouts import WIRE, Batch, BatchSource, EnvRollouts, from_wire, sources
@@ -34,20 +37,31 @@ FINGERPRINT = ("task", "seed", "eval_size", "data", "model", "lora", "lora_rank"
                "chat_template", "thinking", "overlong_buffer", "max_turns", "max_len", "dynamic_sampling",
                "max_gen_batches", "prompt_reweight", "judge_down", "sandbox")
 MULTITURN = {"solved", "solved_first_turn", "turns"}  # a multi-turn source sends all of these
-STATS = "|".join([r"reward_\w{1,64}", "judge_dropped_frac", *MULTITURN])  # [N] float32 (Batch.stats)
+METRICS = ("gen_rounds", "gen_frac_zero_std")  # all a worker's source.last holds (--dynamic-sampling)
 STRIDE = 1_000_000  # worker w samples train problems w*STRIDE, w*STRIDE+1, ...: workers never share a prompt
 SURVIVORS = 64  # ids a resumed trainer skips: those issued after its checkpoint, to workers that outlived it
 LONG_POLL = 2.0  # seconds GET /adapter waits for a newer version; also the workers' heartbeat period
 HEARTBEAT = 10.0  # a worker silent for longer is not counted as live
 WAITING = 60.0  # seconds a step waits without a batch between its "waiting for batches" lines
 CHECKS = 2.0  # seconds between looks at the trainer's own --workers while it waits: a dead one is told soon
-REFUSALS = 5  # bad batches (not 409s: sampled ahead of a --resumed trainer) in a row that stop a worker
+REFUSALS = 5  # bad batches in a row that stop a worker: not 409s (ahead of a --resumed trainer), OTHER_RUN's
+OTHER_RUN = 412  # a request of a worker another trainer process registered: it says /hello again
+SEQS = 4096  # workers whose last batch the inbox remembers (the least recently heard forgotten first)
 
 
 def fingerprint(cfg) -> dict:
     """What trainer and workers must agree on: the task split, the model, how it samples, and every option
     the worker's own source runs (what it sends would differ)."""
     return {k: getattr(cfg, k) for k in FINGERPRINT}
+
+
+def wire_keys(cfg, local: BatchSource) -> set[str]:
+    """The keys of every batch this run's workers send: rollouts.WIRE's and the stats their source fills,
+    multi-turn's or a reward_<fn> per reward, as tasks.Task.score names them."""
+    if isinstance(local, EnvRollouts):
+        return set(WIRE) | MULTITURN
+    dropped = {"judge_dropped_frac"} if cfg.judge_down == "drop" else set()
+    return set(WIRE) | {f"reward_{n}" for n in tasks.reward_names(local.task.rewards)} | dropped
 
 
 def collate(groups: list[dict], pad_id: int) -> dict:
@@ -61,9 +75,13 @@ class Inbox:
     """The trainer's HTTP side (rank 0 only): the routes run in the server's threads, and everything
     they share with the training thread is guarded by `cond`."""
 
-    def __init__(self, cfg, vocab: int, pad_id: int, max_len: int):
+    def __init__(self, cfg, vocab: int, pad_id: int, max_len: int, keys: set[str]):
         self.cfg, self.vocab, self.pad_id, self.groups = cfg, vocab, pad_id, cfg.batch // cfg.group_size
-        self.max_len, self.keys = max_len, None  # longest row; the key set of every batch (the first's)
+        self.max_len, self.keys = max_len, keys  # longest row; the key set of every batch (wire_keys)
+        # This process's requests carry it: a worker registered by another (a trainer killed, a run started
+        # anew on its url) is told OTHER_RUN and says /hello again, whose fingerprint check it may fail.
+        self.run, self.reclaim = secrets.token_hex(8), 0  # reclaim: ids issued before this process (restore)
+        self.seqs = {}  # worker -> its last batch taken: a copy sent again after a lost reply is not trained
         # Groups. A batch ages a step while generated and one per batch queued ahead of it: max_staleness - 1
         # batches keep most fresh (bench/async.py: ~10% of groups dropped stale, ~25% with max_staleness).
         self.capacity = max(1, cfg.max_staleness - 1) * self.groups
@@ -104,7 +122,8 @@ class Inbox:
 
     def hello(self, req: Request):
         try:
-            theirs = dict(json.loads(req.body)["fingerprint"])
+            said = json.loads(req.body)
+            theirs, claim = dict(said["fingerprint"]), said.get("worker")  # claim: a registered worker's id
         except (ValueError, KeyError, TypeError, RecursionError):  # Recursion: [[[[... nested past the stack
             return 400, {"error": 'POST /hello needs JSON {"fingerprint": {...}}'}
         if diff := [f"{k} (trainer {v!r}, worker {theirs.get(k)!r})" for k, v in fingerprint(self.cfg).items()
@@ -114,19 +133,27 @@ class Inbox:
         with self.cond:
             if not self.cond.wait_for(lambda: self.restored or self.finished, timeout=LONG_POLL):
                 return 503, {"error": "the trainer is loading its checkpoint; ask again shortly"}
-            worker, self.next_worker = self.next_worker, self.next_worker + 1
-            return (410, {"finished": True}) if self._heard(worker) else (200, {"worker": worker})
+            if claim is None:
+                claim, self.next_worker = self.next_worker, self.next_worker + 1
+            elif not (type(claim) is int and 0 <= claim < self.reclaim):  # ids of trainers before a --resume
+                return 409, {"error": f"worker id {claim!r} was not issued by this run before its trainer "
+                                      "restarted: restart the worker"}
+            if self._heard(claim):
+                return 410, {"finished": True}
+            return 200, {"worker": claim, "run": self.run}
 
     def restore(self, next_worker: int) -> None:
         """The first worker id to issue (a checkpoint's, or 0): /hello answers from now on."""
         with self.cond:
-            self.next_worker, self.restored = next_worker, True
+            self.next_worker, self.reclaim, self.restored = next_worker, next_worker, True
             self.cond.notify_all()
 
     def adapter(self, req: Request):
         """The newest adapter once it is not ?have=V's, waiting up to LONG_POLL for one."""
         if not all(re.fullmatch(r"-?[0-9]{1,12}", req.query.get(k, "")) for k in ("have", "worker")):
             return 400, {"error": "GET /adapter needs ?have=VERSION&worker=ID"}
+        if req.query.get("run") != self.run:
+            return OTHER_RUN, {"error": "this worker was registered by another trainer: POST /hello again"}
         have = int(req.query["have"])
         # A worker ahead of this trainer sampled for its run before a --resume: it takes this one's weights.
         other = lambda: self.version >= 0 and self.version != have
@@ -139,14 +166,12 @@ class Inbox:
 
     def check(self, t: dict, meta: dict) -> str | None:
         """Why the loop cannot use a worker's batch (rollouts.WIRE's keys, dtypes and shapes, [N] float32
-        stats, values), or None. The first batch fixes the run's keys: groups collate, stats stay whole."""
-        k, keys = self.cfg.group_size, self.keys or []
-        missing = [n for n in WIRE if n not in t]
-        extra = [n for n in t if n not in WIRE and not re.fullmatch(STATS, n)]
-        if missing or extra:
-            return f"batch keys: missing {missing}, unexpected {extra}"
-        if self.keys not in (None, set(t)) or len(MULTITURN & set(t)) not in (0, len(MULTITURN)):
-            return f"batch keys {sorted(t)}; this run's: {sorted(keys)} ({sorted(MULTITURN)}: all or none)"
+        stats, values), or None. Every batch has the run's keys: groups collate, stats stay whole."""
+        k, keys = self.cfg.group_size, set(t)
+        if keys != self.keys:
+            return f"batch keys: missing {sorted(self.keys - keys)}, unexpected {sorted(keys - self.keys)}"
+        if not all(type(meta.get(n)) is int for n in ("worker", "seq")):
+            return "meta needs the worker's id and the batch's sequence number seq (integers)"
         if t["tokens"].ndim != 2:
             return "tokens must be [N, L]"
         N, L = t["tokens"].shape
@@ -178,6 +203,8 @@ class Inbox:
 
     def receive(self, req: Request):
         tensors, meta = decode(req.body)  # a PayloadError answers 400
+        if meta.get("run") != self.run:
+            return OTHER_RUN, {"error": "this worker was registered by another trainer: POST /hello again"}
         with self.cond:
             if self._heard(meta.get("worker")):
                 return 410, {"finished": True}
@@ -191,7 +218,6 @@ class Inbox:
                 self.counts["batches_rejected"] += 1
                 self.refusal = f"; {self.counts['batches_rejected']} batches refused, the latest: {why}"
                 return status, {"error": why}
-            self.keys = self.keys or set(tensors)
             texts = meta.get("texts") or [["", "", ""]] * len(tensors["tokens"])
             rows = [(tensors["group"] == g).nonzero()[:, 0] for g in tensors["group"].unique()]  # [k] each
             groups = [({n: x[r] for n, x in tensors.items()}, [texts[i] for i in r.tolist()]) for r in rows]
@@ -201,16 +227,30 @@ class Inbox:
                 return 429, {"error": f"queue full ({len(self.queue)} groups); retry shortly"}
             if self.finished:
                 return 410, {"finished": True}
+            if self.taken(meta["worker"], meta["seq"]):  # after the wait: a copy may have landed meanwhile
+                self.counts["batches_duplicate"] += 1
+                return 200, {"queued": 0, "dropped": 0, "duplicate": True}
             fresh = [g for g in groups if self.fresh(g[0], self.version)]
             self.counts.update(groups_received=len(groups), dropped_stale=len(groups) - len(fresh))
             a = meta.get("apply_s")  # seconds: 1e400 (inf), NaN or 10**400 is not a time
-            self.apply_s += [float(a)] if type(a) in (int, float) and 0 <= a < 3600 else []
-            theirs = meta.get("metrics") if isinstance(meta.get("metrics"), dict) else {}  # e.g. gen_rounds
-            self.rollout_metrics.append({k: float(v) for k, v in theirs.items() if type(v) in (int, float)
-                                         and abs(v) < 1e12 and re.fullmatch(r"[a-z_]{1,40}", k)})
+            # only with groups queued: those lists grow until a step takes groups
+            self.apply_s += [float(a)] if fresh and type(a) in (int, float) and 0 <= a < 3600 else []
+            theirs = meta.get("metrics") if isinstance(meta.get("metrics"), dict) else {}
+            # METRICS alone: any other key would overwrite the trainer's own in the step's log (loss, ...)
+            self.rollout_metrics += [{k: float(v) for k in METRICS if type(v := theirs.get(k)) in (int, float)
+                                      and abs(v) < 1e12}] if fresh else []
             self.queue.extend(fresh)
             self.cond.notify_all()
             return 200, {"queued": len(fresh), "dropped": len(groups) - len(fresh)}
+
+    def taken(self, worker: int, seq: int) -> bool:
+        """Whether the worker's batch `seq` was taken already (a worker numbers its batches 0, 1, ... and
+        sends one at a time); if not, it is now. Remembers the last SEQS workers heard."""
+        last = self.seqs.pop(worker, -1)  # put back last: the dict's order is least recently heard first
+        self.seqs[worker] = max(last, seq)
+        if len(self.seqs) > SEQS:
+            del self.seqs[next(iter(self.seqs))]
+        return seq <= last
 
     def serve(self, version: int, payload: bytearray, publish_s: float) -> None:
         """GET /adapter answers with this payload from now on."""
@@ -315,7 +355,8 @@ class AsyncRollouts(BatchSource):
             context = getattr(policy.model.config, "max_position_embeddings", None)
             limit = (min(cfg.max_len, context or cfg.max_len) if isinstance(local, EnvRollouts)
                      else context or cfg.max_len + cfg.max_new_tokens)
-            self.inbox = Inbox(cfg, policy.model.get_input_embeddings().num_embeddings, policy.pad_id, limit)
+            vocab = policy.model.get_input_embeddings().num_embeddings
+            self.inbox = Inbox(cfg, vocab, policy.pad_id, limit, wire_keys(cfg, local))
             self.procs = spawn_workers(cfg, self.inbox.server.url, self.inbox.server.token)
 
     def next(self, step: int) -> Batch:
@@ -389,11 +430,14 @@ class AsyncRollouts(BatchSource):
 # ---------------------------------------------------------------- the worker side
 class AdapterFetcher(threading.Thread):
     """Long-polls GET /adapter in the background so the worker never waits for weights (the newest
-    waits for `take`). Sets `done` once the trainer finished or was unreachable for `patience` s."""
+    waits for `take`). Sets `done` once the trainer finished or was unreachable for --worker-patience s.
+    Told OTHER_RUN, says /hello again as `worker` and takes the new trainer's `run` (or stops, refused)."""
 
-    def __init__(self, client: Client, worker: int, patience: float):
+    def __init__(self, client: Client, cfg, worker: int, run: str):
         super().__init__(daemon=True)
-        self.client, self.worker, self.patience = client, worker, patience
+        self.client, self.cfg, self.worker = client, cfg, worker
+        self.nonce = run  # the trainer's Inbox.run (self.run is the thread's method)
+        self.patience = cfg.worker_patience
         self.have, self.pending, self.lock, self.done = -1, None, threading.Lock(), threading.Event()
         self.rejected = 0  # corrupt payloads; the previous adapter stays in use
         self.error = ""  # why no request of this worker's will ever pass (then `done` is set)
@@ -402,7 +446,8 @@ class AdapterFetcher(threading.Thread):
         start = time.time()
         while not self.done.is_set():
             try:
-                status, body = self.client.get(f"/adapter?have={self.have}&worker={self.worker}")
+                query = f"have={self.have}&worker={self.worker}&run={self.nonce}"
+                status, body = self.client.get(f"/adapter?{query}")
             except ServeError as e:  # patience counts from the trainer's last answer to any of our requests
                 status, body = 0, b""
                 if time.time() - max(start, self.client.answered) > self.patience:
@@ -412,6 +457,8 @@ class AdapterFetcher(threading.Thread):
             if status == 401:  # a trainer restarted with another token: no poll will ever pass
                 self.error = (f"the trainer at {self.client.url} refuses this worker's NANORL_TOKEN (401); "
                               "restart the worker with the trainer's")
+            if status == OTHER_RUN:
+                self.hello_again()
             if status in (401, 410):
                 self.done.set()
             elif status == 200:
@@ -431,6 +478,17 @@ class AdapterFetcher(threading.Thread):
             if status not in (204, 410):
                 time.sleep(0.5)  # after an error: do not spin
 
+    def hello_again(self) -> None:
+        """A --resumed trainer takes its past workers back under their ids; another run refuses them."""
+        try:
+            if (said := hello(self.client, self.cfg, self.worker)) is None:  # the run is over
+                self.done.set()
+            else:
+                self.nonce = said[1]
+        except utils.ConfigError as e:  # refused (another fingerprint or id), or no answer for patience
+            self.error = str(e)
+            self.done.set()
+
     def take(self):
         with self.lock:
             new, self.pending = self.pending, None
@@ -438,7 +496,8 @@ class AdapterFetcher(threading.Thread):
 
 
 def post(client: Client, path: str, body: bytes, gone) -> tuple[int, bytearray] | None:
-    """POSTs until the trainer answers (429 and 503 mean: again shortly), or None once gone() says to stop."""
+    """POSTs until the trainer answers (429 and 503 mean: again shortly), or None once gone() says to stop.
+    A batch whose reply was lost may have landed: its copy is safe to send, as the inbox takes a seq once."""
     while not gone():
         with contextlib.suppress(ServeError):  # trainer unreachable: gone() says when that is final
             if (answer := client.post(path, body))[0] not in (429, 503):
@@ -447,9 +506,11 @@ def post(client: Client, path: str, body: bytes, gone) -> tuple[int, bytearray] 
     return None
 
 
-def hello(client: Client, cfg) -> int | None:
-    """Registers with the trainer: this worker's id, or None when the run is already over."""
-    body, start = json.dumps({"fingerprint": fingerprint(cfg)}).encode(), time.time()
+def hello(client: Client, cfg, worker: int | None = None) -> tuple[int, str] | None:
+    """Registers with the trainer (again, as `worker`): this worker's id and the trainer's run, or None
+    when the run is already over."""
+    said = {"fingerprint": fingerprint(cfg)} | ({} if worker is None else {"worker": worker})
+    body, start = json.dumps(said).encode(), time.time()
     # patience runs out only while nothing answers: a 503 (the trainer loading its checkpoint) is an answer
     lost = lambda: time.time() - max(start, client.answered) > cfg.worker_patience
     if (answer := post(client, "/hello", body, lost)) is None:
@@ -458,7 +519,7 @@ def hello(client: Client, cfg) -> int | None:
     try:
         said = json.loads(reply)
         if status in (200, 410):  # 410: the run is already over
-            return said["worker"] if status == 200 else None
+            return (said["worker"], said["run"]) if status == 200 else None
         why = said["error"]
     except (ValueError, KeyError, TypeError):  # e.g. another server on that port
         raise utils.ConfigError(f"{cfg.trainer_url} is no nanorl trainer: POST /hello got {status} "
@@ -497,30 +558,33 @@ def run_worker(cfg) -> int:
     """A rollout worker: the trainer's own batch source (rollouts.sources()) over a sampler that
     holds the newest adapter, one version per batch; POSTs each batch. Returns the exit code."""
     client = Client(cfg.trainer_url, timeout=30 + LONG_POLL, retries=1)
-    if (me := hello(client, cfg)) is None:  # before loading a model: a mismatched worker fails in seconds
+    if (said := hello(client, cfg)) is None:  # before loading a model: a mismatched worker fails in seconds
         return 0
+    me, run = said
     policy = LLMPolicy(cfg)  # --vllm: its tokenizer side only; HF: it samples too, each version loaded in
     torch.manual_seed(seed := cfg.seed * STRIDE + me)  # workers share cfg.seed, not their sampling noise
     gen = VLLMGenerator(policy.path, cfg, policy.eos_ids, seed) if cfg.vllm else policy
-    fetcher = AdapterFetcher(client, me, cfg.worker_patience)
+    fetcher = AdapterFetcher(client, cfg, me, run)
     fetcher.start()
     sampler = _Sampler(policy, gen, fetcher)
     source = sources()[cfg.task](cfg, sampler)  # every rollout option behaves as in a sync run
     source.load_state({"position": me * STRIDE})  # worker w draws problems w*STRIDE, w*STRIDE+1, ...
     utils.stderr(f"worker {me}: generating for {cfg.trainer_url} with {'vLLM' if cfg.vllm else 'HF'}")
     # SIGTERM (a trainer closing its --workers, a scheduler) unwinds as Ctrl-C does, into this finally
-    previous, refused = signal.signal(signal.SIGTERM, signal.default_int_handler), 0
+    previous, refused, seq = signal.signal(signal.SIGTERM, signal.default_int_handler), 0, -1
     try:
         while sampler.newest():  # the newest adapter, waiting for the first
+            seq += 1  # the inbox takes each seq once: a copy sent again (a reply lost) is not trained twice
             batch = source.next(sampler.version)  # --debug-samples: the trainer prints these rows' texts
-            meta = {"worker": me, "apply_s": sampler.apply_s, "texts": batch.texts, "metrics": source.last}
+            meta = {"worker": me, "run": fetcher.nonce, "seq": seq, "apply_s": sampler.apply_s,
+                    "texts": batch.texts, "metrics": source.last}
             if (answer := post(client, "/batch", encode(batch.wire(), meta), fetcher.done.is_set)) is None:
                 break
             if answer[0] == 410:
                 fetcher.done.set()
             elif answer[0] == 200:
                 refused = 0
-            elif (refused := refused + (answer[0] != 409)) < REFUSALS:  # 409: ahead of a resumed trainer
+            elif (refused := refused + (answer[0] not in (409, OTHER_RUN))) < REFUSALS:  # see REFUSALS
                 utils.stderr(f"worker {me}: batch refused ({answer[0]}): {bytes(answer[1][:300])!r}")
             else:  # the trainer cannot use what this worker makes: stop spending compute on it
                 raise utils.ConfigError(f"worker {me}: {REFUSALS} batches in a row refused, the latest "

@@ -234,6 +234,15 @@ def checked(reward, who: str, completion: str) -> float:
                       "finite number within float32's range (0.0 for a wrong or malformed answer)")
 
 
+def reward_names(rewards: list) -> list[str]:
+    """Task.score's keys (and an async trainer's reward_* stats): each function's name, a repeat's with _i."""
+    names = []
+    for i, (fn, _) in enumerate(rewards):
+        name = getattr(fn, "__name__", f"reward{i}")
+        names.append(name if name not in names else f"{name}_{i}")
+    return names
+
+
 # ---------------------------------------------------------------- tasks
 class Task:
     """Base class; subclasses fill `self._eval` and define `train_problem(index) -> Problem`."""
@@ -258,8 +267,7 @@ class Task:
         """Weighted total, and each reward's unweighted value keyed by its function's name. A judge
         without a score raises JudgeUnavailable, or with drop=True scores NaN (and so does the total)."""
         total, parts = 0.0, {}
-        for i, (fn, weight) in enumerate(self.rewards):
-            name = getattr(fn, "__name__", f"reward{i}")
+        for (fn, weight), name in zip(self.rewards, reward_names(self.rewards)):
             try:
                 r = fn(prompt, completion, answer)
             except JudgeUnavailable as e:
@@ -272,7 +280,7 @@ class Task:
                 raise
             else:
                 r = checked(r, f"reward {name}", completion)  # a judge's missing score alone is NaN
-            parts[name if name not in parts else f"{name}_{i}"] = r
+            parts[name] = r
             total += weight * r
         return total, parts
 

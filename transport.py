@@ -31,8 +31,9 @@ log = logging.getLogger("nanorl.transport")
 
 DEFAULT_MAX_BODY = 1 << 30  # 1 GiB: a full-model weight push fits, a 2 GB lie does not
 # Whatever clients do, the server holds at most MAX_CONNS connections (and threads), gives each HEADER_S
-# to send its headers, then BODY_S plus a second per BODY_RATE bytes to finish, and holds at most max_body
-# bytes of bodies at once, counted as they arrive: stalled uploads cannot reserve what they announce.
+# to send its headers, then BODY_S plus a second per BODY_RATE bytes that arrived to finish (not announced:
+# a trickle claiming 1 GiB would hold a connection for 17 minutes), and holds at most max_body bytes of
+# bodies at once, counted as they arrive: stalled uploads cannot reserve what they announce.
 MAX_CONNS, HEADER_S, BODY_S, BODY_RATE = 64, 10.0, 30.0, 1 << 20
 
 
@@ -111,7 +112,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self.send_error(400, f"malformed Content-Length {length[:40]!r}; expected an integer >= 0")
         if (n := int(length)) > srv.max_body:
             return self.send_error(413, f"body of {n} bytes exceeds the server limit of {srv.max_body} bytes")
-        srv.admit(self.request, BODY_S + n / BODY_RATE)
+        srv.admit(self.request, base := time.monotonic() + BODY_S)
         body = bytearray()  # filled as the bytes arrive, each chunk held against the server's budget first
         try:
             while len(body) < n and (chunk := self.rfile.read1(min(n - len(body), 1 << 20))):
@@ -119,6 +120,7 @@ class _Handler(BaseHTTPRequestHandler):
                     return self.send_error(503, f"the server holds {srv.max_body} bytes of uploads; "
                                                 "retry shortly")
                 body += chunk
+                srv.admit(self.request, base + len(body) / BODY_RATE)
             if len(body) < n:
                 return self.send_error(400, f"body truncated: got {len(body)} of {n} bytes")
             self._route(route, Request(url.path, dict(parse_qsl(url.query, keep_blank_values=True)), body))
@@ -180,11 +182,11 @@ class Server(socketserver.ThreadingTCPServer):
         with self.lock:
             self.conns.pop(request, None)
 
-    def admit(self, request, seconds: float):
-        """An authenticated request gets `seconds` more to send its body and read the reply."""
+    def admit(self, request, deadline: float):
+        """An authenticated request has until `deadline` (monotonic) to send its body and read the reply."""
         with self.lock:
             if request in self.conns:  # not already evicted
-                self.conns[request] = (time.monotonic() + seconds, True)
+                self.conns[request] = (deadline, True)
 
     def hold(self, n: int) -> bool:
         """Accounts n more (or, negative, fewer) bytes of request bodies; False past max_body in all."""

@@ -139,13 +139,13 @@ def adapter_sync(args) -> dict:
     cfg = utils.load_config(train.Config, ["--model", args.model, "--task", "arith", "--role", "trainer"])
     policy = LLMPolicy(cfg)
     worker = LLMPolicy(cfg)
-    src = serve.AsyncRollouts(cfg, policy, SimpleNamespace(task=None, draw=None))
+    src = serve.AsyncRollouts(cfg, policy, SimpleNamespace(task=SimpleNamespace(rewards=[]), draw=None))
     client = transport.Client(src.inbox.server.url, token=src.inbox.server.token)
     sync, raw, hashes, copy = [], [], [], None
     for v in range(args.sync_repeats + 1):
         t = time.perf_counter()
         src.publish(v)  # snapshot + encode, as after every optimizer step
-        status, body = client.get(f"/adapter?have={v - 1}&worker=-1")
+        status, body = client.get(f"/adapter?have={v - 1}&worker=-1&run={src.inbox.run}")
         tensors, meta = transport.decode(body)
         worker.load(meta["version"], tensors, meta, body)  # into the worker's policy, in place
         if v:  # v == 0 warms up

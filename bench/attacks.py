@@ -27,6 +27,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import rundir  # noqa: E402
 import sandbox  # noqa: E402
 import serve  # noqa: E402
+import train  # noqa: E402
 import transport  # noqa: E402
 from envs import sql_database  # noqa: E402
 from flood import flood  # noqa: E402
@@ -70,13 +71,28 @@ def rss_mb(pid: int) -> int:
     return int(Path(f"/proc/{pid}/status").read_text().split("VmRSS:")[1].split()[0]) >> 10
 
 
+ME: dict = {}  # the worker id and run /hello gave this script, as a worker's: its batches pass the run check
+
+
+def register(url: str, tiny: str, out: Path) -> None:
+    cfg = train.parse(flags(tiny, out, "--role", "rollout", "--trainer-url", url))
+    ME["worker"], ME["run"] = serve.hello(transport.Client(url, TOKEN, retries=1), cfg)
+
+
+def meta(**extra) -> dict:
+    """A batch's meta as a worker's: its id, the trainer's run and the next sequence number."""
+    ME["seq"] = ME.get("seq", -1) + 1
+    return {"worker": ME["worker"], "run": ME["run"], "seq": ME["seq"], **extra}
+
+
 def post(url: str, body: bytes, token: str = TOKEN) -> tuple[int, str]:
     status, reply = transport.Client(url, token, retries=1).post("/batch", body)
     return status, bytes(reply[:160]).decode(errors="replace")
 
 
 def newest(url: str) -> int:
-    status, body = transport.Client(url, TOKEN, retries=1).get("/adapter?have=-1&worker=0")
+    status, body = transport.Client(url, TOKEN, retries=1).get(f"/adapter?have=-1&worker={ME['worker']}"
+                                                              f"&run={ME['run']}")
     return transport.decode(body)[1]["version"]
 
 
@@ -120,7 +136,7 @@ def http_attacks(url: str, proc: subprocess.Popen, out: Path, undisturbed: float
         s.sendall(head)
         status = s.recv(200).split(b" ")[1].decode()
     row("2 GB Content-Length", "413 from the headers", status, status == "413")
-    status, _ = post(url, transport.encode(forge(0), {"worker": 0}), token="wrong-" + TOKEN)
+    status, _ = post(url, transport.encode(forge(0), meta()), token="wrong-" + TOKEN)
     row("wrong token", "401", str(status), status == 401)
     evil = pickle.dumps({"tokens": torch.ones(1)})
     status, _ = post(url, evil)
@@ -136,9 +152,9 @@ def batch_attacks(url: str):
              ("NaN rewards", forge(v, rewards=torch.full((4, 12), float("nan")))),
              ("token ids past the vocabulary", forge(v, tokens=torch.full((4, 12), 10**6)))]
     for name, batch in cases:
-        status, reply = post(url, transport.encode(batch, {"worker": 0}))
+        status, reply = post(url, transport.encode(batch, meta()))
         row(f"batch: {name}", "4xx, counted, training continues", f"{status} {reply[:70]}", 400 <= status < 500)
-    status, _ = post(url, transport.encode(forge(v), {"worker": 0, "apply_s": float("inf")}))
+    status, _ = post(url, transport.encode(forge(v), meta(apply_s=float("inf"))))
     row("apply_s = 1e400 (inf) in a valid batch's meta", "the time ignored, not logged", str(status), status < 500)
 
 
@@ -191,6 +207,7 @@ def main() -> int:
         while steps(tmp / "run") < 3:
             time.sleep(0.5)
         undisturbed = step_rate(tmp / "run", 20.0)
+        register(found.group(1), tiny, tmp / "run")
         http_attacks(found.group(1), proc, tmp / "run", undisturbed)
         batch_attacks(found.group(1))
         before = steps(tmp / "run")

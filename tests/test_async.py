@@ -7,6 +7,7 @@ and the trainer disappearing. One vLLM worker serves the whole module's vLLM che
 import contextlib
 import dataclasses
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -36,6 +37,7 @@ from rollouts import EnvRollouts, make_batch
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "async-test-token-0123456789"
 DIMS = dict(layers=2, hidden=128, heads=2, intermediate=256)
+SEQ = itertools.count()  # every batch posted here is a new one
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +133,14 @@ def rows(policy):
 def source_for(policy, max_staleness=1, *extra):
     cfg = utils.load_config(train.Config, flags(policy.model.peft_config["default"].base_model_name_or_path, "unused",
                                                 "--role", "trainer", "--max-staleness", str(max_staleness), *extra))
-    return serve.AsyncRollouts(cfg, policy, SimpleNamespace(evaluate=lambda: {}, task=None, draw=None)), policy
+    task = SimpleNamespace(rewards=[])  # no reward parts: worker_batch's rows have no stats
+    local = SimpleNamespace(evaluate=lambda: {}, task=task, draw=None)
+    return serve.AsyncRollouts(cfg, policy, local), policy
+
+
+def sent(src) -> dict:
+    """The meta of a new batch of worker 0, registered by this trainer."""
+    return {"worker": 0, "run": src.inbox.run, "seq": next(SEQ)}
 
 
 def nudge(policy, seed):
@@ -162,7 +171,8 @@ def test_old_logp_is_scored_under_the_exact_version_that_sampled_each_row(policy
         src.publish(1)
         v1 = policy.trainable_state()
         rows_v1 = worker_batch(policy, [1] * 4, offset=4)
-        body = transport.encode(serve.collate([rows_v1, rows_v0], policy.pad_id) | {"group": torch.tensor([0] * 4 + [1] * 4)}, {"worker": "t"})
+        rows = serve.collate([rows_v1, rows_v0], policy.pad_id) | {"group": torch.tensor([0] * 4 + [1] * 4)}
+        body = transport.encode(rows, sent(src))
         status, _ = src.inbox.receive(transport.Request("/batch", {}, body))
         assert status == 200
         batch = train.prepare(policy, src.next(1), src.cfg, src.weights)  # stage 2 rescores each row
@@ -188,7 +198,7 @@ def test_a_single_turn_row_is_bounded_by_the_model_context_not_by_max_len(policy
         assert rows["tokens"].shape[1] > 8  # "0+1=" and 6 new tokens, in a chat template
         assert src.inbox.max_len == policy.model.config.max_position_embeddings == 1024
         src.publish(0)
-        assert src.inbox.receive(transport.Request("/batch", {}, transport.encode(rows, {"worker": "t"})))[0] == 200
+        assert src.inbox.receive(transport.Request("/batch", {}, transport.encode(rows, sent(src))))[0] == 200
     finally:
         src.close()
 
@@ -197,7 +207,8 @@ def test_an_episode_is_bounded_by_max_len_within_the_context_and_a_model_without
         policy, monkeypatch):
     def bound(*extra):
         cfg = utils.load_config(train.Config, flags("unused", "unused", "--role", "trainer", *extra))
-        local = EnvRollouts(cfg, policy) if cfg.task in TEXT_ENVS else SimpleNamespace()
+        single = SimpleNamespace(task=SimpleNamespace(rewards=[]))
+        local = EnvRollouts(cfg, policy) if cfg.task in TEXT_ENVS else single
         src = serve.AsyncRollouts(cfg, policy, local)
         src.close()
         return src.inbox.max_len
@@ -216,7 +227,7 @@ def test_groups_older_than_max_staleness_are_dropped_and_counted_never_trained(p
     src, policy = source_for(policy, max_staleness=1)
     try:
         src.publish(0)
-        old = transport.encode(rows, {"worker": "t"})
+        old = transport.encode(rows, sent(src))
         src.publish(1)
         src.publish(2)  # version 0 now lags by 2 > max_staleness
         assert 0 not in src.snapshots and set(src.snapshots) == {1, 2}
@@ -231,7 +242,7 @@ def test_closing_the_trainers_source_ends_the_run_for_workers_and_closes_its_por
     src, _ = source_for(policy)
     client = transport.Client(src.inbox.server.url, src.inbox.server.token, timeout=5, retries=1)
     src.publish(0)
-    assert client.get("/adapter?have=-1&worker=0")[0] == 200  # the run goes on: version 0
+    assert client.get(f"/adapter?have=-1&worker=0&run={src.inbox.run}")[0] == 200  # the run goes on: v0
     src.close()
     assert src.inbox.finished
     with pytest.raises(transport.ServeError):  # nothing listens there any more
@@ -268,7 +279,8 @@ def test_a_worker_that_asks_before_the_resumed_checkpoint_loads_gets_an_id_no_pa
         asking.join(30)
         first = 2 + serve.SURVIVORS  # and perhaps others after its checkpoint (below)
         state = {"next_worker": first + 1, "position": (first + 1) * serve.STRIDE}
-        assert got == [first] and src.state().items() >= state.items()  # and "counts", the run's totals
+        assert got == [(first, src.inbox.run)]
+        assert src.state().items() >= state.items()  # and "counts", the run's totals
     finally:
         src.close()
 
@@ -283,10 +295,11 @@ def test_a_resumed_trainer_counts_workers_that_joined_after_its_checkpoint_live_
         src.load_state({"next_worker": 2, "position": 2 * serve.STRIDE})
         src.publish(0)
         for worker in (2, 10**9):  # the survivor, and an id no trainer of the run issued
-            src.inbox.adapter(transport.Request("/adapter", {"have": "-1", "worker": str(worker)}, b""))
+            query = {"have": "-1", "worker": str(worker), "run": src.inbox.run}
+            src.inbox.adapter(transport.Request("/adapter", query, b""))
         assert src.inbox.live() == {2}
         client = transport.Client(src.inbox.server.url, token=src.inbox.server.token, retries=1)
-        assert serve.hello(client, src.cfg) == 2 + serve.SURVIVORS  # a new worker's id
+        assert serve.hello(client, src.cfg) == (2 + serve.SURVIVORS, src.inbox.run)  # a new worker's id
     finally:
         src.close()
 
@@ -296,8 +309,8 @@ def test_a_post_to_a_full_queue_waits_for_room_instead_of_bouncing(policy, monke
     src, policy = source_for(policy)  # 2 groups a step, max_staleness 1: the queue holds 2 groups
     try:
         src.publish(0)
-        two = transport.encode(worker_batch(policy, [0] * 8), {"worker": "t"})
-        post = lambda: src.inbox.receive(transport.Request("/batch", {}, two))
+        two = worker_batch(policy, [0] * 8)
+        post = lambda: src.inbox.receive(transport.Request("/batch", {}, transport.encode(two, sent(src))))
         assert post() == (200, {"queued": 2, "dropped": 0})
         assert post()[0] == 429  # still full when the long poll ends
         replies = []
@@ -326,7 +339,7 @@ def test_malformed_worker_batches_are_rejected_before_the_model_sees_them(policy
         src.publish(0)
         batch = dict(rows)
         edit(batch)
-        got, reply = src.inbox.receive(transport.Request("/batch", {}, transport.encode(batch, {"worker": "t"})))
+        got, reply = src.inbox.receive(transport.Request("/batch", {}, transport.encode(batch, sent(src))))
         assert got == status and re.search(message, reply["error"]) and src.inbox.counts["batches_rejected"] == 1
     finally:
         src.close()
@@ -342,7 +355,8 @@ def test_adapter_payload_uses_peft_names_and_a_corrupt_one_keeps_the_previous_ad
         assert len(src.inbox.payload) < sum(t.numel() * 4 for t in tensors.values()) + 20_000  # the adapter, not the model
         good, src.inbox.payload = src.inbox.payload, bytes(bytearray(src.inbox.payload[:-1]) + bytes([src.inbox.payload[-1] ^ 1]))
         src.inbox.version = 1  # a "new version" whose bytes were flipped in transit
-        fetcher = serve.AdapterFetcher(transport.Client(src.inbox.server.url, token=src.inbox.server.token, retries=1), 0, 5)
+        client = transport.Client(src.inbox.server.url, token=src.inbox.server.token, retries=1)
+        fetcher = serve.AdapterFetcher(client, src.cfg, 0, src.inbox.run)
         fetcher.have = 0
         fetcher.start()
         wait_for(lambda: fetcher.rejected >= 1, SimpleNamespace(poll=lambda: None), "a rejected adapter", 30)
@@ -576,9 +590,10 @@ def test_a_resumed_trainer_logs_its_counts_on_from_its_checkpoints_totals(policy
             src.load_state(state)
             src.publish(0)
             client = transport.Client(src.inbox.server.url, token=src.inbox.server.token, retries=1)
-            assert client.post("/batch", transport.encode(bad, {"worker": "t"}))[0] == 400  # the server counts it
+            assert client.post("/batch", transport.encode(bad, sent(src)))[0] == 400  # the server counts it
             for _ in range(2):  # the step's two groups
-                assert src.inbox.receive(transport.Request("/batch", {}, transport.encode(rows, {"worker": "t"})))[0] == 200
+                body = transport.encode(rows, sent(src))
+                assert src.inbox.receive(transport.Request("/batch", {}, body))[0] == 200
             meta = src.inbox.take(0, {0})[1]
             logged.append([meta[k] for k in ("groups_received", "dropped_stale", "batches_rejected", "http_400")])
             state = json.loads(json.dumps(src.state()))  # as meta.json holds it

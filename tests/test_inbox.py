@@ -1,6 +1,7 @@
 """What a client may POST to the trainer's inbox (serve.Inbox, behind a real HTTP server): every
 batch the training loop cannot use gets a 4xx and is counted, and whatever was accepted collates."""
 import dataclasses
+import itertools
 import json
 import math
 import socket
@@ -15,16 +16,19 @@ import serve
 import train
 import utils
 import transport
+from rollouts import WIRE
 from transport import Request, encode
 
 K, VOCAB, MAX_LEN = 4, 50, 64
+KEYS = set(WIRE) | {"reward_int_correct"}  # an arith run's (serve.wire_keys)
+SEQ = itertools.count()  # every batch posted here is a new one
 
 
 @pytest.fixture
 def inbox():
     cfg = utils.load_config(train.Config, ["--task", "arith", "--batch", "8", "--group-size", str(K), "--role",
                                            "trainer", "--max-staleness", "2"])
-    box = serve.Inbox(cfg, VOCAB, 0, MAX_LEN)
+    box = serve.Inbox(cfg, VOCAB, 0, MAX_LEN, KEYS)
     box.restore(0)  # a fresh run's first worker id
     box.serve(0, bytearray(b"v0"), 0.0)
     yield box
@@ -42,7 +46,8 @@ def forge(groups: int = 1, length: int = 12, **extra) -> dict:
 
 
 def post(box, batch: dict, **meta):
-    return box.receive(Request("/batch", {}, encode(batch, {"worker": 0} | meta)))
+    sent = {"worker": 0, "run": box.run, "seq": next(SEQ)}  # a new batch of worker 0, of this trainer's run
+    return box.receive(Request("/batch", {}, encode(batch, sent | meta)))
 
 
 MULTI = {"turns": torch.ones(K), "solved": torch.zeros(K), "solved_first_turn": torch.zeros(K)}
@@ -51,7 +56,7 @@ MULTI = {"turns": torch.ones(K), "solved": torch.zeros(K), "solved_first_turn": 
 @pytest.mark.parametrize("name,batch", [
     ("turns without solved", forge(turns=torch.ones(K))),
     ("multi-turn stats but one", forge(**(MULTI | {"solved": None}))),
-    ("reward keys unlike the run's first batch", forge(reward_int_correct=None, reward_other=torch.zeros(K))),
+    ("reward keys unlike the run's", forge(reward_int_correct=None, reward_other=torch.zeros(K))),
     ("an extra reward key", forge(reward_other=torch.zeros(K))),
     ("multi-turn stats after single-turn batches", forge(**MULTI)),
     ("a sequence longer than the model's maximum", forge(length=MAX_LEN + 1)),
@@ -59,7 +64,7 @@ MULTI = {"turns": torch.ones(K), "solved": torch.zeros(K), "solved_first_turn": 
     ("NaN in a reward stat", forge(reward_int_correct=torch.full((K,), math.nan))),
 ])
 def test_a_batch_the_loop_cannot_use_gets_400_is_counted_and_the_queue_still_collates(inbox, name, batch):
-    assert post(inbox, forge())[0] == 200  # the run's first batch fixes its keys
+    assert post(inbox, forge())[0] == 200
     status, reply = post(inbox, batch)
     assert status == 400 and inbox.counts["batches_rejected"] == 1, (name, reply)
     assert post(inbox, forge())[0] == 200
@@ -67,9 +72,10 @@ def test_a_batch_the_loop_cannot_use_gets_400_is_counted_and_the_queue_still_col
     assert rows["tokens"].shape == (2 * K, 12) and meta["batches_rejected"] == 1
 
 
-def test_a_multi_turn_first_batch_fixes_the_run_to_multi_turn(inbox):
-    assert post(inbox, forge(**MULTI))[0] == 200
+def test_a_multi_turn_run_takes_multi_turn_batches_alone(inbox):
+    inbox.keys = set(WIRE) | set(MULTI) | {"reward_int_correct"}  # as forge() sends them
     assert post(inbox, forge())[0] == 400
+    assert post(inbox, forge(**MULTI))[0] == 200
     assert post(inbox, forge(**MULTI))[0] == 200
     rows, _ = inbox.take(0, {0})
     assert set(MULTI) <= set(rows) and rows["turns"].shape == (2 * K,)
@@ -175,6 +181,7 @@ def test_a_group_no_judge_scored_lands_with_nan_reward_parts_only_on_its_own_row
     """--judge-down drop: the worker masks an unscored group out and marks it; its reward parts are
     NaN (logged by nanmean). NaN on a scored row, or inf anywhere, is still refused."""
     nan, marked = torch.full((K,), math.nan), torch.ones(K)
+    inbox.keys = KEYS | {"judge_dropped_frac"}  # a --judge-down drop run's (serve.wire_keys)
     assert post(inbox, forge(reward_int_correct=nan, judge_dropped_frac=marked))[0] == 200
     assert post(inbox, forge(reward_int_correct=nan, judge_dropped_frac=torch.zeros(K)))[0] == 400
     assert post(inbox, forge(reward_int_correct=torch.full((K,), math.inf), judge_dropped_frac=marked))[0] == 400
@@ -190,7 +197,7 @@ def client(inbox) -> transport.Client:
 @pytest.fixture
 def parsed():
     """An inbox whose config came from the command line, as a trainer's does (task defaults applied)."""
-    box = serve.Inbox(train.parse(["--task", "arith", "--role", "trainer"]), VOCAB, 0, MAX_LEN)
+    box = serve.Inbox(train.parse(["--task", "arith", "--role", "trainer"]), VOCAB, 0, MAX_LEN, KEYS)
     box.restore(0)
     box.serve(0, bytearray(b"v0"), 0.0)
     yield box
@@ -207,14 +214,15 @@ def test_a_worker_with_another_config_is_refused_at_hello_in_one_line_naming_the
         "worker 1); eval_size (trainer 100, worker 5): start the worker with the trainer's config")
     assert parsed.next_worker == 0 and parsed.live() == set()  # no id issued, nothing counted live
     same = train.parse(argv[:-4])  # the trainer's own config: welcome, as worker 0
-    assert serve.hello(transport.Client(parsed.server.url, retries=1), same) == 0 and parsed.next_worker == 1
+    assert serve.hello(transport.Client(parsed.server.url, retries=1), same) == (0, parsed.run)
+    assert parsed.next_worker == 1
     monkeypatch.setattr(serve, "HEARTBEAT", 0.0)  # or close() waits for worker 0, which never polls
 
 
 def test_a_multiturn_worker_whose_episodes_end_elsewhere_is_refused_at_hello():
     """A worker's episodes longer than the trainer's --max-len would be refused batch after batch."""
     cfg = train.parse(["--task", "countdown", "--role", "trainer"])
-    box = serve.Inbox(cfg, VOCAB, 0, MAX_LEN)
+    box = serve.Inbox(cfg, VOCAB, 0, MAX_LEN, KEYS)
     try:
         box.restore(0)
         theirs = serve.fingerprint(dataclasses.replace(cfg, max_len=4096, max_turns=2))
@@ -232,7 +240,7 @@ def test_an_adapter_poll_without_a_version_and_worker_id_gets_400_and_no_adapter
     status, body = client(inbox).get(f"/adapter{query}")
     assert (status, json.loads(body)) == (400, {"error": "GET /adapter needs ?have=VERSION&worker=ID"})
     assert inbox.counts["adapters_sent"] == 0 and inbox.server.counts["http_400"] == 1
-    assert client(inbox).get("/adapter?have=-1&worker=0") == (200, b"v0")  # the well-formed poll
+    assert client(inbox).get(f"/adapter?have=-1&worker=0&run={inbox.run}") == (200, b"v0")  # well-formed
 
 
 TEXTS = "meta texts must be one [prompt, completion, answer] of strings per row"
@@ -258,23 +266,24 @@ TEXTS = "meta texts must be one [prompt, completion, answer] of strings per row"
     (forge(), ["pca"] * K, TEXTS),
 ])
 def test_a_malformed_field_is_refused_naming_it_and_nothing_is_queued(inbox, batch, texts, why):
-    status, reply = client(inbox).post("/batch", encode(batch, {"worker": 0, "texts": texts}))
+    meta = {"worker": 0, "run": inbox.run, "seq": 0}
+    status, reply = client(inbox).post("/batch", encode(batch, meta | {"texts": texts}))
     assert (status, json.loads(reply)) == (400, {"error": why}) and inbox.counts["batches_rejected"] == 1
-    assert inbox.queue == [] and inbox.keys is None  # a refused first batch fixes nothing
+    assert inbox.queue == []
     rows = [["p", "c", "a"]] * 2 * K  # the step's two groups, well-formed
-    assert client(inbox).post("/batch", encode(forge(groups=2), {"worker": 0, "texts": rows}))[0] == 200
+    assert client(inbox).post("/batch", encode(forge(groups=2), meta | {"texts": rows}))[0] == 200
     assert inbox.take(0, {0})[1]["texts"] == rows
 
 
 def test_a_batch_from_a_worker_told_finished_gets_410_and_close_stops_waiting_for_it(inbox, monkeypatch):
     monkeypatch.setattr(serve, "LONG_POLL", 60.0)  # close() now waits 121 s for a live worker never told
     me = client(inbox)
-    assert me.post("/hello", encode_hello(inbox)) == (200, bytearray(b'{"worker": 0}'))
+    assert json.loads(me.post("/hello", encode_hello(inbox))[1]) == {"worker": 0, "run": inbox.run}
     closing = threading.Thread(target=inbox.close)
     closing.start()
     while not inbox.finished:  # close() has begun waiting for worker 0 to hear it
         time.sleep(0.01)
-    status, reply = me.post("/batch", encode(forge(), {"worker": 0}))
+    status, reply = me.post("/batch", encode(forge(), {"worker": 0, "run": inbox.run, "seq": 0}))
     assert (status, json.loads(reply), inbox.told) == (410, {"finished": True}, {0})
     closing.join(30)  # a hang guard: told, worker 0 no longer holds close() for 121 s
     assert not closing.is_alive() and inbox.queue == [] and "groups_received" not in inbox.counts
@@ -331,9 +340,7 @@ def test_inbox_refusals_name_the_first_rule_a_batch_breaks_one_past_each_limit(i
     assert post(inbox, forge(length=MAX_LEN, version=torch.zeros(K, dtype=torch.int64)))[0] == 200
     with_other_keys = forge(reward_int_correct=None, reward_other=torch.zeros(K))
     assert post(inbox, with_other_keys)[1]["error"] == (
-        "batch keys ['attn', 'group', 'logp', 'mask', 'reward_other', 'rewards', 'tokens', 'truncated', "
-        "'version']; this run's: ['attn', 'group', 'logp', 'mask', 'reward_int_correct', 'rewards', "
-        "'tokens', 'truncated', 'version'] (['solved', 'solved_first_turn', 'turns']: all or none)")
+        "batch keys: missing ['reward_int_correct'], unexpected ['reward_other']")
 
 
 def drained(box, seconds: float = 10.0) -> bool:
@@ -382,10 +389,10 @@ def test_sync_times_from_0_up_to_an_hour_are_kept(inbox, first, second, median):
 
 
 def test_worker_metrics_of_1e12_or_more_are_dropped_and_the_rest_averaged(inbox):
-    assert post(inbox, forge(), metrics={"gen_rounds": 1e12, "turns_mean": 1e12 - 1})[0] == 200
-    assert post(inbox, forge(), metrics={"gen_rounds": 2, "Bad": 1.0, "x" * 41: 1.0})[0] == 200
+    assert post(inbox, forge(), metrics={"gen_rounds": 1e12, "gen_frac_zero_std": 1e12 - 1})[0] == 200
+    assert post(inbox, forge(), metrics={"gen_rounds": 2, "gen_frac_zero_std": 0.5})[0] == 200
     meta = inbox.take(0, {0})[1]
-    assert (meta["gen_rounds"], meta["turns_mean"]) == (2.0, 1e12 - 1) and "Bad" not in meta
+    assert (meta["gen_rounds"], meta["gen_frac_zero_std"]) == (2.0, (1e12 - 1 + 0.5) / 2)
 
 
 def test_a_full_queue_answers_429_and_a_post_waiting_for_room_hears_410_when_the_run_ends(inbox, monkeypatch):
@@ -404,7 +411,8 @@ def test_a_full_queue_answers_429_and_a_post_waiting_for_room_hears_410_when_the
 
 def test_adapter_polls_get_the_newest_version_once_then_204_and_410_after_the_run(inbox, monkeypatch):
     monkeypatch.setattr(serve, "LONG_POLL", 0.1)
-    poll = lambda have: inbox.adapter(Request("/adapter", {"have": str(have), "worker": "0"}, b""))
+    query = lambda have: {"have": str(have), "worker": "0", "run": inbox.run}
+    poll = lambda have: inbox.adapter(Request("/adapter", query(have), b""))
     assert poll(-1) == (200, b"v0") and poll(0) == (204, None)
     assert poll(5) == (200, b"v0")  # a worker ahead of a resumed trainer takes its weights
     assert inbox.counts["adapters_sent"] == 2
@@ -415,12 +423,13 @@ def test_adapter_polls_get_the_newest_version_once_then_204_and_410_after_the_ru
 def test_hello_waits_for_the_checkpoint_then_issues_ids_from_it_and_410_after_the_run(monkeypatch):
     monkeypatch.setattr(serve, "LONG_POLL", 0.1)
     cfg = utils.load_config(train.Config, ["--task", "arith", "--role", "trainer"])
-    box = serve.Inbox(cfg, VOCAB, 0, MAX_LEN)
+    box = serve.Inbox(cfg, VOCAB, 0, MAX_LEN, KEYS)
     hello = lambda: box.hello(Request("/hello", {}, encode_hello(box)))
     try:
         assert hello() == (503, {"error": "the trainer is loading its checkpoint; ask again shortly"})
         box.restore(64)
-        assert hello() == (200, {"worker": 64}) and hello() == (200, {"worker": 65})
+        assert hello() == (200, {"worker": 64, "run": box.run})
+        assert hello() == (200, {"worker": 65, "run": box.run})
         monkeypatch.setattr(serve, "HEARTBEAT", 0.0)  # or close() waits for them to poll
     finally:
         box.close()
@@ -436,7 +445,7 @@ def test_a_trainer_that_cannot_listen_at_its_url_stops_in_one_line_naming_it_and
     """A port another process holds, or an address of another machine (192.0.2.1: documentation's, no
     one's), was a 20-line OSError traceback out of the server's bind."""
     monkeypatch.setenv("NANORL_TOKEN", "inbox-test-token-0123456789")  # 192.0.2.1 is not loopback
-    monkeypatch.setattr(train, "build", lambda cfg: serve.Inbox(cfg, VOCAB, 0, MAX_LEN))  # no model: the bind
+    monkeypatch.setattr(train, "build", lambda cfg: serve.Inbox(cfg, VOCAB, 0, MAX_LEN, KEYS))  # no model
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
@@ -449,7 +458,7 @@ def test_a_trainer_that_cannot_listen_at_its_url_stops_in_one_line_naming_it_and
 def test_a_trainer_on_every_interface_tells_workers_its_host_name_not_0_0_0_0(capsys, monkeypatch):
     monkeypatch.setenv("NANORL_TOKEN", "inbox-test-token-0123456789")
     cfg = utils.load_config(train.Config, ["--task", "arith", "--role", "trainer", "--trainer-url", "http://0.0.0.0:0"])
-    box = serve.Inbox(cfg, VOCAB, 0, MAX_LEN)
+    box = serve.Inbox(cfg, VOCAB, 0, MAX_LEN, KEYS)
     try:
         port = box.server.server_address[1]
         assert capsys.readouterr().err == (f"trainer listening on http://0.0.0.0:{port}; start workers with --role "
@@ -462,7 +471,7 @@ def test_a_trainer_on_every_interface_tells_workers_its_host_name_not_0_0_0_0(ca
 def test_a_batch_ahead_of_a_trainer_that_has_published_nothing_gets_409_saying_so():
     """A worker that outlived its trainer may post before the resumed one publishes ("outside 0..-1")."""
     cfg = utils.load_config(train.Config, ["--task", "arith", "--batch", "8", "--group-size", str(K), "--role", "trainer"])
-    box = serve.Inbox(cfg, VOCAB, 0, MAX_LEN)
+    box = serve.Inbox(cfg, VOCAB, 0, MAX_LEN, KEYS)
     try:
         box.restore(0)
         assert post(box, forge()) == (409, {"error": "versions 0..0, but this trainer has published none yet"})
@@ -508,7 +517,7 @@ def test_a_step_waiting_on_dead_workers_says_each_once_and_stops_when_no_other_c
     if token:
         monkeypatch.setenv("NANORL_TOKEN", token)
     box = serve.Inbox(utils.load_config(train.Config, ["--task", "arith", "--batch", "8", "--group-size", str(K),
-                                                      "--role", "trainer"]), VOCAB, 0, MAX_LEN)
+                                                      "--role", "trainer"]), VOCAB, 0, MAX_LEN, KEYS)
     procs = [subprocess.Popen(["sh", "-c", "kill -9 $$"]), subprocess.Popen(["sh", "-c", "exit 3"])]
     for p in procs:
         p.wait()
@@ -551,7 +560,7 @@ def test_a_dead_worker_of_the_trainers_own_is_told_within_seconds_not_at_the_min
     without a batch: a trainer whose workers had all died said so, and stopped, a minute late."""
     monkeypatch.delenv("NANORL_TOKEN", raising=False)
     box = serve.Inbox(utils.load_config(train.Config, ["--task", "arith", "--batch", "8", "--group-size", str(K),
-                                                      "--role", "trainer"]), VOCAB, 0, MAX_LEN)
+                                                      "--role", "trainer"]), VOCAB, 0, MAX_LEN, KEYS)
     dead = subprocess.Popen(["sh", "-c", "exit 3"])
     dead.wait()
     box.restore(0)
@@ -572,3 +581,94 @@ def test_a_dead_worker_of_the_trainers_own_is_told_within_seconds_not_at_the_min
         assert "waiting for batches" not in capsys.readouterr().err
     finally:
         box.close()
+
+
+def test_a_batch_or_poll_of_a_worker_another_trainer_registered_gets_412_and_is_never_taken(inbox):
+    """A worker of a trainer since killed kept posting into the next run on its url (another --task even),
+    which trained on its rows: the fingerprint was checked at /hello alone, and /adapter served anyone."""
+    me = client(inbox)
+    other = encode(forge(), {"worker": 0, "run": "0123456789abcdef", "seq": 0})
+    status, reply = me.post("/batch", other)
+    assert (status, json.loads(reply)) == (412, {"error": "this worker was registered by another trainer: "
+                                                          "POST /hello again"})
+    assert me.get("/adapter?have=-1&worker=0&run=0123456789abcdef")[0] == 412
+    assert inbox.queue == [] and "groups_received" not in inbox.counts and inbox.counts["adapters_sent"] == 0
+    assert me.post("/batch", encode(forge(), {"worker": 0, "run": inbox.run, "seq": 0}))[0] == 200  # its own
+
+
+@pytest.mark.parametrize("first, claim, answer", [
+    (64, 5, (200, {"worker": 5})),  # a --resumed trainer: worker 5 outlived the one before, keeps its id
+    (64, 63, (200, {"worker": 63})),  # one that joined after the checkpoint (serve.SURVIVORS)
+    (64, 64, (409, {"error": "worker id 64 was not issued by this run before its trainer restarted: restart "
+                             "the worker"})),  # an id this trainer issues itself
+    (0, 5, (409, {"error": "worker id 5 was not issued by this run before its trainer restarted: restart "
+                           "the worker"})),  # a fresh run: a worker of another, with the same config
+    (64, True, (409, {"error": "worker id True was not issued by this run before its trainer restarted: "
+                               "restart the worker"})),
+])
+def test_a_worker_saying_hello_again_keeps_its_id_only_with_a_resumed_trainer_of_its_run(inbox, first, claim,
+                                                                                         answer):
+    inbox.restore(first)
+    said = json.dumps({"fingerprint": serve.fingerprint(inbox.cfg), "worker": claim}).encode()
+    status, reply = inbox.hello(Request("/hello", {}, said))
+    assert (status, {k: v for k, v in reply.items() if k != "run"}) == answer and inbox.next_worker == first
+    assert reply.get("run", inbox.run) == inbox.run
+    inbox.seen.clear()  # or close() waits for worker 5 to poll
+
+
+def test_a_batch_whose_reply_was_lost_is_sent_again_and_taken_once(inbox, monkeypatch):
+    """serve.post sends a batch again when its reply is lost; the trainer had queued it, and trained it
+    twice."""
+    calls = []
+
+    def slow(req):  # takes the batch, then answers after the worker's client gave up
+        calls.append(inbox.receive(req))
+        if len(calls) == 1:
+            time.sleep(1.5)
+        return calls[-1]
+    monkeypatch.setitem(inbox.server.routes, ("POST", "/batch"), slow)
+    me = transport.Client(inbox.server.url, token=inbox.server.token, timeout=0.5, retries=1)
+    body = encode(forge(), {"worker": 0, "run": inbox.run, "seq": 7})
+    assert serve.post(me, "/batch", body, gone=lambda: False)[0] == 200
+    assert len(calls) == 2 and len(inbox.queue) == 1 and inbox.counts["groups_received"] == 1
+    assert calls[1] == (200, {"queued": 0, "dropped": 0, "duplicate": True})
+    assert serve.post(me, "/batch", body, gone=lambda: False)[0] == 200 and len(inbox.queue) == 1  # a replay
+    body = encode(forge(), {"worker": 0, "run": inbox.run, "seq": 8})  # its next batch
+    assert serve.post(me, "/batch", body, gone=lambda: False)[0] == 200 and len(inbox.queue) == 2
+
+
+def test_the_inbox_remembers_the_last_batch_of_a_bounded_number_of_workers(inbox, monkeypatch):
+    monkeypatch.setattr(serve, "SEQS", 3)
+    assert [inbox.taken(w, seq) for w, seq in ((0, 0), (1, 0), (2, 0), (0, 1), (3, 0))] == [False] * 5
+    assert inbox.seqs == {2: 0, 0: 1, 3: 0} and list(inbox.seqs) == [2, 0, 3]  # 1, least recently heard: gone
+    assert [inbox.taken(w, seq) for w, seq in ((0, 0), (0, 1), (2, 1), (2, 1))] == [True, True, False, True]
+
+
+def test_an_odd_first_batch_fixes_nothing_and_honest_workers_batches_land(inbox):
+    """The first batch accepted fixed the run's keys: one odd batch, and every honest worker was refused."""
+    odd = forge(reward_int_correct=None, reward_other=torch.zeros(K))
+    assert post(inbox, odd) == (400, {"error": "batch keys: missing ['reward_int_correct'], unexpected "
+                                               "['reward_other']"})
+    assert post(inbox, forge())[0] == post(inbox, forge())[0] == 200
+
+
+def test_batches_dropped_stale_leave_no_sync_times_or_metrics_behind(inbox):
+    """The trainer kept each batch's apply time and metrics, queued or not: stale batches grew them until
+    a step took groups, without limit."""
+    inbox.serve(5, bytearray(b"v5"), 0.0)  # version 0 lags 5 > max_staleness 2
+    for _ in range(50):
+        reply = post(inbox, forge(), apply_s=0.5, metrics={"gen_rounds": 1})
+        assert reply == (200, {"queued": 0, "dropped": 1})
+    assert (inbox.apply_s, inbox.rollout_metrics, inbox.counts["dropped_stale"]) == ([], [], 50)
+
+
+def test_worker_metrics_but_its_sources_are_ignored_and_never_overwrite_the_trainers(inbox):
+    """Any [a-z_] key was averaged into the step's log, where it overwrote the trainer's own (loss,
+    reward, eval_accuracy, queue_depth), and a batch could bring any number of them."""
+    theirs = {"loss": 5.0, "reward": 9.0, "eval_accuracy": 1.0, "queue_depth": 99, "gen_rounds": 2}
+    many = {"k" * n: 1.0 for n in range(1, 41)}
+    assert post(inbox, forge(), metrics=theirs)[0] == post(inbox, forge(), metrics=many)[0] == 200
+    assert inbox.rollout_metrics == [{"gen_rounds": 2.0}, {}]
+    meta = inbox.take(0, {0})[1]
+    assert meta["gen_rounds"] == 2.0 and meta["queue_depth"] == 0
+    assert not {"loss", "reward", "eval_accuracy", "k"} & set(meta)

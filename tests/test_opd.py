@@ -148,9 +148,11 @@ def test_async_opd_advantage_is_teacher_minus_each_rows_sampling_version_for_row
             src.publish(v)
             states.append({k: x.clone() for k, x in policy.trainable_state().items()})
             prefixes = [policy.encode_prompt(f"{v}{i}+1=") for i in range(4)]
-            rows = make_batch(prefixes, policy.generate(prefixes, 4), [0.0] * 4, policy.pad_id)
+            rows = make_batch(prefixes, policy.generate(prefixes, 4), [0.0] * 4, policy.pad_id,
+                              stats={"reward_int_correct": torch.zeros(4)})  # an arith worker's keys
             rows.group, rows.version = torch.zeros(4, dtype=torch.long), torch.full((4,), v)
-            assert client.post("/batch", encode(rows.wire(), {"worker": 0}))[0] == 200
+            meta = {"worker": 0, "run": src.inbox.run, "seq": v}  # the run /hello gives; a batch's number
+            assert client.post("/batch", encode(rows.wire(), meta))[0] == 200
         batch = train.prepare(policy, src.next(1), cfg, src.weights, teacher=t)
     finally:
         src.close()

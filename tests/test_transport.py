@@ -505,9 +505,9 @@ def test_the_body_is_read_to_content_length_and_not_a_byte_further(echo):
     assert reply.startswith(b"HTTP/1.0 200 ") and reply.endswith(b'{"bytes": 5, "query": {}}')
 
 
-def test_an_authenticated_upload_is_given_body_s_plus_a_second_per_body_rate_bytes(echo, monkeypatch):
+def test_an_authenticated_upload_is_given_body_s_plus_a_second_per_body_rate_bytes_arrived(echo, monkeypatch):
     monkeypatch.setattr(transport, "BODY_S", 5.0)
-    monkeypatch.setattr(transport, "BODY_RATE", 10)  # 60 bytes announced: 5 + 6 = 11 s to finish
+    monkeypatch.setattr(transport, "BODY_RATE", 10)  # 60 bytes announced, 10 arrived: 5 + 1 = 6 s to finish
     u = urlsplit(echo.url)
     wait_idle(echo)  # the one admitted connection below is then this test's
     with socket.create_connection((u.hostname, u.port), timeout=10) as s:
@@ -515,10 +515,26 @@ def test_an_authenticated_upload_is_given_body_s_plus_a_second_per_body_rate_byt
         for _ in range(200):
             with echo.lock:
                 left = [until - time.monotonic() for until, admitted in echo.conns.values() if admitted]
-            if left:
+            if left and left[0] > 5.1:  # past BODY_S alone: the 10 bytes were read
                 break
             time.sleep(0.01)
-        assert len(left) == 1 and 10.0 < left[0] <= 11.0
+        assert len(left) == 1 and 5.1 < left[0] <= 6.0
+
+
+def test_an_upload_that_trickles_below_body_rate_is_dropped_whatever_length_it_announced(echo, monkeypatch):
+    """The deadline came from the announced Content-Length: a token holder announcing 1 GiB and sending a
+    byte every few seconds held one of the MAX_CONNS connections for 17 minutes; 64 of them, every one."""
+    monkeypatch.setattr(transport, "BODY_S", 1.0)
+    monkeypatch.setattr(transport, "BODY_RATE", 10)  # 64 bytes announced: 1 + 6.4 s under the old rule
+    u, timed_out = urlsplit(echo.url), echo.counts["connections_timed_out"]
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        s.sendall(post_head("64", path="/echo") + b"x" * 10)
+        started = time.monotonic()
+        while echo.counts["connections_timed_out"] == timed_out and time.monotonic() - started < 20:
+            with contextlib.suppress(OSError):  # dropped: the server shut the socket
+                s.sendall(b"x")  # 2 bytes/s: its deadline, 1 + (10 + 2 t) / 10 s, passes at t = 2.5 s
+            time.sleep(0.5)
+        assert echo.counts["connections_timed_out"] == timed_out + 1 and time.monotonic() - started < 4.5
 
 
 def test_a_long_malformed_content_length_is_quoted_cut_to_40_characters(server):

@@ -19,6 +19,7 @@ import serve
 import train
 import transport
 from model import LLMPolicy
+from rollouts import WIRE, sources
 from modeldir import build_tiny_model
 
 
@@ -42,7 +43,9 @@ def inbox(monkeypatch):
     boxes = []
 
     def open_inbox(model: str, vocab: int = 50, max_len: int = 64, *extra) -> serve.Inbox:
-        boxes.append(serve.Inbox(train.parse(argv(model, "--role", "trainer", *extra)), vocab, 0, max_len))
+        keys = set(WIRE) | {"reward_int_correct"}  # an arith run's (serve.wire_keys)
+        cfg = train.parse(argv(model, "--role", "trainer", *extra))
+        boxes.append(serve.Inbox(cfg, vocab, 0, max_len, keys))
         boxes[-1].restore(0)  # a fresh run's ids
         monkeypatch.setenv("NANORL_TOKEN", boxes[-1].server.token)
         return boxes[-1]
@@ -98,13 +101,13 @@ def test_a_worker_that_joins_a_finished_run_exits_0_before_loading_its_model(inb
     trainer_inbox = inbox("/no/such/model")
     monkeypatch.setattr(serve, "LONG_POLL", 60.0)  # close() now waits 121 s for worker 0 to hear it
     first = transport.Client(trainer_inbox.server.url, retries=1)
-    assert serve.hello(first, train.parse(argv("/no/such/model"))) == 0
+    assert serve.hello(first, train.parse(argv("/no/such/model"))) == (0, trainer_inbox.run)
     closing = threading.Thread(target=trainer_inbox.close)
     closing.start()
     until(lambda: trainer_inbox.finished, "close() to begin")
     assert worker(trainer_inbox, "/no/such/model") == 0  # its model does not exist: never loaded
     assert "error" not in capsys.readouterr().err and trainer_inbox.told == {1}
-    assert first.get("/adapter?have=0&worker=0")[0] == 410  # worker 0 hears it too: close() returns
+    assert first.get(f"/adapter?have=0&worker=0&run={trainer_inbox.run}")[0] == 410  # worker 0 hears it too
     closing.join(30)
     assert not closing.is_alive() and trainer_inbox.told == {0, 1}
 
@@ -116,7 +119,8 @@ def test_an_adapter_whose_version_is_not_newer_is_rejected_and_the_old_one_kept(
     monkeypatch.setattr(serve, "LONG_POLL", 0.2)  # the fetcher's last long poll ends soon after it is done
     weights = {"w": torch.arange(4.0)}
     trainer_inbox.serve(0, transport.encode(weights, {} if version is None else {"version": version}), 0.0)
-    fetcher = serve.AdapterFetcher(transport.Client(trainer_inbox.server.url, retries=1), 0, 5)
+    client = transport.Client(trainer_inbox.server.url, retries=1)
+    fetcher = serve.AdapterFetcher(client, trainer_inbox.cfg, 0, trainer_inbox.run)
     fetcher.start()
     try:
         until(lambda: fetcher.rejected >= 1, "a rejected adapter")
@@ -335,7 +339,7 @@ def test_worker_w_of_a_run_with_seed_s_samples_from_seed_s_million_plus_w(tiny, 
     monkeypatch.setattr(serve, "LONG_POLL", 0.2)  # close() waits for worker 0, which never asks again
     box = inbox(tiny, 50, 64, "--seed", "3")
     first = transport.Client(box.server.url, retries=1)
-    assert serve.hello(first, train.parse(argv(tiny, "--seed", "3"))) == 0
+    assert serve.hello(first, train.parse(argv(tiny, "--seed", "3"))) == (0, box.run)
 
     def trainer():
         until(lambda: box.next_worker == 2, "the second worker's hello")
@@ -442,3 +446,73 @@ def test_spawned_workers_get_the_run_config_by_pipe_the_token_and_no_torchrun_ra
         got = train.parse(["--config", str(d / "config")])
         assert got == dataclasses.replace(cfg, role="rollout", trainer_url="http://127.0.0.1:5", workers=0,
                                           out="", resume="")
+
+
+@pytest.mark.parametrize("extra, first, told", [
+    ((), 64, ""),  # the trainer killed and --resumed: worker 0 of the run before goes on, as worker 0
+    ((), 0, "the trainer refused this worker (409): worker id 0 was not issued by this run before its "
+            "trainer restarted: restart the worker"),  # a fresh run, of the same config, started on its url
+    (("--seed", "3"), 64, "the trainer refused this worker (409): worker and trainer disagree on seed "
+                          "(trainer 3, worker 0): start the worker with the trainer's config"),  # another run
+])
+def test_a_worker_another_trainer_registered_says_hello_again_and_goes_on_only_in_its_own_run(
+        inbox, monkeypatch, extra, first, told):
+    """A worker's trainer killed, another run started on its url (another --task even): the worker went on
+    fetching that run's adapters and posting its batches, which that run trained on."""
+    monkeypatch.setattr(serve, "LONG_POLL", 0.2)
+    box = inbox("unused", 50, 64, *extra)
+    box.restore(first)
+    box.serve(0, transport.encode({"w": torch.arange(4.0)}, {"version": 0}), 0.0)
+    client = transport.Client(box.server.url, retries=1)
+    fetcher = serve.AdapterFetcher(client, train.parse(argv("unused")), 0, "the-killed-trainers-run")
+    fetcher.start()
+    try:
+        until(lambda: fetcher.have == 0 or fetcher.done.is_set(), "an adapter or a stop")
+        stopped = (told, -1, True) if told else ("", 0, False)  # why, the adapter version, done
+        assert (fetcher.error, fetcher.have, fetcher.done.is_set()) == stopped
+        assert fetcher.nonce == ("the-killed-trainers-run" if told else box.run)
+        assert box.counts["adapters_sent"] == (not told)
+    finally:
+        fetcher.done.set()
+        fetcher.join(30)
+    box.seen.clear()  # or close() waits for worker 0 to poll
+
+
+@pytest.mark.parametrize("task", [("--judge-down", "drop"), ("--task", "countdown"),
+                                  ("--task", "countdown_multiturn")])
+def test_the_keys_a_trainer_expects_are_the_keys_its_workers_source_sends(tiny, task, one_thread):
+    """The first batch a trainer took fixed its keys: one odd batch, and every honest worker was refused."""
+    cfg = train.parse(argv(tiny, *task))
+    local = sources()[cfg.task](cfg, LLMPolicy(cfg))
+    assert set(local.next(0).wire()) == serve.wire_keys(cfg, local)
+
+
+@pytest.mark.parametrize("extra, resumed", [(("--seed", "3"), False), ((), True)])
+def test_a_worker_whose_trainer_is_replaced_on_its_url_goes_on_only_for_the_same_run_resumed(
+        tiny, adapter, inbox, capsys, one_thread, monkeypatch, extra, resumed):
+    """Trainer A killed, B started on its url: a run of another config took the worker's batches and
+    trained on them; A --resumed must keep its workers, under their ids."""
+    monkeypatch.setattr(serve, "LONG_POLL", 0.2)
+    a, boxes = inbox(tiny, adapter[2], 1024), []
+    publish(a, adapter, 0)
+
+    def replace():  # the worker runs in the main thread (its SIGTERM handler), the trainers here
+        until(lambda: a.counts["groups_received"], "a batch for trainer A")
+        a.server.close()  # killed: its worker hears no "finished"
+        boxes.append(b := inbox(tiny, adapter[2], 1024, "--trainer-url", a.server.url, *extra))  # A's token
+        b.restore(serve.SURVIVORS if resumed else 0)  # a --resumed trainer's first new id; a fresh run's
+        publish(b, adapter, 0)
+        until(lambda: b.counts["groups_received"] or not resumed, "a batch for trainer B")
+        boxes.append(threading.Timer(0 if resumed else 60, b.close))  # a hang guard: a worker never stopping
+        boxes[-1].start()
+    threading.Thread(target=replace, daemon=True).start()
+    rc, err, (b, guard) = worker(a, tiny), capsys.readouterr().err, boxes
+    guard.cancel()
+    if resumed:
+        assert rc == 0 and list(b.seqs) == [0] and b.next_worker == serve.SURVIVORS  # worker 0 still
+    else:
+        assert rc == 2 and err.endswith("error: worker 0: the trainer refused this worker (409): worker and "
+                                        "trainer disagree on seed (trainer 3, worker 0): start the worker "
+                                        "with the trainer's config\n")
+        assert "groups_received" not in b.counts and b.counts["adapters_sent"] == 0 and b.queue == []
+    assert "Traceback" not in err
