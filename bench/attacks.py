@@ -154,6 +154,13 @@ def batch_attacks(url: str):
     for name, batch in cases:
         status, reply = post(url, transport.encode(batch, meta()))
         row(f"batch: {name}", "4xx, counted, training continues", f"{status} {reply[:70]}", 400 <= status < 500)
+    status, reply = post(url, transport.encode(forge(v), {**meta(), "run": "another-trainer"}))
+    row("a batch of a worker another trainer registered", "412, never queued", f"{status} {reply[:60]}",
+        status == 412)
+    body = transport.encode(forge(v), meta())
+    first, again = post(url, body), post(url, body)  # as a worker resends one whose reply was lost
+    row("the same batch posted twice", "taken once", f"{first[1][:30]} then {again[1][:40]}",
+        first[0] == again[0] == 200 and '"duplicate": true' in again[1])
     status, _ = post(url, transport.encode(forge(v), meta(apply_s=float("inf"))))
     row("apply_s = 1e400 (inf) in a valid batch's meta", "the time ignored, not logged", str(status), status < 500)
 
