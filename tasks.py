@@ -15,7 +15,6 @@ except in `arith` and `add` (the bare number). Adding a task is one class and on
     TASKS["parity"] = Parity
 """
 import ast
-import difflib
 import json
 import math
 import numbers
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from judge import JudgeUnavailable
-from utils import ConfigError
+from utils import ConfigError, closest
 
 Reward = Callable[[str, str, str], float]  # (prompt, completion, answer) -> reward
 
@@ -564,9 +563,7 @@ def make_task(name: str, *, seed: int, eval_size: int, data: str | None = None,
               bad_rows: str = "skip", **options: Any) -> Task:
     """Build a registered task; `options` go to its constructor (e.g. max_operand=99 for arith)."""
     if name not in TASKS:
-        close = difflib.get_close_matches(name, list(TASKS), n=1, cutoff=0.0)
-        raise ConfigError(f"unknown task {name!r}; did you mean {close[0]!r}? "
-                          f"(valid: {', '.join(sorted(TASKS))})")
+        raise ConfigError(f"unknown task {name!r}{closest(name, TASKS)} (valid: {', '.join(sorted(TASKS))})")
     if why := data_problem(name, data, bad_rows):
         raise ConfigError(why)
     if issubclass(TASKS[name], DatasetTask):
