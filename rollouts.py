@@ -380,11 +380,10 @@ class TaskRollouts(BatchSource):
         """Rank r of W scores eval problems r, r + W, ...; summed over ranks, as one process would."""
         problems, cfg, task = self.task.eval_problems()[utils.rank() :: utils.world()], self.cfg, self.task
         greedy = rollout_single(self.policy, task, problems, 1, cfg, greedy=True)  # judged: rewards[0] counts
-        texts = [g[0].text for g in greedy]
         sums = {"n": len(problems), "eval_accuracy": sum(task.correct(g[0].problem, g[0].text, g[0].parts)
                                                          for g in greedy)}
         if type(task).lenient is not tasks.Task.lenient:  # by type: a rank without problems has the key too
-            sums["eval_accuracy_lenient"] = sum(map(task.lenient, problems, texts))  # right, any format
+            sums["eval_accuracy_lenient"] = sum(task.lenient(g[0].problem, g[0].text) for g in greedy)
         if k := cfg.pass_k:
             groups = rollout_single(self.policy, task, problems, k, cfg)
             c = [sum(task.correct(r.problem, r.text, r.parts) for r in g) for g in groups]
