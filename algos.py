@@ -24,8 +24,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def next_policy_step(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """x at the row's next policy step after t, past an environment's tokens between two turns;
-    0 where none follows. Of the mask itself: 1 where a policy step is still to come in the row."""
+    """x at the row's next policy step after t, past an environment's tokens between turns; 0 if none."""
     T = x.shape[1]
     at = torch.where(mask > 0, torch.arange(T), T)  # [N, T]: a policy step's own index, else T
     first = at.flip(1).cummin(1).values.flip(1)  # [N, T]: the row's first policy step at or after t
@@ -161,8 +160,7 @@ def policy_loss(logp, old_logp, adv, weights, mask, loss="ppo", eps_low=0.2, eps
 
 
 def value_loss(values, returns, weights, old_values=None, clip=0.0):
-    """Half squared error; with clip > 0 the pessimistic max with the error of a value kept within
-    `clip` of the pre-update one (PPO's value clipping)."""
+    """Half squared error; clip > 0: PPO value clipping, the max with that of a value within clip of old."""
     err = (values - returns) ** 2
     if clip:
         err = torch.max(err, (old_values + (values - old_values).clamp(-clip, clip) - returns) ** 2)
