@@ -443,10 +443,9 @@ class VLLMGenerator:
             # in 18 s instead of 49 and samples 1.55x as fast (bench/vllm_start.py).
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             cpu = {"kv_cache_memory_bytes": 1 << 30, "distributed_executor_backend": "uni"}
-        self.llm = LLM(model=model, enable_lora=True, max_lora_rank=cfg.lora_rank, seed=seed,
-                       dtype=DTYPES[cfg.dtype],
-                       logprobs_mode="processed_logprobs", generation_config="vllm",  # "vllm": the model's
-                       **cpu)  # generation_config.json (top_k, ...) stays out
+        # generation_config "vllm": the model's generation_config.json (top_k, ...) stays out
+        self.llm = LLM(model=model, enable_lora=True, max_lora_rank=cfg.lora_rank, dtype=DTYPES[cfg.dtype],
+                       seed=seed, logprobs_mode="processed_logprobs", generation_config="vllm", **cpu)
         self.cfg, self.eos, self.request = cfg, sorted(eos_ids), None
         self.dir = Path(tempfile.mkdtemp(prefix="nanorl-vllm-"))
         weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)  # at exit too: the last adapter
