@@ -26,11 +26,9 @@ from utils import UMASK, ConfigError, dump_config, rng_states, set_rng_states, s
 
 # ---------------------------------------------------------------- metrics
 class Metrics:
-    """The loop's numbers and samples, written to the run's files, then to cfg.log's loggers: config.yaml,
-    metrics.csv in long format (step, wall_s, key, value: any tool reads any metric) and samples.jsonl. A
-    resumed run first drops the lines after its checkpoint's step, which it writes again (set_aside has
-    copied them, if it moved later checkpoints). Without `out`, and on ranks other than 0 (rank 0 logs the
-    all-reduced numbers), nothing is written."""
+    """config.yaml, metrics.csv in long format (step, wall_s, key, value: any tool reads any metric) and
+    samples.jsonl, then cfg.log's loggers. A resumed run first drops the lines after its checkpoint's step,
+    which it writes again. Without `out`, and on any rank but 0 (it logs all-reduced numbers), nothing."""
     SAMPLES_MAX_BYTES = 32 << 20  # ~100k short completions: report.html opens them in about a second
 
     def __init__(self, out: Path | None = None, cfg=None, wall_offset: float = 0.0, resumed_at=None):
@@ -76,8 +74,7 @@ class Metrics:
             logger.log(step, values)
 
     def samples(self, step: int, rows: list[dict]) -> None:
-        """One JSON line per rollout. Past SAMPLES_MAX_BYTES the file becomes samples.1.jsonl (replacing
-        the one before), so a long run keeps at most about twice that on disk."""
+        """Past SAMPLES_MAX_BYTES samples.jsonl becomes samples.1.jsonl (replacing it): at most 2x that."""
         if self.out:
             self.samples_file.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
             self.samples_file.flush()
@@ -118,9 +115,8 @@ def truncate_log(path: Path, keep) -> None:
 
 
 def set_aside(run: Path, step: float) -> None:
-    """Moves the checkpoints after `step`, with a copy of the logs, to RUN/replaced-<time>: a run resumed at
-    an earlier ckpt-* (or past damaged ones) goes on from `step`, so rotation by step would delete its new
-    checkpoints before those, and a later --resume would load theirs."""
+    """Moves the checkpoints after `step`, with a copy of the logs, to RUN/replaced-<time>: else rotation
+    would delete the resumed run's new checkpoints before those, and a later --resume would load theirs."""
     if later := [c for c in checkpoints(run) if int(c.name[5:]) > step]:
         aside = fresh_dir(str(run / "replaced"))
         for ckpt in later:
@@ -267,8 +263,7 @@ def export_blocker(path: Path, run: Path | None = None) -> str | None:
 
 
 def fresh_dir(prefix: str) -> Path:
-    """A new directory <prefix>-<time>, or <prefix>-<time>-2, -3, ... where taken: mkdir is atomic, so runs
-    started in the same second (a sweep's) never share one. Made by rank 0, which alone writes there."""
+    """<prefix>-<time>, or <prefix>-<time>-2, -3, ...: mkdir is atomic, so a sweep's runs never share one."""
     base = f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
     if utils.rank() > 0:
         return Path(base)  # the other ranks never write there: they name it in messages only
@@ -312,9 +307,8 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 def save_checkpoint(out: Path, step: int, policy: torch.nn.Module, opt: torch.optim.Optimizer, meta: dict,
                     keep: int, rng: torch.Tensor | None = None) -> Path | None:
-    """ckpt-<step>/ by atomic_dir, its files fsync'd: weights as safetensors, optimizer and RNG states (`rng`:
-    rng_states()) a tensors-only torch.save (read back weights_only=True), the rest JSON. Keeps the
-    newest `keep`. Under torchrun rank 0 alone writes (ranks hold the same weights); others return None."""
+    """ckpt-<step>/ by atomic_dir: weights as safetensors, optimizer and RNG states a tensors-only torch.save
+    (read back weights_only=True), the rest JSON; the newest `keep` stay. Rank 0 alone writes: others None."""
     if utils.rank() > 0:
         return None
     final = out / f"ckpt-{step:07d}"

@@ -1,5 +1,4 @@
-"""Plumbing shared by the loop: config parsing and --help, what stops a run (refused writes, signals),
-torchrun helpers."""
+"""Plumbing shared by the loop: config parsing and --help, what stops a run, torchrun helpers."""
 import argparse
 import dataclasses
 import datetime
@@ -143,17 +142,14 @@ def dump_config(cfg) -> str:
 
 
 # ---------------------------------------------------------------- stops: refused writes, signals
-# Writes the disk refused (full, over quota, past a file-size limit, read-only, failing): main() says so
-# in one line, as the checkpoints written so far are intact.
-DISK_REFUSED = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO)
-
-
 def refused(e: Exception) -> str | None:
     """main()'s one line for a refused write or allocation (numpy's and Python's MemoryError, torch's
     OutOfMemoryError on a GPU, its CPU allocator's RuntimeError) or a lost rank; None: a bug."""
     if isinstance(e, RankLost):
         return str(e)
-    if isinstance(e, OSError) and e.errno in DISK_REFUSED:
+    # a disk full, over quota, past a file-size limit, read-only or failing: the checkpoints so far are intact
+    disk = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO)
+    if isinstance(e, OSError) and e.errno in disk:
         return f"a write failed ({e}); make room, then --resume the run or run again"
     if isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e):
         asked = re.search(r"allocate [\d.]+ ?\w+", str(e))  # "... tried to allocate 40000000000 bytes ..."
@@ -243,8 +239,7 @@ def close_distributed() -> None:
 
 
 def cli(main) -> None:
-    """train.py's entry: main(argv) under torchrun's @record, then exit_process. A warning is one line, as an
-    error is: Python's format added the source line of the warnings.warn call, cut mid-sentence."""
+    """train.py's entry. A warning is one line, as an error is (Python's adds the warn call's source line)."""
     warnings.formatwarning = lambda message, category, *_: f"warning: {message}\n"
     exit_process(record(main)(sys.argv[1:]))
 
