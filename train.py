@@ -164,18 +164,18 @@ def validate(cfg: Config) -> None:
                       f"(choices: {', '.join(valid)})")
     for names, ok, want in (("steps sft_steps micro_batch max_staleness workers pass_k debug_samples samples "
                              "loss_agg_constant vf_coef vf_clip max_grad_norm critic_max_grad_norm kl_coef "
-                             "target", lambda v: v >= 0, "--{flag} >= 0"),
+                             "target", lambda v: v >= 0, "{} >= 0"),
                             ("batch group_size eval_every eval_episodes eval_size gen_batch max_new_tokens "
                              "inner_epochs minibatches ckpt_every keep_ckpts max_turns max_gen_batches "
                              "max_len hidden lora_rank lora_alpha dist_timeout tis_cap mis_high",
-                             lambda v: v >= 1, "--{flag} >= 1"),
-                            ("gamma eps_low mis_low", lambda v: 0 < v <= 1, "0 < {name} <= 1"),
-                            ("lam", lambda v: 0 <= v <= 1, "0 <= {name} <= 1"),
-                            ("lr sft_lr worker_patience eps_high", lambda v: v > 0, "{name} > 0"),
-                            ("dual_clip", lambda v: v == 0 or v > 1, "{name} 0 (off) or > 1")):
+                             lambda v: v >= 1, "{} >= 1"),
+                            ("gamma eps_low mis_low", lambda v: 0 < v <= 1, "0 < {} <= 1"),
+                            ("lam", lambda v: 0 <= v <= 1, "0 <= {} <= 1"),
+                            ("lr sft_lr worker_patience eps_high", lambda v: v > 0, "{} > 0"),
+                            ("dual_clip", lambda v: v == 0 or v > 1, "{} 0 (off) or > 1")):
         for name in names.split():
             if not ok(value := getattr(cfg, name)):
-                raise err(f"need {want.format(name=name, flag=name.replace('_', '-'))} (got {value})")
+                raise err(f"need {want.format('--' + name.replace('_', '-'))} (got {value})")
     if cfg.algo in GROUPED and cfg.group_size < 2:
         raise err(f"--algo {cfg.algo} needs --group-size >= 2 (got {cfg.group_size}); try --group-size 8")
     # torchrun: each rank takes batch / W rows of whole groups (an async trainer splits its batch alike)

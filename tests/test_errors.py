@@ -74,8 +74,8 @@ def one_line_error(capsys, argv) -> str:
     (LLM + ["--kl-coef", "-0.1"], "need --kl-coef >= 0 (got -0.1)"),
     (["--max-grad-norm", "-1"], "need --max-grad-norm >= 0 (got -1.0)"),  # 0 is off
     (["--dist-timeout", "0"], "need --dist-timeout >= 1 (got 0.0)"),
-    (["--dual-clip", "-1"], "need dual_clip 0 (off) or > 1 (got -1.0)"),
-    (["--lr", "-1"], "need lr > 0 (got -1.0)"),  # the message listed five ranges, none named as broken
+    (["--dual-clip", "-1"], "need --dual-clip 0 (off) or > 1 (got -1.0)"),
+    (["--lr", "-1"], "need --lr > 0 (got -1.0)"),  # the message listed five ranges, none named as broken
     (LLM + ["--mis-high", "0.5"], "need --mis-high >= 1 (got 0.5)"),
     (["--target", "-1"], "need --target >= 0 (got -1.0)"),
     (LLM + ["--dtype", "fp16"], "unknown --dtype 'fp16'; did you mean 'bf16'? (choices: fp32, bf16)"),  # at load

@@ -145,7 +145,7 @@ def test_a_whole_yaml_float_is_an_int_a_quoted_off_is_text_and_a_flag_takes_no_f
     (["--task", "cartpol"], "unknown --task 'cartpol'; did you mean 'cartpole'"),
     (["--batch", "10", "--group-size", "4", "--algo", "grpo"], "need a multiple of 4, whole groups of --group-size 4.*try --batch 12"),
     (["--minibatches", "3"], "--batch 16 is the global batch: 1 rank\\(s\\) need a multiple of 3.*--minibatches 3 each; try --batch 18"),
-    (["--gamma", "1.5"], "0 < gamma <= 1"),
+    (["--gamma", "1.5"], "0 < --gamma <= 1"),
     (["--resume", "/nonexistent/run"], "no such run directory"),
     (["--vf-clip", "0.2"], "--vf-clip needs --algo ppo \\(the only critic\\); add that or drop it"),
 ])

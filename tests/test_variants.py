@@ -396,7 +396,7 @@ def test_ent_coef_raises_the_llms_entropy_and_off_leaves_it_untouched():
     (["--loss", "gpso"], "unknown --loss 'gpso'; did you mean 'gspo'"),
     (["--loss-agg", "seq"], "unknown --loss-agg 'seq'"),
     (["--tis", "tokens"], "unknown --tis 'tokens'; did you mean 'token'"),
-    (["--dual-clip", "0.5"], "dual_clip 0 \\(off\\) or > 1"),
+    (["--dual-clip", "0.5"], "--dual-clip 0 \\(off\\) or > 1"),
     (["--tis-cap", "0.5"], "need --tis-cap >= 1 \\(got 0.5\\)"),
     (["--task", "arith", "--kl-in-reward"], "--kl-in-reward needs --kl-coef > 0"),
     (["--task", "arith", "--dynamic-sampling", "--algo", "reinforce"], "--dynamic-sampling needs a grouped --algo"),
