@@ -320,6 +320,11 @@ class ControlRollouts(BatchSource):
         return {"eval_return": batch.rewards.sum(1).mean().item()}
 
 
+# All that TaskRollouts.next puts in `last` (--dynamic-sampling), and all an async trainer takes of a
+# worker's `last` (serve.Inbox): a key not named here is logged in sync runs but dropped in async ones.
+METRICS = ("gen_rounds", "gen_frac_zero_std")
+
+
 class TaskRollouts(BatchSource):
     """Single-turn verifiable-reward tasks: batch / group_size prompts, group_size completions
     each. Optional dynamic sampling (drop groups whose rewards all agree) and prompt replay."""

@@ -29,7 +29,7 @@ import torch
 import tasks
 import utils
 from model import LLMPolicy, VLLMGenerator
-from rollouts import WIRE, Batch, BatchSource, EnvRollouts, from_wire, sources
+from rollouts import METRICS, WIRE, Batch, BatchSource, EnvRollouts, from_wire, sources
 from transport import Client, PayloadError, Request, ServeError, Server, decode, encode, split_url
 
 FINGERPRINT = ("task", "seed", "eval_size", "data", "model", "lora", "lora_rank", "lora_alpha",
@@ -37,7 +37,6 @@ FINGERPRINT = ("task", "seed", "eval_size", "data", "model", "lora", "lora_rank"
                "chat_template", "thinking", "overlong_buffer", "max_turns", "max_len", "dynamic_sampling",
                "max_gen_batches", "prompt_reweight", "judge_down", "sandbox")
 MULTITURN = {"solved", "solved_first_turn", "turns"}  # a multi-turn source sends all of these
-METRICS = ("gen_rounds", "gen_frac_zero_std")  # all a worker's source.last holds (--dynamic-sampling)
 STRIDE = 1_000_000  # worker w samples train problems w*STRIDE, w*STRIDE+1, ...: workers never share a prompt
 SURVIVORS = 64  # ids a resumed trainer skips: those issued after its checkpoint, to workers that outlived it
 LONG_POLL = 2.0  # seconds GET /adapter waits for a newer version; also the workers' heartbeat period

@@ -12,10 +12,12 @@ import time
 import pytest
 import torch
 
+import rollouts
 import serve
 import train
 import utils
 import transport
+from model import LLMPolicy
 from rollouts import WIRE
 from transport import Request, encode
 
@@ -672,3 +674,17 @@ def test_worker_metrics_but_its_sources_are_ignored_and_never_overwrite_the_trai
     meta = inbox.take(0, {0})[1]
     assert meta["gen_rounds"] == 2.0 and meta["queue_depth"] == 0
     assert not {"loss", "reward", "eval_accuracy", "k"} & set(meta)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_every_metric_a_rollout_source_fills_reaches_the_trainer(inbox):
+    """serve kept its own list of the keys a worker's source.last holds: a metric added to
+    TaskRollouts.next was logged in sync runs and silently dropped from async ones."""
+    cfg = utils.load_config(train.Config, ["--task", "arith", "--model", "tiny", "--lora", "--batch", "8",
+                                           "--group-size", str(K), "--max-new-tokens", "4", "--algo", "grpo",
+                                           "--dynamic-sampling", "--max-gen-batches", "1", "--no-progress"])
+    source = rollouts.TaskRollouts(cfg, LLMPolicy(cfg))
+    source.next(0)
+    assert set(source.last) == set(rollouts.METRICS) and source.last["gen_rounds"] == 1  # one round allowed
+    assert post(inbox, forge(), metrics=source.last)[0] == 200
+    assert inbox.rollout_metrics == [{k: float(v) for k, v in source.last.items()}]  # none dropped
