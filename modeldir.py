@@ -135,8 +135,9 @@ def gguf_to_hf(file: Path) -> str:
 
 def refuse_non_model(file: Path) -> None:
     """transformers builds the network the file's settings describe (a 7B Llama where none) before it looks
-    for weights: an adapter or a vocab-only file filled memory or read as corrupt. Refused first."""
+    for weights: an adapter, a vocab-only file or one without its sizes filled memory or read as corrupt."""
     from gguf import GGUFReader  # optional, as for transformers' own GGUF reading (~3 s for SmolLM2's 93 MB)
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
     reader = GGUFReader(file)
     if (kind := reader.fields.get("general.type")) and kind.contents() == "adapter":
@@ -145,6 +146,17 @@ def refuse_non_model(file: Path) -> None:
     if not reader.tensors:  # llama.cpp's --vocab-only files keep the settings of the model (a 7B's, say)
         raise utils.ConfigError(f"--model {file}: a vocab-only GGUF (a tokenizer, no weights), not a model; "
                                 "pass a whole model's .gguf")
+    arch = reader.fields.get("general.architecture")
+    name = arch.contents() if arch else ""
+    # A size transformers reads but the file lacks takes the config class's default: Llama's 32 layers, 4096
+    # wide (11008 in the MLP), are a 7B, 27 GB in fp32. An architecture transformers lacks, it names itself.
+    wanted = [f"{name}.{key}" for key in ("block_count", "embedding_length", "feed_forward_length")
+              if key in GGUF_CONFIG_MAPPING.get(name, {})]
+    missing = [key for key in wanted if key not in reader.fields] if arch else ["general.architecture"]
+    if missing:
+        raise utils.ConfigError(f"--model {file}: a GGUF without its model's settings "
+                                f"({', '.join(missing)}); pass a whole model's .gguf, as llama.cpp's "
+                                "convert_hf_to_gguf.py writes it")
 
 
 def whole(lm: torch.nn.Module, info: dict, name: str) -> torch.nn.Module:

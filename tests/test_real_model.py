@@ -107,11 +107,15 @@ def test_gguf_errors_are_one_line_naming_the_fix(tmp_path, monkeypatch):
     assert 'pip install gguf (or pip install -e ".[demo]")' in one_line_error(str(cut))
 
 
-def write_gguf(path: Path, kind: str, settings: dict, tensors: dict, tokens: list[str]) -> Path:
-    """A GGUF of only `kind` (general.type), the llama settings, tensors and (if any) the tokens given."""
+def write_gguf(path: Path, kind: str, settings: dict, tensors: dict, tokens: list[str],
+               arch: bool = True) -> Path:
+    """A GGUF of only `kind` (general.type), the llama settings, tensors and (if any) the tokens given;
+    general.architecture (llama) unless not `arch`."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), "llama")
+    if not arch:  # the writer always adds it: a file without one is made by hand
+        del writer.kv_data[0]["general.architecture"]
     writer.add_type(kind)
     if tokens:
         writer.add_tokenizer_model("gpt2")
@@ -143,16 +147,44 @@ def test_a_gguf_adapter_or_vocab_file_is_named_as_such_before_a_model_is_built(t
     llama_7b = {"block_count": 32, "embedding_length": 4096, "feed_forward_length": 11008,
                 "attention.head_count": 32}
     vocab = write_gguf(tmp_path / "vocab.gguf", "model", llama_7b, {}, ["a", "b", "c"])
-
-    def six_gib():
-        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, resource.RLIM_INFINITY))
-    argv = ["--task", "arith", "--model", str(vocab), "--steps", "1", "--no-progress", "--out", str(tmp_path)]
-    run = subprocess.run([sys.executable, "train.py", *argv], cwd=Path(__file__).parent.parent,
-                         env={**os.environ, "NANORL_CACHE": str(tmp_path / "cache")}, capture_output=True,
-                         text=True, timeout=300, preexec_fn=six_gib)
+    run = train_in_six_gib(vocab, tmp_path)
     assert run.returncode == 2 and run.stderr.splitlines() == [
         f"error: --model {vocab}: a vocab-only GGUF (a tokenizer, no weights), not a model; pass a whole "
         "model's .gguf"], run.stderr
+
+
+def train_in_six_gib(model: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    """One step of train.py on `model` with its address space capped: a 7B built by mistake fails to
+    allocate here as it would run out of memory on a machine with more."""
+    def six_gib():
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, resource.RLIM_INFINITY))
+    argv = ["train.py", "--task", "arith", "--model", str(model), "--steps", "1", "--no-progress",
+            "--out", str(tmp_path)]
+    return subprocess.run([sys.executable, *argv], cwd=Path(__file__).parent.parent,
+                          env={**os.environ, "NANORL_CACHE": str(tmp_path / "cache")}, capture_output=True,
+                          text=True, timeout=300, preexec_fn=six_gib)
+
+
+def test_a_gguf_without_its_sizes_is_refused_before_a_default_7b_is_built(tmp_path):
+    """A file with tensors but without llama.block_count, embedding_length and feed_forward_length had
+    transformers build LlamaConfig's defaults, a 7B (27 GB in fp32): killed out of memory, no message. One
+    size missing built a network of the wrong shape; no general.architecture read as a corrupt file."""
+    import numpy as np
+
+    embedding, tokens = {"token_embd.weight": np.zeros((3, 64), np.float32)}, ["a", "b", "c"]
+    fix = "pass a whole model's .gguf, as llama.cpp's convert_hf_to_gguf.py writes it"
+    bare = write_gguf(tmp_path / "bare.gguf", "model", {}, embedding, tokens)
+    run = train_in_six_gib(bare, tmp_path)
+    assert run.returncode == 2 and run.stderr.splitlines() == [
+        f"error: --model {bare}: a GGUF without its model's settings (llama.block_count, "
+        f"llama.embedding_length, llama.feed_forward_length); {fix}"], run.stderr
+    sizes = {"context_length": 8, "block_count": 1, "embedding_length": 64, "attention.head_count": 1}
+    no_mlp = write_gguf(tmp_path / "no_mlp.gguf", "model", sizes, embedding, tokens)
+    assert one_line_error(str(no_mlp)) == (
+        f"--model {no_mlp}: a GGUF without its model's settings (llama.feed_forward_length); {fix}")
+    nameless = write_gguf(tmp_path / "nameless.gguf", "model", sizes, embedding, tokens, arch=False)
+    assert one_line_error(str(nameless)) == (
+        f"--model {nameless}: a GGUF without its model's settings (general.architecture); {fix}")
 
 
 def test_short_name_without_the_package_says_what_to_install(monkeypatch):
