@@ -32,8 +32,9 @@ def read_samples(run: Path) -> list[dict]:
     return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]
 
 
-def write_report(run: Path) -> Path:
-    series = rundir.read_metrics(run / "metrics.csv") if (run / "metrics.csv").exists() else {}
+def write_report(run: Path, strict: bool = False) -> Path:
+    """`strict`: a damaged line of metrics.csv stops it (report.py); else it is left out (a live run's)."""
+    series = rundir.read_metrics(run / "metrics.csv", strict) if (run / "metrics.csv").exists() else {}
     data = {"run": run.name, "config": yaml.safe_load((run / "config.yaml").read_text()),
             "curves": {key: [[s, v] for s, _, v in thin(points)] for key, points in series.items()},
             "samples": read_samples(run)}
@@ -70,9 +71,12 @@ def main(argv: list[str]) -> int:
         utils.stderr(f"{argv[0]}: {why}; pass a run directory of train.py (runs/NAME)")
         return 2
     try:
-        print(write_report(Path(argv[0])))
+        print(write_report(Path(argv[0]), strict=True))
+    except utils.ConfigError as e:  # a damaged line of metrics.csv, named
+        utils.stderr(f"error: {e}")
+        return 2
     except (ValueError, KeyError, TypeError, yaml.YAMLError) as e:  # a hand-edited file of the run
-        utils.stderr(f"{argv[0]}: cannot read its config.yaml, metrics.csv or samples.jsonl ("
+        utils.stderr(f"{argv[0]}: cannot read its config.yaml or samples.jsonl ("
                      f"{type(e).__name__}: {' '.join(str(e).split())}); fix or delete the damaged line")
         return 2
     except OSError as e:  # a run this user may read, not write (another's, a read-only mount)

@@ -14,6 +14,7 @@ import re
 import shutil
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -195,13 +196,44 @@ class WandB:
 LOGGERS = {"tensorboard": TensorBoard, "wandb": WandB}
 
 
-def read_metrics(path: Path) -> dict[str, list[tuple[int, float, float]]]:
-    """metrics.csv's series by key, less a last line still being written (report.py beside a live run)."""
+def read_metrics(path: Path, strict: bool = False) -> dict[str, list[tuple[int, float, float]]]:
+    """metrics.csv's series by key, less a last line still being written (report.py beside a live run). A
+    damaged line (a hand edit, a disk error) is left out with a warning: a live run's report, curve and
+    summary must not stop the run. `strict` (report.py) raises a ConfigError naming it instead."""
     series: dict[str, list] = {}
-    for row in csv.DictReader(line for line in path.read_text().splitlines(True) if line.endswith("\n")):
-        point = int(row["step"]), float(row["wall_s"]), float(row["value"])
-        series.setdefault(row["key"], []).append(point)
+    # Lines as an editor numbers them (read_text would end one at a stray "\r" too); bytes a disk error
+    # left fail their own line below
+    lines = path.read_bytes().decode(errors="replace").split("\n")[:-1]
+    for n, line in enumerate(lines[1:], 2):  # line 1: the header
+        if line in ("", "\r"):  # blank: nothing to lose
+            continue
+        try:
+            key, point = metrics_point(line)
+        except ValueError as e:
+            why = f"{path} line {n}: {e}; repair or delete that line (the run's checkpoints are untouched)"
+            if strict:
+                raise ConfigError(why) from None
+            warnings.warn(f"{why}; the report and curve leave it out")
+            continue
+        series.setdefault(key, []).append(point)
     return series
+
+
+def metrics_point(line: str) -> tuple[str, tuple[int, float, float]]:
+    """A metrics.csv line's key and (step, wall_s, value); a ValueError says what is wrong with it."""
+    try:  # a reader a line: one over the file would read a stray quote's next lines as part of its field
+        [row] = csv.reader([line])
+    except csv.Error:  # a carriage return inside a field, a field past csv's 128 KiB: a disk error's bytes
+        raise ValueError("it does not read as one CSV row") from None
+    if len(row) != 4:
+        raise ValueError(f"{len(row)} fields, not 4 (step,wall_s,key,value)")
+    step, wall, key, value = row
+    for name, text, kind in (("step", step, int), ("wall_s", wall, float), ("value", value, float)):
+        try:
+            kind(text)
+        except ValueError:
+            raise ValueError(f"{name} {text[:40]!r} is not a {'whole ' * (kind is int)}number") from None
+    return key, (int(step), float(wall), float(value))
 
 
 def plot(out: Path, keys: tuple[str, ...]) -> None:

@@ -166,8 +166,7 @@ def test_two_processes_rewriting_a_report_and_a_line_still_being_written_both_go
         "config.yaml", "metrics.csv", "report.html"]
 
 
-@pytest.mark.parametrize("name, text", [("metrics.csv", "step,wall_s,key,value\n1,0.5,loss,abc\n"),
-                                        ("samples.jsonl", '{"step": 1}\nnot json\n'),
+@pytest.mark.parametrize("name, text", [("samples.jsonl", '{"step": 1}\nnot json\n'),
                                         ("config.yaml", "task: [cartpole\n")])
 def test_a_damaged_log_is_one_line_naming_the_fix(tmp_path, capsys, name, text):
     (tmp_path / "config.yaml").write_text("task: cartpole\n")
@@ -175,6 +174,43 @@ def test_a_damaged_log_is_one_line_naming_the_fix(tmp_path, capsys, name, text):
     assert report.main([str(tmp_path)]) == 2 and not (tmp_path / "report.html").exists()
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith(f"{tmp_path}: cannot read") and "delete the damaged line" in err[0]
+
+
+FIX = "repair or delete that line (the run's checkpoints are untouched)"
+
+
+@pytest.mark.parametrize("line, why", [("1,0.5,loss,abc", "value 'abc' is not a number"),
+                                       ("1.5,0.5,loss,2", "step '1.5' is not a whole number"),
+                                       ("1,0.5,loss", "3 fields, not 4 (step,wall_s,key,value)"),
+                                       ('1,0.5,"loss,2', "3 fields, not 4 (step,wall_s,key,value)"),
+                                       ("1,0.5,lo\rss,2", "it does not read as one CSV row")])
+def test_a_damaged_metrics_line_stops_report_py_naming_the_line_and_the_fix(tmp_path, capsys, line, why):
+    """Was one line naming neither the line nor what is wrong there ("TypeError: float() argument must be a
+    string or a real number, not 'NoneType'"). Line 5, still being written, is skipped as before."""
+    (tmp_path / "config.yaml").write_text("task: cartpole\n")
+    metrics = tmp_path / "metrics.csv"
+    metrics.write_bytes(f"step,wall_s,key,value\n1,0.4,loss,2\n{line}\n2,0.9,loss,4\n3,1.2,lo".encode())
+    before = metrics.read_bytes()
+    assert report.main([str(tmp_path)]) == 2 and not (tmp_path / "report.html").exists()
+    assert capsys.readouterr().err.splitlines() == [f"error: {metrics} line 3: {why}; {FIX}"]
+    assert metrics.read_bytes() == before
+
+
+def test_a_damaged_metrics_line_is_left_out_of_a_live_runs_report_curve_and_summary_with_a_warning(tmp_path):
+    """A run writes report.html at each eval, then curve.png and the summary: a damaged line of metrics.csv
+    (a hand edit of a live run, a resume from one) killed the run with a ValueError traceback mid-training."""
+    (tmp_path / "config.yaml").write_text("task: cartpole\n")
+    metrics = tmp_path / "metrics.csv"
+    metrics.write_text("step,wall_s,key,value\n2,1,eval_return,300\n4,2,eval_return,abc\n"
+                       "6,3,eval_return,200\n")
+    with pytest.warns(UserWarning) as caught:
+        html = report.write_report(tmp_path).read_text()
+        rundir.plot(tmp_path, keys=("eval_return",))
+        summary = report.summary(tmp_path, 3.0, "").splitlines()
+    why = f"{metrics} line 3: value 'abc' is not a number; {FIX}; the report and curve leave it out"
+    assert [str(w.message) for w in caught] == [why] * 3  # one a read (pytest records every one)
+    assert '"curves": {"eval_return": [[2, 300.0], [6, 200.0]]}' in html and (tmp_path / "curve.png").exists()
+    assert summary[1] == "  eval_return: best 300 (step 2), final 200 (step 6)"
 
 
 def test_a_report_that_cannot_be_written_is_one_line_and_the_run_is_untouched(tmp_path, capsys):

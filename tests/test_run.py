@@ -633,6 +633,22 @@ def test_a_damaged_log_line_or_a_run_directory_that_takes_no_writes_stops_a_resu
     assert (out / "config.yaml").read_text() == config and len(rundir.checkpoints(out)) == 2
 
 
+def test_a_resume_past_a_damaged_metrics_line_trains_to_its_end_and_warns_of_it(tmp_path, two_steps):
+    """A value that does not read (truncate_log reads only the step) killed the resumed run at its first eval
+    (report.html): a ValueError traceback, exit 1, no curve, report or summary. The line stays to repair."""
+    out = shutil.copytree(two_steps, tmp_path / "run")
+    lines = (out / "metrics.csv").read_text().splitlines(keepends=True)
+    lines[1] = lines[1].rsplit(",", 1)[0] + ",abc\n"  # line 2: a metric of step 0 or 1, kept by the resume
+    (out / "metrics.csv").write_text("".join(lines))
+    done = run(cartpole(out, "--resume", str(out), "--steps", "3"))
+    assert done.returncode == 0 and "Traceback" not in done.stderr and "run saved to" in done.stdout
+    warned = {line for line in done.stderr.splitlines() if "metrics.csv" in line}  # the eval's, the curve's
+    assert warned == {f"warning: {out / 'metrics.csv'} line 2: value 'abc' is not a number; repair or delete "
+                      "that line (the run's checkpoints are untouched); the report and curve leave it out"}
+    assert (out / "metrics.csv").read_text().splitlines(keepends=True)[1] == lines[1]
+    assert (out / "curve.png").exists() and rundir.checkpoints(out)[-1].name == "ckpt-0000003"
+
+
 def test_a_resume_whose_data_file_changed_warns_that_the_eval_problems_are_not_the_runs(tmp_path, capsys):
     """The split is reshuffled from the rows at each start: appending one row to --data and resuming swapped
     eval problems for former training ones, silently. The checkpoint now holds a digest of the eval keys."""
