@@ -1,5 +1,6 @@
 """Plumbing shared by the loop: config parsing and --help, what stops a run, torchrun helpers."""
 import argparse
+import ctypes
 import dataclasses
 import datetime
 import difflib
@@ -23,6 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 UMASK = os.umask(0o022)  # the process's umask, read the only way there is (setting it), then put back
 os.umask(UMASK)
+LAUNCHER = os.getppid()  # read at import, as near this process's start as it gets: die_with_launcher's check
 
 
 # ---------------------------------------------------------------- config
@@ -182,6 +184,7 @@ class StopSignals:
         self.previous = {s: signal.signal(s, self.handle) for s in self.NAMES}
 
     def handle(self, signum: int, frame) -> None:
+        death_signal(0)  # a dead launcher's threads each send one (die_with_launcher): one stop is enough
         if self.seen:  # e.g. a trainer waiting for workers that never come
             raise KeyboardInterrupt
         self.seen, name = True, self.NAMES[signum]
@@ -223,10 +226,29 @@ def collective(fn):
     return checked
 
 
+def death_signal(signum: int) -> None:
+    """prctl(PR_SET_PDEATHSIG): `signum` comes when the parent dies (0: none). Linux only; elsewhere none."""
+    if sys.platform.startswith("linux") and ctypes.CDLL(None, use_errno=True).prctl(1, signum) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+
+
+def die_with_launcher() -> None:
+    """A rank stops (SIGTERM: StopSignals) when its launcher dies, a SIGKILL (the OOM killer's, a scheduler's)
+    too, rather than keep its CPU, GPU and run directory as an orphan."""
+    # The signal comes when the launcher's thread that started this rank ends: torchrun's main thread, which
+    # starts (and restarts) its workers and waits for them. The kernel then hands the rank to another of the
+    # launcher's threads, whose exit sends one more, and so on: StopSignals turns it off at the first.
+    death_signal(signal.SIGTERM)
+    if os.getppid() != LAUNCHER:  # it died before the prctl (this rank's adopter is its parent): no signal
+        raise SystemExit(f"error: rank {os.environ.get('RANK')}: its launcher (pid {LAUNCHER}) has exited; "
+                         "so does this rank")
+
+
 def init_distributed(timeout_s: float) -> None:
     """Joins torchrun's group; a rank stuck in a collective for timeout_s raises rather than hangs."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or dist.is_initialized():
         return
+    die_with_launcher()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # LLMPolicy's "cuda" is then this rank's GPU
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"

@@ -4,8 +4,10 @@ on the whole batch, split the work disjointly, and fail together and loudly.
 The module is also the torchrun worker for the checks that need live ranks:
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/test_dist.py OUT_DIR
 """
+import ctypes
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -394,6 +396,105 @@ def test_a_stop_during_an_eval_under_torchrun_saves_the_step_before_the_eval_end
     train.train(cfg_from(*argv[:-2], "--resume", str(run), "--steps", "3"))
     assert [s for s, _ in read_metrics(run)["loss"]] == [1, 2, 3]
     assert [s for s, _ in read_metrics(run)["eval_return"]] == [0, 3]  # step 2's eval was lost, not logged
+
+
+def ranks_of(launcher: int) -> list[int]:
+    """The pids whose parent is `launcher`, from /proc."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # after "(name)": it may hold spaces
+        except OSError:  # it exited meanwhile
+            continue
+        if parent == launcher:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's adopter may reap it late)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_ranks_stop_as_on_sigterm_when_torchrun_is_killed(tmp_path):
+    """A SIGKILL of torchrun (the OOM killer's, a scheduler's) left its ranks training on, orphans holding
+    the CPU, the GPU and the run directory. Each now gets a SIGTERM and stops as a scheduler's stop does."""
+    run, err = tmp_path / "run", tmp_path / "stderr"
+    argv = ["--batch", "4", "--steps", "100000", "--target", "0", "--eval-every", "100000",
+            "--eval-episodes", "2", "--no-progress", "--out", str(run)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           *argv]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    with open(err, "w") as stderr:  # a file: the ranks write on after torchrun is gone
+        launcher = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+    ranks = []
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.csv").exists() or "loss" not in rundir.read_metrics(run / "metrics.csv"):
+            assert launcher.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
+            time.sleep(0.2)
+        ranks = ranks_of(launcher.pid)
+        assert len(ranks) == 2  # both are past step 1 (its loss is summed over ranks)
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 30
+        while any(map(running, ranks)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(map(running, ranks)), "the ranks outlived torchrun"
+    finally:  # orphans left by a failure here would train on
+        for pid in filter(running, ranks or ranks_of(launcher.pid)):
+            os.kill(pid, signal.SIGKILL)
+        launcher.kill()
+        launcher.wait()
+    log = err.read_text()  # each rank stopped as on a scheduler's SIGTERM (most often with a checkpoint)
+    assert log.count("SIGTERM: finishing this step and checkpointing") == 2 and "Traceback" not in log
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_first_stop_turns_the_launchers_death_signal_off():
+    """torchrun's threads each send one more as they exit, after the one that started the rank: a second
+    stop would raise at once (the step and its checkpoint cut short, mid-write), as a second Ctrl-C does."""
+    utils.death_signal(signal.SIGTERM)
+    signals = utils.StopSignals(train.evaluate, train.update)
+    try:
+        signals.handle(signal.SIGTERM, sys._getframe())
+        pending = ctypes.c_int(-1)
+        ctypes.CDLL(None).prctl(2, ctypes.byref(pending))  # 2: PR_GET_PDEATHSIG
+    finally:
+        signals.restore()
+        utils.death_signal(0)
+    assert signals.seen and pending.value == 0
+
+
+ORPHANED = """
+import os, signal, time
+import utils
+launcher = os.getppid()
+os.kill(launcher, signal.SIGKILL)  # the launcher dies after this rank started, before its prctl
+while os.getppid() == launcher:
+    time.sleep(0.01)
+utils.init_distributed(60)
+print("joined")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_rank_whose_launcher_died_before_it_could_follow_exits_at_once(tmp_path):
+    """prctl's death signal comes only for a parent alive when it is set: a launcher dead by then left the
+    rank waiting for a group that never forms, up to --dist-timeout (30 minutes by default)."""
+    script = tmp_path / "orphaned.py"
+    script.write_text(ORPHANED)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2", "RANK": "1"}
+    # sh is the launcher: a command after the rank's keeps it from exec'ing the rank in its own place
+    sh = subprocess.Popen(["sh", "-c", '"$0" "$1"; exit', sys.executable, str(script)], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = sh.communicate(timeout=120)  # the rank's output, through the pipes sh gave it, until it exits
+    assert sh.returncode == -9 and out == ""
+    assert err == f"error: rank 1: its launcher (pid {sh.pid}) has exited; so does this rank\n"
 
 
 if __name__ == "__main__":
