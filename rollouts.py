@@ -345,11 +345,24 @@ class TaskRollouts(BatchSource):
 
     def make_task(self, cfg) -> tasks.Task:
         task = tasks.make_task(cfg.task, seed=cfg.seed, eval_size=cfg.eval_size, data=cfg.data or None,
-                               bad_rows=cfg.bad_rows)
+                               bad_rows=cfg.bad_rows, too_long=self.too_long)
         if cfg.overlong_buffer:
             count = lambda text: len(self.policy.tokenizer.encode(text, add_special_tokens=False))
             task.rewards.append((tasks.overlong_penalty(cfg.max_new_tokens, cfg.overlong_buffer, count), 1.0))
         return task
+
+    def too_long(self, prompt: str) -> str | None:
+        """Why a data row's prompt cannot be sampled (None: it fits): with --max-new-tokens it would pass the
+        model's context. Unchecked, a rotary model ran past it silently and a huge row ran out of memory."""
+        context = self.policy.positions or getattr(self.policy.model.config, "max_position_embeddings", None)
+        if not context:  # a config that names no context: nothing to compare with
+            return None
+        room, n = context - self.cfg.max_new_tokens, len(self.policy.encode_prompt(prompt))
+        if n > room:
+            return (f"prompt of {n:,} tokens after the chat template; the model's {context:,}-token context "
+                    f"less --max-new-tokens {self.cfg.max_new_tokens} leaves {room:,}: shorten the question "
+                    "or delete the row")
+        return None
 
     def draw(self, n: int) -> list[Problem]:
         """This rank's share of the next n problems (indices position + r, + r + W, ...: disjoint), its

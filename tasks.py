@@ -437,7 +437,7 @@ class DatasetTask(Task):
     numeric = True  # the answer must be one number; False (a judge's task): any text, or none at all
 
     def __init__(self, *, seed: int = 0, eval_size: int = 100, data: str | None = None,
-                 bad_rows: str = "skip"):
+                 bad_rows: str = "skip", too_long: Callable[[str], str | None] | None = None):
         super().__init__(seed=seed)
         if bad_rows not in ("skip", "error"):
             raise ConfigError(f"bad_rows must be 'skip' or 'error' (got {bad_rows!r})")
@@ -447,6 +447,8 @@ class DatasetTask(Task):
         for where, row in self._rows(data):
             try:
                 problem = self._problem(row)
+                if too_long and (why := too_long(problem.prompt)):  # past the model's context: skip or error
+                    raise ValueError(why)
                 first = found.setdefault(problem.key, problem)
                 if first.answer != problem.answer:  # a duplicate merges; two answers to one question conflict
                     raise ValueError(f"question already at {self.where[first.key]} with answer "
@@ -560,14 +562,15 @@ TASKS: dict[str, type[Task]] = {task.name: task for task in (Arith, ArithChain, 
 
 
 def make_task(name: str, *, seed: int, eval_size: int, data: str | None = None,
-              bad_rows: str = "skip", **options: Any) -> Task:
+              bad_rows: str = "skip", too_long: Callable[[str], str | None] | None = None,
+              **options: Any) -> Task:
     """Build a registered task; `options` go to its constructor (e.g. max_operand=99 for arith)."""
     if name not in TASKS:
         raise ConfigError(f"unknown task {name!r}{closest(name, TASKS)} (valid: {', '.join(sorted(TASKS))})")
     if why := data_problem(name, data, bad_rows):
         raise ConfigError(why)
     if issubclass(TASKS[name], DatasetTask):
-        options.update(data=data, bad_rows=bad_rows)
+        options.update(data=data, bad_rows=bad_rows, too_long=too_long)
     return TASKS[name](seed=seed, eval_size=eval_size, **options)
 
 

@@ -19,7 +19,7 @@ import train
 import utils
 from model import LLMPolicy
 from modeldir import build_tiny_model
-from rollouts import make_batch
+from rollouts import TaskRollouts, make_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 MIXED = str(ROOT / "tests" / "data" / "gsm8k_mixed.jsonl")  # 9 good rows
@@ -668,3 +668,27 @@ def test_a_yaml_list_or_mapping_for_a_text_setting_is_refused_naming_the_file(ca
     err = one_line_error(capsys, ["--config", str(tmp_path / "p.yaml"), "--steps", "1"])
     key, value = line.split(": ", 1)
     assert err.startswith(f"error: {tmp_path / 'p.yaml'}: '{key}' must be text, got ") and not Path("['/tmp").exists()
+
+
+def test_a_data_row_past_the_models_context_is_a_malformed_row_named_by_file_and_line(capsys, tmp_path):
+    """Nothing compared a prompt with the model's context: a 3,000-token row trained past the tiny model's
+    1,024 positions, silently; a 2M-character one ended in an out-of-memory line naming no row; and async
+    refused every batch that held it. Now it is a malformed row: skipped and named, or (error) one line."""
+    tiny = build_tiny_model(str(tmp_path / "m"), layers=1, hidden=64, heads=1, intermediate=128, max_len=256)
+    flags = ["--task", "gsm8k", "--model", tiny, "--max-new-tokens", "8", "--eval-size", "2"]
+    policy = LLMPolicy(train.parse(flags))
+    fits = [f"What is {a} plus 1?" for a in range(4)]
+    size = lambda q: len(policy.encode_prompt(f"{q}\n{tasks.TASKS['gsm8k'].instruction}"))  # the row's prompt
+    question = lambda n: "What is 1 plus 1" + "?" * (n - size("What is 1 plus 1?") + 1)  # n tokens: chars
+    data = tmp_path / "rows.jsonl"
+    rows = [*fits[:2], question(248), question(249), *fits[2:]]  # 256 positions less 8 new tokens: 248 fit
+    data.write_text("".join(json.dumps({"question": q, "answer": "#### 2"}) + "\n" for q in rows))
+    assert [size(q) for q in rows[2:4]] == [248, 249]
+    why = ("prompt of 249 tokens after the chat template; the model's 256-token context less --max-new-tokens 8 "
+           "leaves 248: shorten the question or delete the row")
+    with pytest.warns(UserWarning, match=f"^{re.escape(f'gsm8k: skipped 1 malformed rows: {data}:4 ({why})')}$"):
+        source = TaskRollouts(train.parse([*flags, "--data", str(data)]), policy)
+    assert sorted(p.key for p in source.task._eval + source.task._train) == sorted(rows[:3] + rows[4:])
+    argv = [*flags, "--data", str(data), "--bad-rows", "error", "--no-progress", "--out", str(tmp_path / "r")]
+    assert one_line_error(capsys, argv) == (f"error: --task gsm8k: {data}:4: malformed row ({why}); fix or "
+                                            "delete that line, or pass --bad-rows skip to drop such rows")
