@@ -7,6 +7,7 @@ at each eval and at the end; to rebuild it from a run directory:
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -16,6 +17,8 @@ import utils
 
 MAX_POINTS = 400  # a curve's evenly spaced steps and its last: 10,000 steps draw as fast as 100
 HEADLINE = ("eval_return", "eval_accuracy")  # the eval that --target stops at (a task logs one of them)
+REFRESH_SHARE = 0.05  # at most this share of a live run's time goes to rewriting its report
+REFRESH_DUE: dict[Path, float] = {}  # run -> when refresh() may rewrite it again (report.py's own state)
 # Next to this file in a checkout, in <prefix>/share/nanorl in an installed wheel (pyproject's data-files).
 TEMPLATE = next(d / "report.html.template" for d in (Path(__file__).parent, Path(sys.prefix, "share/nanorl"))
                 if (d / "report.html.template").exists())
@@ -43,6 +46,17 @@ def write_report(run: Path, strict: bool = False) -> Path:
     html = TEMPLATE.read_text().replace("/*DATA*/", json.dumps(data).replace("<", "\\u003c"))
     rundir.atomic_write(run / "report.html", html.encode())  # a browser refreshing mid-run sees no half page
     return run / "report.html"
+
+
+def refresh(run: Path) -> None:
+    """write_report at a live run's eval, unless the last rewrite, for what it cost, was too recent: its
+    cost grows with the run (10k steps, samples at their cap: 5 s and 1 GB), and with cheap steps and
+    --eval-every 5 rewrites would take most of the run. The end of a run calls write_report itself."""
+    if time.monotonic() < REFRESH_DUE.get(run, 0.0):
+        return
+    start = time.monotonic()
+    write_report(run)
+    REFRESH_DUE[run] = start + (time.monotonic() - start) / REFRESH_SHARE
 
 
 def reached(evals: dict, target: float) -> bool:

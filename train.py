@@ -518,7 +518,7 @@ def evaluate(source: BatchSource, log, step: int, out: Path, suffix: str = "") -
     if source.eval_batch is not None:
         log.samples(step, sample_rows(source.eval_batch, len(source.eval_batch), "eval", step))
     if utils.rank() == 0:
-        report.write_report(out)
+        report.refresh(out)
     return metrics
 
 

@@ -228,3 +228,25 @@ def test_samples_reach_wandb_as_one_table_per_eval(run):
     [log] = (run / "wandb").glob("offline-run-*/run-*.wandb")
     tables = [(r["step"], r["samples/nrows"]) for kind, r in wandb_records(log) if kind == "history" and "samples/nrows" in r]
     assert tables == [(-3, 12), (0, 12), (2, 2 * 3 + 12), (4, 2 * 3 + 12)]  # each eval, with the train rows since the last
+
+
+def test_a_live_runs_report_rewrites_take_at_most_their_share_of_its_time(monkeypatch, tmp_path):
+    """Each eval rewrote report.html whole, from all of metrics.csv and the samples: at 10k steps with the
+    samples at their cap that is 5 s, and at --eval-every 5 of cheap steps most of the run. refresh() now
+    skips an eval until the last rewrite is at most REFRESH_SHARE (5%) of the time since it began."""
+    now, calls = [0.0], []
+
+    def write(run):  # a rewrite that costs 1 s of the clock
+        calls.append((run.name, now[0]))
+        now[0] += 1.0
+
+    monkeypatch.setattr(report, "write_report", write)
+    monkeypatch.setattr(report.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(report, "REFRESH_DUE", {})
+    for t in range(0, 100, 5):  # an eval every 5 s
+        now[0] = float(t)
+        report.refresh(tmp_path / "a")
+    assert calls == [("a", t) for t in (0.0, 20.0, 40.0, 60.0, 80.0)]  # 1 s in each 20: 5%
+    now[0] = 85.0
+    report.refresh(tmp_path / "b")  # another run's first eval is its own
+    assert calls[-1] == ("b", 85.0)
