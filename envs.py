@@ -10,7 +10,6 @@ import os
 import random
 import re
 import sqlite3
-import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from modeldir import cache_root
 from sandbox import run_python, run_sql
 from tasks import (Countdown, ExprError, Problem, ProceduralTask, RewardError, countdown_correct,
                    extract_answer, format_reward, safe_eval)
-from utils import UMASK, ConfigError
+from utils import UMASK, ConfigError, data_file
 
 EVAL_SEED = 1_000_000_000  # eval seeds live above this; training seeds stay below it
 
@@ -143,10 +142,8 @@ def sql_correct(prompt: str, completion: str, answer: str) -> float:
 
 # Three small databases of synthetic rows, drawn once from a seeded generator (no download):
 # {db: {"tables": {name: {"columns", "rows"}}, "params": {name: values}, "questions": [[q, gold]]}},
-# the gold queries' {placeholders} taking the params. data/sql.json is next to this file in a
-# checkout, in <prefix>/share/nanorl in an installed wheel (pyproject's data-files).
-SQL = json.loads(next(p for d in (Path(__file__).parent, Path(sys.prefix, "share/nanorl"))
-                      if (p := d / "data" / "sql.json").exists()).read_text(encoding="utf-8"))
+# the gold queries' {placeholders} taking the params.
+SQL = json.loads(data_file("data/sql.json").read_text(encoding="utf-8"))
 
 
 @functools.cache

@@ -19,9 +19,7 @@ MAX_POINTS = 400  # a curve's evenly spaced steps and its last: 10,000 steps dra
 HEADLINE = ("eval_return", "eval_accuracy")  # the eval that --target stops at (a task logs one of them)
 REFRESH_SHARE = 0.05  # at most this share of a live run's time goes to rewriting its report
 REFRESH_DUE: dict[Path, float] = {}  # run -> when refresh() may rewrite it again (report.py's own state)
-# Next to this file in a checkout, in <prefix>/share/nanorl in an installed wheel (pyproject's data-files).
-TEMPLATE = next(d / "report.html.template" for d in (Path(__file__).parent, Path(sys.prefix, "share/nanorl"))
-                if (d / "report.html.template").exists())
+TEMPLATE = utils.data_file("report.html.template")
 
 
 def thin(points: list) -> list:

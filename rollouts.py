@@ -345,7 +345,7 @@ class TaskRollouts(BatchSource):
 
     def make_task(self, cfg) -> tasks.Task:
         task = tasks.make_task(cfg.task, seed=cfg.seed, eval_size=cfg.eval_size, data=cfg.data or None,
-                               bad_rows=cfg.bad_rows, too_long=self.too_long)
+                               bad_rows=cfg.bad_rows, too_long=self.too_long if self.policy else None)
         if cfg.overlong_buffer:
             count = lambda text: len(self.policy.tokenizer.encode(text, add_special_tokens=False))
             task.rewards.append((tasks.overlong_penalty(cfg.max_new_tokens, cfg.overlong_buffer, count), 1.0))

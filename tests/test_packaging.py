@@ -1,0 +1,45 @@
+"""A non-editable install (pip install ., or git+https://...): pyproject's hand-kept py-modules and
+data-files are the whole of it, and nothing in the checkout's own tests used them."""
+import re
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_top_level_module_is_in_pyprojects_py_modules():
+    """rundir.py was missing from the list: every wheel install failed at `import train`."""
+    listed = re.search(r"py-modules = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.S)[1]
+    assert set(re.findall(r'"(\w+)"', listed)) == {p.stem for p in ROOT.glob("*.py")}
+
+
+def test_a_wheel_installed_elsewhere_trains_reports_and_finds_its_data_from_another_directory(tmp_path):
+    """Built from the tracked files, installed under a prefix that is not the running Python's (as --user
+    or /usr/local are), then run from a directory with no checkout in it."""
+    src, prefix, elsewhere = tmp_path / "src", tmp_path / "prefix", tmp_path / "elsewhere"
+    for name in subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                               check=True).stdout.split():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes((ROOT / name).read_bytes())
+    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist", src], check=True)
+    [wheel] = (tmp_path / "dist").glob("nanorl-*.whl")
+    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--prefix", prefix, wheel], check=True)
+    site = Path(sysconfig.get_path("purelib", vars={"base": str(prefix)}))
+    elsewhere.mkdir()
+    env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    run = lambda *argv: subprocess.run([sys.executable, *argv], cwd=elsewhere, env=env, capture_output=True,
+                                       text=True, timeout=300)
+    where = run("-c", "import train, envs, report; print(train.__file__, len(envs.SQL), report.TEMPLATE)")
+    assert where.returncode == 0, where.stderr
+    module, databases, template = where.stdout.split()
+    assert Path(module).parent == site and int(databases) == 3  # the sql task's three databases
+    assert Path(template) == prefix / "share" / "nanorl" / "report.html.template"
+    trained = run("-m", "train", "--task", "cartpole", "--steps", "2", "--eval-every", "1", "--no-progress",
+                  "--out", "r")
+    assert trained.returncode == 0, trained.stderr
+    (elsewhere / "r" / "report.html").unlink()
+    assert run("-m", "report", "r").stdout.strip() == "r/report.html"
+    assert "eval_return" in (elsewhere / "r" / "report.html").read_text()
