@@ -228,12 +228,13 @@ def metrics_point(line: str) -> tuple[str, tuple[int, float, float]]:
     if len(row) != 4:
         raise ValueError(f"{len(row)} fields, not 4 (step,wall_s,key,value)")
     step, wall, key, value = row
+    point = []  # each field parsed once: a report reads every line of a long run's file
     for name, text, kind in (("step", step, int), ("wall_s", wall, float), ("value", value, float)):
         try:
-            kind(text)
+            point.append(kind(text))
         except ValueError:
             raise ValueError(f"{name} {text[:40]!r} is not a {'whole ' * (kind is int)}number") from None
-    return key, (int(step), float(wall), float(value))
+    return key, tuple(point)
 
 
 def plot(out: Path, keys: tuple[str, ...]) -> None:
