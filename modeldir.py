@@ -158,8 +158,8 @@ def refuse_non_model(file: Path) -> None:
               if key in GGUF_CONFIG_MAPPING.get(name, {})]
     missing = [key for key in wanted if key not in reader.fields] if arch else ["general.architecture"]
     if missing:
-        raise utils.ConfigError(f"--model {file}: a GGUF without its model's settings ({', '.join(missing)}); "
-                                f"{WHOLE}")
+        raise utils.ConfigError(f"--model {file}: a GGUF without its model's settings "
+                                f"({', '.join(missing)}); {WHOLE}")
 
 
 def whole(lm: torch.nn.Module, info: dict, name: str) -> torch.nn.Module:
