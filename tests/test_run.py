@@ -257,6 +257,23 @@ def test_tensorboard_and_wandb_get_the_numbers_of_metrics_csv(tmp_path, monkeypa
     assert config["lr"] == cfg.lr and config["task"] == "cartpole"
 
 
+def test_evals_of_several_checkpoints_into_one_out_keep_every_step_in_tensorboard(tmp_path):
+    """An --eval-only purged TensorBoard's events from its step on: evaluating ckpt-10, then ckpt-5, into one
+    --out hid step 10's numbers (metrics.csv kept both)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = train.train(utils.load_config(train.Config, cartpole(tmp_path / "run", "--steps", "10", "--ckpt-every",
+                                                                "5", "--target", "0")[2:]))
+    for step in (10, 5):
+        train.train(utils.load_config(train.Config, ["--resume", str(run / f"ckpt-{step:07d}"), "--eval-only",
+                                                     "--out", str(tmp_path / "evals"), "--log", "tensorboard",
+                                                     "--no-progress"]))
+    csv = rundir.read_metrics(tmp_path / "evals" / "metrics.csv")["eval_return"]
+    events = EventAccumulator(str(tmp_path / "evals" / "tensorboard")).Reload().Scalars("eval_return")
+    assert [s for s, _, _ in csv] == [10, 5]
+    assert [(e.step, e.value) for e in events] == [(s, pytest.approx(v, rel=1e-5)) for s, _, v in csv]
+
+
 def test_wandb_keeps_the_rows_since_the_last_eval_at_a_stop_and_its_own_id_per_directory(tmp_path, monkeypatch):
     """A stop lost the training rows held for the next eval's table; the id was the directory's last part
     alone: the evals runs/a/eval-0000030 and runs/b/eval-0000030 were one W&B run."""
