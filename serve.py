@@ -329,6 +329,7 @@ def spawn_workers(cfg, url: str, token: str) -> list[subprocess.Popen]:
     session of its own: a terminal's Ctrl-C is for the trainer, which finishes its step on their batches."""
     ranks = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
     env = {k: v for k, v in os.environ.items() if k not in ranks} | {"NANORL_TOKEN": token}
+    env["NANORL_TRAINER_PID"] = str(os.getpid())  # each dies with this process: see run_worker
     config = utils.dump_config(replace(cfg, role="rollout", trainer_url=url, workers=0, out="", resume=""))
     argv = [sys.executable, str(Path(__file__).with_name("train.py")), "--config", "/dev/stdin"]
     procs = [subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, start_new_session=True)
@@ -556,6 +557,8 @@ class _Sampler:
 def run_worker(cfg) -> int:
     """A rollout worker: the trainer's own batch source (rollouts.sources()) over a sampler that
     holds the newest adapter, one version per batch; POSTs each batch. Returns the exit code."""
+    if trainer := os.environ.get("NANORL_TRAINER_PID"):  # started by --workers, not by hand: before the model
+        utils.die_with_launcher(int(trainer), "worker")  # its pid, not LAUNCHER: an adopter if it is gone
     client = Client(cfg.trainer_url, timeout=30 + LONG_POLL, retries=1)
     if (said := hello(client, cfg)) is None:  # before loading a model: a mismatched worker fails in seconds
         return 0
@@ -569,8 +572,7 @@ def run_worker(cfg) -> int:
     source = sources()[cfg.task](cfg, sampler)  # every rollout option behaves as in a sync run
     source.load_state({"position": me * STRIDE})  # worker w draws problems w*STRIDE, w*STRIDE+1, ...
     utils.stderr(f"worker {me}: generating for {cfg.trainer_url} with {'vLLM' if cfg.vllm else 'HF'}")
-    # SIGTERM (a trainer closing its --workers, a scheduler) unwinds as Ctrl-C does, into this finally
-    previous, refused, seq = signal.signal(signal.SIGTERM, signal.default_int_handler), 0, -1
+    previous, refused, seq = signal.signal(signal.SIGTERM, utils.interrupt), 0, -1  # into this finally
     try:
         while sampler.newest():  # the newest adapter, waiting for the first
             seq += 1  # the inbox takes each seq once: a copy sent again (a reply lost) is not trained twice

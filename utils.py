@@ -249,16 +249,24 @@ def death_signal(signum: int) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
 
 
-def die_with_launcher() -> None:
-    """A rank stops (SIGTERM: StopSignals) when its launcher dies, a SIGKILL (the OOM killer's, a scheduler's)
-    too, rather than keep its CPU, GPU and run directory as an orphan."""
-    # The signal comes when the launcher's thread that started this rank ends: torchrun's main thread, which
-    # starts (and restarts) its workers and waits for them. The kernel then hands the rank to another of the
-    # launcher's threads, whose exit sends one more, and so on: StopSignals turns it off at the first.
+def die_with_launcher(launcher: int = LAUNCHER, who: str = "") -> None:
+    """A rank (or a trainer's --workers process: `launcher` is that trainer's pid) stops (SIGTERM) when its
+    launcher dies, a SIGKILL (the OOM killer's, a scheduler's) too, rather than stay on as an orphan."""
+    # The signal comes when the launcher's thread that started this process ends: torchrun's main thread,
+    # which starts (and restarts) its workers and waits for them; the trainer's, which runs its whole loop.
+    # The kernel then hands the process to another of the launcher's threads, whose exit sends one more,
+    # and so on: StopSignals (a worker: interrupt) turns it off at the first.
     death_signal(signal.SIGTERM)
-    if os.getppid() != LAUNCHER:  # it died before the prctl (this rank's adopter is its parent): no signal
-        raise SystemExit(f"error: rank {os.environ.get('RANK')}: its launcher (pid {LAUNCHER}) has exited; "
-                         "so does this rank")
+    if os.getppid() != launcher:  # it died before the prctl (this process's adopter is its parent): no signal
+        who = who or f"rank {os.environ.get('RANK')}"
+        raise SystemExit(f"error: {who}: its launcher (pid {launcher}) has exited; "
+                         f"so does this {who.split()[0]}")
+
+
+def interrupt(signum: int, frame) -> None:
+    """SIGTERM as Ctrl-C, once: a dead launcher's threads each send one; a second cuts the unwinding short."""
+    death_signal(0)
+    raise KeyboardInterrupt
 
 
 def init_distributed(timeout_s: float) -> None:

@@ -397,6 +397,53 @@ def test_workers_exit_cleanly_when_the_trainer_is_killed(tiny, lone):
     assert "trainer unreachable for 8 s" in log
 
 
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's adopter may reap it late)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+def workers_of(trainer: int) -> list[int]:
+    """The train.py processes whose parent is `trainer`, from /proc."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # the parent comes after "(name)", which may hold spaces
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if parent == trainer and b"train.py" in (stat.parent / "cmdline").read_bytes():
+                pids.append(int(stat.parent.name))
+        except OSError:  # it exited meanwhile
+            continue
+    return pids
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_trainers_own_workers_stop_at_once_not_after_their_patience(tiny, tmp_path):
+    """A SIGKILL of a trainer (the OOM killer's, a scheduler's) left its --workers retrying it for
+    --worker-patience (600 s here) as orphans holding CPU, GPU and memory. Each now gets a SIGTERM
+    when its trainer dies, and unwinds as on a trainer's close()."""
+    log = tmp_path / "trainer.log"  # its workers' output too
+    proc = launch(flags(tiny, tmp_path / "run", "--role", "trainer", "--workers", "1", "--steps", "100000",
+                        "--worker-patience", "600"), log)
+    workers = []
+    try:
+        wait_for(lambda: "generating for" in log.read_text(), proc, "its worker to start", 300)
+        workers = workers_of(proc.pid)
+        assert len(workers) == 1 and proc.poll() is None  # the trainer never closed it
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 60  # a tenth of the patience: only the trainer's death can stop it
+        while running(workers[0]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not running(workers[0]), "the worker outlived its trainer"
+    finally:  # an orphan left by a failure here would retry for 10 minutes
+        proc.kill()
+        for pid in filter(running, workers):
+            os.kill(pid, signal.SIGKILL)
+    assert "Traceback" not in log.read_text()
+
+
 def test_a_worker_returns_only_after_its_adapter_fetcher_has_stopped(tiny, tmp_path, monkeypatch):
     """A daemon thread still inside torch when the interpreter exits aborts the process (SIGABRT, seen
     once as a worker's exit code -6): the worker stops and joins its fetcher before it returns."""

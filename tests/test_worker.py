@@ -2,6 +2,8 @@
 in one line when no trainer answers, exits 0 from a finished run, goes on past an adapter it cannot
 use or a batch the trainer refuses (until five in a row), and unwinds on SIGTERM; the trainer starts its
 worker processes with its config and token, and stops them."""
+import contextlib
+import ctypes
 import dataclasses
 import os
 import signal
@@ -18,6 +20,7 @@ import torch
 import serve
 import train
 import transport
+import utils
 from model import LLMPolicy
 from rollouts import WIRE, sources
 from modeldir import build_tiny_model
@@ -382,7 +385,7 @@ def test_a_sigterm_unwinds_a_worker_mid_batch_into_exit_130_with_its_fetcher_joi
         try:
             until(lambda: box.counts["groups_received"], "a batch")  # the worker is in its loop
         finally:
-            if signal.getsignal(signal.SIGTERM) is signal.default_int_handler:  # else this process would die
+            if signal.getsignal(signal.SIGTERM) is utils.interrupt:  # else this process would die
                 os.kill(os.getpid(), signal.SIGTERM)
             else:
                 box.close()  # the run is over: 410, exit 0
@@ -407,6 +410,35 @@ def test_closing_the_trainer_stops_its_workers_sessions_and_kills_one_that_does_
     finally:
         for p in source.procs:
             p.kill()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_only_a_worker_that_a_trainer_started_dies_with_it(monkeypatch):
+    """A worker started by hand sets no death signal; one a trainer's --workers started (that trainer's pid
+    in NANORL_TRAINER_PID) gets SIGTERM when it dies, or, the trainer already dead, exits in one line."""
+    monkeypatch.setattr(serve, "hello", lambda client, cfg: None)  # a finished run: it returns before loading
+    monkeypatch.delenv("NANORL_TRAINER_PID", raising=False)
+    monkeypatch.setenv("NANORL_TOKEN", "worker-test-token-0123456789")
+    cfg = train.parse(argv("unused", "--role", "rollout", "--trainer-url", "http://127.0.0.1:5"))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    pending, got = ctypes.c_int(-1), []
+    try:
+        for trainer in (None, os.getppid(), gone.pid):  # by hand; our parent stands in for a trainer
+            if trainer:
+                monkeypatch.setenv("NANORL_TRAINER_PID", str(trainer))
+            with pytest.raises(SystemExit) if trainer == gone.pid else contextlib.nullcontext() as died:
+                assert serve.run_worker(cfg) == 0
+            ctypes.CDLL(None).prctl(2, ctypes.byref(pending))  # 2: PR_GET_PDEATHSIG
+            got.append(pending.value)
+        with pytest.raises(KeyboardInterrupt):  # the first SIGTERM: a dead trainer's threads each send one
+            utils.interrupt(signal.SIGTERM, None)
+        ctypes.CDLL(None).prctl(2, ctypes.byref(pending))
+        got.append(pending.value)
+    finally:
+        utils.death_signal(0)
+    assert got == [0, signal.SIGTERM, signal.SIGTERM, 0]  # the next would cut the unwinding short
+    assert str(died.value) == f"error: worker: its launcher (pid {gone.pid}) has exited; so does this worker"
 
 
 class Impatient(subprocess.Popen):
