@@ -137,7 +137,7 @@ class TensorBoard:
         except ImportError:
             raise ConfigError("--log tensorboard needs tensorboard: pip install tensorboard") from None
         # purge_step hides the events a killed run wrote past its checkpoint, as truncate_log does in the CSV.
-        # Not an --eval-only's: its directory may hold evals of later steps (a rerun's step: the same numbers).
+        # Not an --eval-only's: its directory may hold evals of later steps (a rerun's step: same numbers).
         purge = None if resumed_at is None or cfg.eval_only else int(resumed_at) + 1
         self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=purge)
 
