@@ -46,8 +46,10 @@ TOKEN = "bench-token-0123456789"
 
 # ---------------------------------------------------------------- 1. end to end
 def workload(args) -> list[str]:
+    # --lora --sft-steps 0: train.py's defaults for the tiny model are full fine-tuning after a warm-start;
+    # these keep the trainer on what the other parts measure (LoRA, which --vllm needs) from a random init
     return ["--model", args.model, "--task", "arith", "--algo", "grpo", "--batch", str(args.batch), "--group-size", "8",
-            "--max-new-tokens", str(args.tokens), "--eval-size", "8"]
+            "--max-new-tokens", str(args.tokens), "--eval-size", "8", "--lora", "--sft-steps", "0"]
 
 
 def trained_per_second(args, role: list[str], env: dict, worker: list[str] | None = None) -> float:

@@ -5,6 +5,7 @@ attack | expected | observed | pass. Not part of the test suite (about 3 minutes
 
     python bench/attacks.py
 """
+import argparse
 import json
 import os
 import pickle
@@ -236,4 +237,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()  # --help only
     sys.exit(main())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -121,6 +122,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.sb3_worker is not None:
         return sb3_worker(args.sb3_worker)
+    if not args.no_sb3 and importlib.util.find_spec("stable_baselines3") is None:  # before the nanorl runs
+        ap.error("the SB3 peer needs `pip install stable-baselines3`; or run without it: --no-sb3")
     rows = []
     peers = [] if args.no_sb3 else ["sb3_ppo"]
     # Interleave seeds across contenders so that machine noise hits all of them alike.

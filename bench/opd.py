@@ -53,6 +53,9 @@ def plot(out: str, runs: dict[str, str]) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) < 3 or sys.argv[1] in ("-h", "--help"):  # usage; exit 2 when arguments are missing
+        print(__doc__)
+        sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
     if sys.argv[1] == "plot":  # python bench/opd.py plot OUT label=RUN ...
         plot(sys.argv[2], dict(a.split("=", 1) for a in sys.argv[3:]))
     else:
