@@ -156,6 +156,8 @@ def main() -> int:
     ap.add_argument("--json", default="runs/gpu_check.json")
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
+    if a.device == "cpu" and not a.small:  # the full check is a ~300M model's: tens of minutes on a CPU
+        print("no GPU here: checking on the CPU; --small checks in seconds", file=sys.stderr)
     dims = SMALL if a.small else BIG
     a.rows, a.prompt_len, a.new_tokens, a.micro_batch, a.gen_prompts = (4, 8, 8, 3, 4) if a.small else (16, 128, 384, 6, 64)
     with tempfile.TemporaryDirectory() as tmp:
