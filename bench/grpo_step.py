@@ -3,7 +3,7 @@ all with 8 prompts x 8 completions of exactly --tokens tokens (16) and one backw
 
     nice -n -10 python bench/grpo_step.py [--model tiny|smollm2-135m|DIR] [--tokens 16] [--steps 10]
         [--warmup 2] [--mode lora|full|both] [--threads 1] [--dtype fp32|bf16|both]
-        [--trl-python /work/venv-trl/bin/python] [--contenders nanorl,trl,trl_nockpt,bare] [--profile 5]
+        [--trl-python trl-venv/bin/python] [--contenders nanorl,trl,trl_nockpt,bare] [--profile 5]
 
 Contenders (same model, same LoRA r=16 all-linear or full fine-tuning, same lr, Adam(W) wd 0):
   nanorl: one loop iteration = TaskRollouts.next + prepare + update, pieces from train.build.
