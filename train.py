@@ -436,14 +436,14 @@ def train(cfg: Config) -> Path | None:
         if signals.agreed():
             signals.save()
             utils.stderr(f"interrupted: checkpoint saved; continue with --resume {out}")
-        return signals.seen
+        return signals.stopping
 
     signals = utils.StopSignals(type(source).evaluate, type(source).next)  # before the warm-start, too
     try:
         log, step = start_run(cfg, out, policy, opt, source, meta, stop)
         bar = tqdm(range(step, cfg.steps), initial=step, total=cfg.steps, dynamic_ncols=True,
                    disable=not cfg.progress or utils.rank() > 0)
-        for step in bar if not (signals.seen or report.reached(last_eval, cfg.target)) else ():
+        for step in bar if not (signals.stopping or report.reached(last_eval, cfg.target)) else ():
             batch = source.next(step)  # 1. rollout
             batch = prepare(policy, batch, cfg, source.weights, teacher)  # 2. advantage
             stats = update(policy, opt, batch, cfg)  # 3. update
@@ -462,7 +462,7 @@ def train(cfg: Config) -> Path | None:
                 break
             if (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
                 signals.save()  # step + 1's checkpoint, as stop() just captured it (the last one: below)
-        if not signals.seen:  # the last step's checkpoint; with --steps 0, the warm-start's (or the base's)
+        if not signals.stopping:  # the last step's checkpoint; with --steps 0, the warm-start's or the base's
             signals.save()
         bar.close()
     except utils.ConfigError:  # one to fix, mid-run (an async trainer's --workers all died): keep the steps
@@ -477,8 +477,8 @@ def train(cfg: Config) -> Path | None:
         log.close()
     if utils.rank() == 0:  # under torchrun only rank 0 writes: logs, samples, checkpoints, the report
         rundir.plot(out, keys=("reward", *report.HEADLINE, "eval_accuracy_lenient"))
-        finish(dataclasses.replace(cfg, export="") if signals.seen else cfg, policy, out, log.wall())
-    return None if signals.seen else out  # None: a stop cut it short (its checkpoint saved, no export yet)
+        finish(dataclasses.replace(cfg, export="") if signals.stopping else cfg, policy, out, log.wall())
+    return None if signals.stopping else out  # None: a stop cut it short (its checkpoint saved, no export)
 
 
 def resume(cfg: Config, policy, opt, source: BatchSource) -> dict | None:

@@ -26,6 +26,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 UMASK = os.umask(0o022)  # the process's umask, read the only way there is (setting it), then put back
 os.umask(UMASK)
 LAUNCHER = os.getppid()  # read at import, as near this process's start as it gets: die_with_launcher's check
+# die_with_launcher's signal: not SIGTERM (a second SIGTERM stops at once), as a dead launcher sends several
+LAUNCHER_GONE = signal.SIGUSR2
 
 
 # ---------------------------------------------------------------- config
@@ -191,21 +193,25 @@ class StopSignals:
     eval can outlast, so inside `evaluate` (which need not finish) it raises Abandoned, in one process (under
     torchrun every rank must reach the eval's all-reduce); elsewhere in `evaluate` or `rollout`, where the
     weights are a finished step's, it first calls `save`, which the loop points at a checkpoint of that step:
-    a SIGKILL then loses only the step in progress. The second signal raises KeyboardInterrupt at once."""
-    NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}  # a user's stop, or kill's and a scheduler's
+    a SIGKILL then loses only the step in progress. A second (not LAUNCHER_GONE) raises KeyboardInterrupt."""
+    # a user's stop, kill's or a scheduler's, or die_with_launcher's
+    NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", LAUNCHER_GONE: "torchrun gone"}
 
     def __init__(self, evaluate, rollout):
         # unwrap: a decorator's wrapper (torch.no_grad's) has one code object for all it decorates
         self.evaluate, self.rollout = (inspect.unwrap(f).__code__ for f in (evaluate, rollout))
-        self.seen, self.save = False, lambda: None  # no step finished yet: nothing to save
+        self.seen, self.stopping, self.save = False, False, lambda: None  # no step finished: nothing to save
         self.previous = {s: signal.signal(s, self.handle) for s in self.NAMES}
 
     def handle(self, signum: int, frame) -> None:
-        death_signal(0)  # a dead launcher's threads each send one (die_with_launcher): one stop is enough
+        death_signal(0)  # after the restore(), one more would kill this process (rank 0 writing its report)
+        if self.seen and signum == LAUNCHER_GONE:  # a dead launcher's threads each send one: one stop
+            return
         if self.seen:  # e.g. a trainer waiting for workers that never come
             raise KeyboardInterrupt
         self.seen, name = True, self.NAMES[signum]
-        stderr(f"{name}: finishing this step and checkpointing; {name} again stops now")
+        now = "Ctrl-C or SIGTERM" if signum == LAUNCHER_GONE else f"{name} again"
+        stderr(f"{name}: finishing this step and checkpointing; {now} stops now")
         running = {f.f_code for f, _ in traceback.walk_stack(frame)}
         if self.evaluate in running and world() == 1:
             raise Abandoned
@@ -213,9 +219,10 @@ class StopSignals:
             self.save()  # rank 0 writes it (nothing collective), then the step or the eval goes on
 
     def agreed(self) -> bool:
-        """Whether any rank saw a stop, on every rank (all ask after a step): one rank's stop stops all."""
-        self.seen = bool(reduce_dict({"stop": self.seen})["stop"])
-        return self.seen
+        """Whether any rank saw a stop, on every rank (all ask after a step): one rank's stop stops all. Kept
+        apart from `seen`, which a signal during the all-reduce sets too late for it: the next one has it."""
+        self.stopping = bool(reduce_dict({"stop": self.seen})["stop"])
+        return self.stopping
 
     def restore(self) -> None:
         for s, handler in self.previous.items():
@@ -250,13 +257,14 @@ def death_signal(signum: int) -> None:
 
 
 def die_with_launcher(launcher: int = LAUNCHER, who: str = "") -> None:
-    """A rank (or a trainer's --workers process: `launcher` is that trainer's pid) stops (SIGTERM) when its
-    launcher dies, a SIGKILL (the OOM killer's, a scheduler's) too, rather than stay on as an orphan."""
+    """A rank (or a trainer's --workers process: `launcher` is that trainer's pid) stops (LAUNCHER_GONE) when
+    its launcher dies, a SIGKILL (the OOM killer's, a scheduler's) too, rather than stay on as an orphan."""
     # The signal comes when the launcher's thread that started this process ends: torchrun's main thread,
     # which starts (and restarts) its workers and waits for them; the trainer's, which runs its whole loop.
     # The kernel then hands the process to another of the launcher's threads, whose exit sends one more,
-    # and so on: StopSignals (a worker: interrupt) turns it off at the first.
-    death_signal(signal.SIGTERM)
+    # and so on, maybe after Python's handler for the last one began (it cannot turn them off in time): so
+    # not SIGTERM, whose second stops at once; StopSignals (a worker: interrupt) takes them as one stop.
+    death_signal(LAUNCHER_GONE)
     if os.getppid() != launcher:  # it died before the prctl (this process's adopter is its parent): no signal
         who = who or f"rank {os.environ.get('RANK')}"
         raise SystemExit(f"error: {who}: its launcher (pid {launcher}) has exited; "
@@ -264,7 +272,9 @@ def die_with_launcher(launcher: int = LAUNCHER, who: str = "") -> None:
 
 
 def interrupt(signum: int, frame) -> None:
-    """SIGTERM as Ctrl-C, once: a dead launcher's threads each send one; a second cuts the unwinding short."""
+    """SIGTERM or LAUNCHER_GONE as Ctrl-C, LAUNCHER_GONE once: a dead launcher's threads each send one, and a
+    second would cut the unwinding short. One already sent finds the new handler; none is sent after."""
+    signal.signal(LAUNCHER_GONE, lambda *_: None)
     death_signal(0)
     raise KeyboardInterrupt
 

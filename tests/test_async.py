@@ -421,7 +421,7 @@ def workers_of(trainer: int) -> list[int]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_killed_trainers_own_workers_stop_at_once_not_after_their_patience(tiny, tmp_path):
     """A SIGKILL of a trainer (the OOM killer's, a scheduler's) left its --workers retrying it for
-    --worker-patience (600 s here) as orphans holding CPU, GPU and memory. Each now gets a SIGTERM
+    --worker-patience (600 s here) as orphans holding CPU, GPU and memory. Each now gets LAUNCHER_GONE
     when its trainer dies, and unwinds as on a trainer's close()."""
     log = tmp_path / "trainer.log"  # its workers' output too
     proc = launch(flags(tiny, tmp_path / "run", "--role", "trainer", "--workers", "1", "--steps", "100000",

@@ -422,7 +422,8 @@ def running(pid: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_ranks_stop_as_on_sigterm_when_torchrun_is_killed(tmp_path):
     """A SIGKILL of torchrun (the OOM killer's, a scheduler's) left its ranks training on, orphans holding
-    the CPU, the GPU and the run directory. Each now gets a SIGTERM and stops as a scheduler's stop does."""
+    the CPU, the GPU and the run directory. Each now gets LAUNCHER_GONE and stops as on a scheduler's SIGTERM,
+    with the checkpoint of the step it finished."""
     run, err = tmp_path / "run", tmp_path / "stderr"
     argv = ["--batch", "4", "--steps", "100000", "--target", "0", "--eval-every", "100000",
             "--eval-episodes", "2", "--no-progress", "--out", str(run)]
@@ -450,24 +451,62 @@ def test_ranks_stop_as_on_sigterm_when_torchrun_is_killed(tmp_path):
             os.kill(pid, signal.SIGKILL)
         launcher.kill()
         launcher.wait()
-    log = err.read_text()  # each rank stopped as on a scheduler's SIGTERM (most often with a checkpoint)
-    assert log.count("SIGTERM: finishing this step and checkpointing") == 2 and "Traceback" not in log
+    log = err.read_text()  # each rank stopped as on a scheduler's SIGTERM, none at once (a second SIGTERM)
+    assert log.count("torchrun gone: finishing this step and checkpointing") == 2 and "Traceback" not in log
+    last = read_metrics(run)["loss"][-1][0]
+    assert [c.name for c in rundir.checkpoints(run)][-1] == f"ckpt-{last:07d}", log
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_a_first_stop_turns_the_launchers_death_signal_off():
-    """torchrun's threads each send one more as they exit, after the one that started the rank: a second
-    stop would raise at once (the step and its checkpoint cut short, mid-write), as a second Ctrl-C does."""
-    utils.death_signal(signal.SIGTERM)
-    signals = utils.StopSignals(train.evaluate, train.update)
+def test_a_dead_launchers_death_signals_are_one_stop_yet_a_second_ctrl_c_stops_at_once(monkeypatch, capsys):
+    """torchrun's threads each send one as they exit, some after Python's handler for the first began, before
+    it could turn them off: as a second SIGTERM, one stopped its rank at once (1 kill of torchrun in 36), the
+    step's checkpoint lost and the other rank's all-reduce failing. After the stop, none would come."""
+    utils.die_with_launcher(os.getppid())  # our parent stands in for torchrun
+    death, pending = ctypes.c_int(-1), ctypes.c_int(-1)
+    ctypes.CDLL(None).prctl(2, ctypes.byref(death))  # 2: PR_GET_PDEATHSIG: the signal the kernel would send
+    signals, real, now = utils.StopSignals(train.evaluate, train.update), utils.death_signal, []
+
+    def stops_now(signum: int) -> bool:  # KeyboardInterrupt: the step and its checkpoint cut short
+        try:
+            signals.handle(signum, sys._getframe())
+        except KeyboardInterrupt:
+            return True
+        return False
+
+    def death_signal(signum):  # the second comes while the first's handler turns them off
+        monkeypatch.setattr(utils, "death_signal", real)
+        now.append(stops_now(death.value))
+        real(signum)
+    monkeypatch.setattr(utils, "death_signal", death_signal)
     try:
-        signals.handle(signal.SIGTERM, sys._getframe())
-        pending = ctypes.c_int(-1)
-        ctypes.CDLL(None).prctl(2, ctypes.byref(pending))  # 2: PR_GET_PDEATHSIG
+        now.append(stops_now(death.value))  # the first (its second, inside it, appends first)
+        now.append(stops_now(death.value))  # a third, after both
+        ctypes.CDLL(None).prctl(2, ctypes.byref(pending))
+        now.append(stops_now(signal.SIGINT))  # a user's second stop
     finally:
         signals.restore()
-        utils.death_signal(0)
-    assert signals.seen and pending.value == 0
+        real(0)
+    assert now == [False, False, False, True] and pending.value == 0
+    assert capsys.readouterr().err.count("finishing this step and checkpointing") == 1
+
+
+def test_a_stop_that_comes_during_the_ranks_agreement_stops_them_at_the_next(monkeypatch):
+    """agreed() set `seen` to the all-reduced value, False where no rank had sent True: a signal that came
+    during the all-reduce was lost, and the ranks of a killed torchrun trained on (3 kills in 60)."""
+    signals, real = utils.StopSignals(train.evaluate, train.update), utils.reduce_dict
+
+    def reduce_dict(values, mean=False):  # the signal comes once this rank has sent its share
+        monkeypatch.setattr(utils, "reduce_dict", real)
+        summed = real(values, mean)
+        signals.handle(signal.SIGTERM, sys._getframe())
+        return summed
+    monkeypatch.setattr(utils, "reduce_dict", reduce_dict)
+    try:
+        agreed = [signals.agreed(), signals.agreed()]  # after a step, and after the next
+    finally:
+        signals.restore()
+    assert agreed == [False, True]  # all ranks stop at the same step: none sent it in time for the first
 
 
 ORPHANED = """

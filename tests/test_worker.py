@@ -415,14 +415,14 @@ def test_closing_the_trainer_stops_its_workers_sessions_and_kills_one_that_does_
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_only_a_worker_that_a_trainer_started_dies_with_it(monkeypatch):
     """A worker started by hand sets no death signal; one a trainer's --workers started (that trainer's pid
-    in NANORL_TRAINER_PID) gets SIGTERM when it dies, or, the trainer already dead, exits in one line."""
+    in NANORL_TRAINER_PID) gets LAUNCHER_GONE when it dies, or, the trainer already dead, exits in a line."""
     monkeypatch.setattr(serve, "hello", lambda client, cfg: None)  # a finished run: it returns before loading
     monkeypatch.delenv("NANORL_TRAINER_PID", raising=False)
     monkeypatch.setenv("NANORL_TOKEN", "worker-test-token-0123456789")
     cfg = train.parse(argv("unused", "--role", "rollout", "--trainer-url", "http://127.0.0.1:5"))
     gone = subprocess.Popen(["true"])
     gone.wait()
-    pending, got = ctypes.c_int(-1), []
+    pending, got, before = ctypes.c_int(-1), [], signal.getsignal(utils.LAUNCHER_GONE)
     try:
         for trainer in (None, os.getppid(), gone.pid):  # by hand; our parent stands in for a trainer
             if trainer:
@@ -431,13 +431,15 @@ def test_only_a_worker_that_a_trainer_started_dies_with_it(monkeypatch):
                 assert serve.run_worker(cfg) == 0
             ctypes.CDLL(None).prctl(2, ctypes.byref(pending))  # 2: PR_GET_PDEATHSIG
             got.append(pending.value)
-        with pytest.raises(KeyboardInterrupt):  # the first SIGTERM: a dead trainer's threads each send one
-            utils.interrupt(signal.SIGTERM, None)
+        with pytest.raises(KeyboardInterrupt):  # the first: a dead trainer's threads each send one
+            utils.interrupt(utils.LAUNCHER_GONE, None)
+        signal.getsignal(utils.LAUNCHER_GONE)(utils.LAUNCHER_GONE, None)  # one sent before: it cuts nothing
         ctypes.CDLL(None).prctl(2, ctypes.byref(pending))
         got.append(pending.value)
     finally:
+        signal.signal(utils.LAUNCHER_GONE, before)
         utils.death_signal(0)
-    assert got == [0, signal.SIGTERM, signal.SIGTERM, 0]  # the next would cut the unwinding short
+    assert got == [0, utils.LAUNCHER_GONE, utils.LAUNCHER_GONE, 0]  # and none is sent after
     assert str(died.value) == f"error: worker: its launcher (pid {gone.pid}) has exited; so does this worker"
 
 
