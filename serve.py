@@ -572,8 +572,7 @@ def run_worker(cfg) -> int:
     source = sources()[cfg.task](cfg, sampler)  # every rollout option behaves as in a sync run
     source.load_state({"position": me * STRIDE})  # worker w draws problems w*STRIDE, w*STRIDE+1, ...
     utils.stderr(f"worker {me}: generating for {cfg.trainer_url} with {'vLLM' if cfg.vllm else 'HF'}")
-    previous = {s: signal.signal(s, utils.interrupt) for s in (signal.SIGTERM, utils.LAUNCHER_GONE)}
-    refused, seq = 0, -1  # previous: into this finally
+    previous, refused, seq = signal.signal(signal.SIGTERM, utils.interrupt), 0, -1  # into this finally
     try:
         while sampler.newest():  # the newest adapter, waiting for the first
             seq += 1  # the inbox takes each seq once: a copy sent again (a reply lost) is not trained twice
@@ -593,8 +592,7 @@ def run_worker(cfg) -> int:
                                         f"({answer[0]}): {bytes(answer[1][:300])!r}; run the worker with the "
                                         "trainer's code, model files and NANORL_TOKEN")
     finally:  # a daemon thread still inside torch when the interpreter exits aborts it (SIGABRT, not 0)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        signal.signal(signal.SIGTERM, previous)
         fetcher.done.set()
         fetcher.join(client.timeout)
     if fetcher.error:

@@ -194,8 +194,9 @@ class StopSignals:
     torchrun every rank must reach the eval's all-reduce); elsewhere in `evaluate` or `rollout`, where the
     weights are a finished step's, it first calls `save`, which the loop points at a checkpoint of that step:
     a SIGKILL then loses only the step in progress. A second (not LAUNCHER_GONE) raises KeyboardInterrupt."""
-    # a user's stop, kill's or a scheduler's, or die_with_launcher's
-    NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", LAUNCHER_GONE: "torchrun gone"}
+    # a user's stop, kill's or a scheduler's, or die_with_launcher's (SIGUSR2 is also Slurm's usual warning)
+    NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM",
+             LAUNCHER_GONE: "SIGUSR2 (the launcher died, or a scheduler's)"}
 
     def __init__(self, evaluate, rollout):
         # unwrap: a decorator's wrapper (torch.no_grad's) has one code object for all it decorates
@@ -264,6 +265,7 @@ def die_with_launcher(launcher: int = LAUNCHER, who: str = "") -> None:
     # The kernel then hands the process to another of the launcher's threads, whose exit sends one more,
     # and so on, maybe after Python's handler for the last one began (it cannot turn them off in time): so
     # not SIGTERM, whose second stops at once; StopSignals (a worker: interrupt) takes them as one stop.
+    signal.signal(LAUNCHER_GONE, interrupt)  # as Ctrl-C until a rank's StopSignals takes it over
     death_signal(LAUNCHER_GONE)
     if os.getppid() != launcher:  # it died before the prctl (this process's adopter is its parent): no signal
         who = who or f"rank {os.environ.get('RANK')}"
