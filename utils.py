@@ -188,12 +188,13 @@ class Abandoned(BaseException):
 
 
 class StopSignals:
-    """SIGINT / SIGTERM until restore(). The first sets `seen` for the loop, which finishes its step and
-    checkpoints (never a half-applied update). A scheduler's SIGKILL follows after a grace that a step or an
-    eval can outlast, so inside `evaluate` (which need not finish) it raises Abandoned, in one process (under
-    torchrun every rank must reach the eval's all-reduce); elsewhere in `evaluate` or `rollout`, where the
-    weights are a finished step's, it first calls `save`, which the loop points at a checkpoint of that step:
-    a SIGKILL then loses only the step in progress. A second (not LAUNCHER_GONE) raises KeyboardInterrupt."""
+    """SIGINT / SIGTERM / SIGUSR2 until restore(). The first sets `seen` for the loop, which finishes its
+    step and checkpoints (never a half-applied update). A scheduler's SIGKILL follows after a grace that a
+    step or an eval can outlast, so inside `evaluate` (which need not finish) it raises Abandoned, in one
+    process (under torchrun every rank must reach the eval's all-reduce); elsewhere in `evaluate` or
+    `rollout`, where the weights are a finished step's, it first calls `save`, which the loop points at a
+    checkpoint of that step: a SIGKILL then loses only the step in progress. A second stop (see same_stop)
+    raises KeyboardInterrupt."""
     # a user's stop, kill's or a scheduler's, or die_with_launcher's (SIGUSR2 is also Slurm's usual warning)
     NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM",
              LAUNCHER_GONE: "SIGUSR2 (the launcher died, or a scheduler's)"}
@@ -201,17 +202,17 @@ class StopSignals:
     def __init__(self, evaluate, rollout):
         # unwrap: a decorator's wrapper (torch.no_grad's) has one code object for all it decorates
         self.evaluate, self.rollout = (inspect.unwrap(f).__code__ for f in (evaluate, rollout))
-        self.seen, self.stopping, self.save = False, False, lambda: None  # no step finished: nothing to save
+        self.seen, self.stopping, self.save = 0, False, lambda: None  # seen: the first signal (0: none yet)
         self.previous = {s: signal.signal(s, self.handle) for s in self.NAMES}
 
     def handle(self, signum: int, frame) -> None:
         death_signal(0)  # after the restore(), one more would kill this process (rank 0 writing its report)
-        if self.seen and signum == LAUNCHER_GONE:  # a dead launcher's threads each send one: one stop
+        if self.seen and self.same_stop(signum):
             return
         if self.seen:  # e.g. a trainer waiting for workers that never come
             raise KeyboardInterrupt
-        self.seen, name = True, self.NAMES[signum]
-        now = "Ctrl-C or SIGTERM" if signum == LAUNCHER_GONE else f"{name} again"
+        self.seen, name = signum, self.NAMES[signum]
+        now = "Ctrl-C" if self.same_stop(signum) else f"{name} again"
         stderr(f"{name}: finishing this step and checkpointing; {now} stops now")
         running = {f.f_code for f, _ in traceback.walk_stack(frame)}
         if self.evaluate in running and world() == 1:
@@ -219,10 +220,16 @@ class StopSignals:
         if {self.evaluate, self.rollout} & running:
             self.save()  # rank 0 writes it (nothing collective), then the step or the eval goes on
 
+    def same_stop(self, signum: int) -> bool:
+        """Whether `signum` after the stop's first signal is that stop again, not a second: a dead launcher's
+        threads each send LAUNCHER_GONE, and under torchrun a scheduler's SIGTERM to every process (Slurm's)
+        reaches a rank twice, itself and forwarded (a second Ctrl-C at torchrun: SIGTERM after SIGINT)."""
+        return signum == LAUNCHER_GONE or signum == self.seen == signal.SIGTERM and world() > 1
+
     def agreed(self) -> bool:
         """Whether any rank saw a stop, on every rank (all ask after a step): one rank's stop stops all. Kept
         apart from `seen`, which a signal during the all-reduce sets too late for it: the next one has it."""
-        self.stopping = bool(reduce_dict({"stop": self.seen})["stop"])
+        self.stopping = bool(reduce_dict({"stop": bool(self.seen)})["stop"])
         return self.stopping
 
     def restore(self) -> None:

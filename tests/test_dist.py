@@ -420,10 +420,12 @@ def running(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_ranks_stop_as_on_sigterm_when_torchrun_is_killed(tmp_path):
+@pytest.mark.parametrize("stop", ["SIGKILL to torchrun", "SIGTERM to every process"])
+def test_ranks_stop_as_on_sigterm_when_torchrun_is_killed(tmp_path, stop):
     """A SIGKILL of torchrun (the OOM killer's, a scheduler's) left its ranks training on, orphans holding
     the CPU, the GPU and the run directory. Each now gets LAUNCHER_GONE and stops as on a scheduler's SIGTERM,
-    with the checkpoint of the step it finished."""
+    with the checkpoint of the step it finished. A scheduler's SIGTERM to every process of the job (Slurm's)
+    came to each rank twice, itself and forwarded by torchrun: the second stopped it at once, unsaved."""
     run, err = tmp_path / "run", tmp_path / "stderr"
     argv = ["--batch", "4", "--steps", "100000", "--target", "0", "--eval-every", "100000",
             "--eval-episodes", "2", "--no-progress", "--out", str(run)]
@@ -440,7 +442,10 @@ def test_ranks_stop_as_on_sigterm_when_torchrun_is_killed(tmp_path):
             time.sleep(0.2)
         ranks = ranks_of(launcher.pid)
         assert len(ranks) == 2  # both are past step 1 (its loss is summed over ranks)
-        launcher.kill()
+        if stop.startswith("SIGKILL"):
+            launcher.kill()
+        for pid in [launcher.pid, *ranks] if stop.startswith("SIGTERM") else []:
+            os.kill(pid, signal.SIGTERM)
         launcher.wait()
         deadline = time.monotonic() + 30
         while any(map(running, ranks)) and time.monotonic() < deadline:
@@ -451,8 +456,12 @@ def test_ranks_stop_as_on_sigterm_when_torchrun_is_killed(tmp_path):
             os.kill(pid, signal.SIGKILL)
         launcher.kill()
         launcher.wait()
-    log = err.read_text()  # each rank stopped as on a scheduler's SIGTERM, none at once (a second SIGTERM)
-    assert log.count("SIGUSR2 (the launcher died, or a scheduler's): finishing this step and checkpointing") == 2 and "Traceback" not in log
+    log = err.read_text()  # each rank stopped as on a scheduler's SIGTERM, none at once (a second signal)
+    name = "SIGTERM" if stop.startswith("SIGTERM") else "SIGUSR2 (the launcher died, or a scheduler's)"
+    assert log.count(f"{name}: finishing this step and checkpointing; Ctrl-C stops now") == 2, log
+    torchruns = int(stop.startswith("SIGTERM"))  # a SIGTERM'd torchrun shows its own SignalException
+    assert log.count("Traceback") == log.count("SignalException: Process") == torchruns, log
+    assert "stopped during step" not in log
     last = read_metrics(run)["loss"][-1][0]
     assert [c.name for c in rundir.checkpoints(run)][-1] == f"ckpt-{last:07d}", log
 
