@@ -157,6 +157,9 @@ class LLMPolicy(nn.Module):
         super().__init__()
         if not cfg.progress:  # --no-progress (logs, CI): transformers' bars too, e.g. "Loading weights"
             hf_logging.disable_progress_bar()
+        if cfg.dtype not in DTYPES:
+            raise utils.ConfigError(f"--dtype {cfg.dtype}{utils.closest(cfg.dtype, DTYPES)} "
+                                    f"(choices: {', '.join(DTYPES)})")
         if cfg.temperature <= 0 or not 0 < cfg.top_p <= 1:
             raise utils.ConfigError(f"need --temperature > 0 and 0 < --top-p <= 1 (got {cfg.temperature}, "
                                     f"{cfg.top_p}); RL learns from samples (evals decode greedily): try 1")
