@@ -144,6 +144,17 @@ def load_lm(path: str, cfg, device: torch.device) -> nn.Module:
     return whole(lm, info, cfg.model).to(device)
 
 
+def end_tokens(lm, tokenizer, model: str) -> set[int]:
+    """The ids that end a completion: the tokenizer's eos and generation_config's (an int or a list)."""
+    eos = lm.generation_config.eos_token_id
+    eos = eos if isinstance(eos, list) else [eos]
+    ends = {int(i) for i in (tokenizer.eos_token_id, *eos) if i is not None}
+    if not ends:
+        raise utils.ConfigError(f"--model {model}: no eos token ends a completion; set eos_token in "
+                                "tokenizer_config.json or eos_token_id in generation_config.json")
+    return ends
+
+
 class LLMPolicy(nn.Module):
     """A causal LM as a policy over tokens. Sampling is exactly softmax(logits / temperature): no other
     warper, so whatever the model's generation_config.json switches on (top_k, repetition_penalty, min_p,
@@ -193,12 +204,7 @@ class LLMPolicy(nn.Module):
             warnings.warn("full fine-tuning with kl_coef > 0 keeps a frozen copy of the whole model as the "
                           "KL reference (2x weight memory); LoRA's is free: the adapter switched off")
             self.ref_model = copy.deepcopy(lm).requires_grad_(False)  # the policy's dtype: KL 0 at step 0
-        eos = lm.generation_config.eos_token_id  # an int or a list; the tokenizer's eos ends a completion too
-        ends = [self.tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])]
-        self.eos_ids = {int(i) for i in ends if i is not None}
-        if not self.eos_ids:
-            raise utils.ConfigError(f"--model {cfg.model}: no eos token ends a completion; set eos_token in "
-                                    "tokenizer_config.json or eos_token_id in generation_config.json")
+        self.eos_ids = end_tokens(lm, self.tokenizer, cfg.model)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids)
         self.use_template = cfg.chat_template and self.tokenizer.chat_template is not None

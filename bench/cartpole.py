@@ -135,7 +135,7 @@ def main() -> None:
             print(f"{name:20s} seed {seed}: train {r['train_s']:.2f} s, process {r['process_s']:.2f} s, "
                   f"env steps {r['env_steps']:.0f}", file=sys.stderr, flush=True)
     rows = [summary(name, runs) for name, runs in results.items()]
-    print("| run | solved | median train s (min-max) | median process s | median env steps |")
+    print("| run | seeds solved | median train s (min-max) | median process s | median env steps |")
     print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['name']} | {r['solved']} | {r['train_s']:.2f} ({r['min']:.2f}-{r['max']:.2f}) | "

@@ -200,10 +200,17 @@ def test_cartpole_stops_when_solved_and_ends_with_a_summary(tmp_path):
     assert "report: " in done.stdout and "ckpt-" in done.stdout
 
 
+def main_then_exit(argv: list[str]):
+    os._exit(train.main(argv))  # its exit code, and no cleanup, as a process of its own would
+
+
 def in_child(argv: list[str]):
-    """train.py's main in a forked process: already imported (an import takes seconds here), yet a real process
-    that a SIGKILL ends without any cleanup."""
-    child = multiprocessing.get_context("fork").Process(target=lambda: os._exit(train.main(argv)))
+    """train.py's main in a process forked from a forkserver that has it imported (an import takes seconds
+    here), yet a real process that a SIGKILL ends without any cleanup. Not forked from pytest: once this
+    process has run a parallel torch op, a forked child's first one can hang in libgomp's thread pool."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["train", __name__])
+    child = context.Process(target=main_then_exit, args=(argv,))
     child.start()
     return child
 
