@@ -5,6 +5,7 @@ The module is also the torchrun worker for the checks that need live ranks:
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/test_dist.py OUT_DIR
 """
 import ctypes
+import errno
 import json
 import os
 import signal
@@ -498,6 +499,13 @@ def test_a_dead_launchers_death_signals_are_one_stop_yet_a_second_ctrl_c_stops_a
         real(0)
     assert now == [False, False, False, True] and pending.value == 0
     assert capsys.readouterr().err.count("finishing this step and checkpointing") == 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_death_signal_the_kernel_refuses_raises_its_errno_rather_than_leaving_the_rank_without_one():
+    with pytest.raises(OSError) as e:
+        utils.death_signal(65)  # no such signal (Linux's last is 64)
+    assert (e.value.errno, e.value.strerror) == (errno.EINVAL, "prctl(PR_SET_PDEATHSIG)")
 
 
 def test_a_stop_that_comes_during_the_ranks_agreement_stops_them_at_the_next(monkeypatch):

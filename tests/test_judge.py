@@ -1,5 +1,6 @@
 """The judge client against a real local HTTP server (stdlib, loopback) that answers as a
 chat-completions endpoint would, fails on purpose, or answers garbage."""
+import io
 import json
 import math
 import re
@@ -293,6 +294,13 @@ def test_timeout_is_retried(server):
         Judge("r", server.url, "m", timeout=0.1, retries=1, backoff=0.01)("p", "c", "")
 
 
+def test_the_defaults_are_as_documented(server):
+    judge = Judge("r", server.url, "m")  # the README: out of 10, 8 at a time, 60 s, 3 retries after 1 s
+    assert (judge.high, judge.concurrency, judge.timeout, judge.retries) == (10, 8, 60.0, 3)
+    assert judge.backoff == 1.0
+    assert judge("p", "c", "") == 0.6  # "Score: 6" out of 10
+
+
 def test_semaphore_caps_requests_in_flight(server):
     server.delay = 0.2
     judge = Judge("r", server.url, "m", concurrency=2)
@@ -454,6 +462,19 @@ def test_a_dripping_server_is_cut_off_at_the_timeout_not_read_forever(scheme, tm
     (at, total), = sent
     assert 0 < at < total / 2  # cut off mid-reply at ~1 s of its ~6; a per-read timeout reads all of it
     listener.close()
+
+
+def test_a_read_begun_past_the_deadline_times_out_rather_than_finding_the_socket_non_blocking():
+    """A timeout of 0 would make the socket non-blocking: a read with nothing there returns None, no error."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ours.settimeout(0.05)
+        reader = io.BufferedReader(judge_module._Deadline(ours.makefile("rb", buffering=0), ours))
+        theirs.sendall(b"x")
+        assert reader.read(1) == b"x"  # within the deadline
+        time.sleep(0.1)
+        with pytest.raises(TimeoutError):  # at once: 1 ms, the least the socket is given
+            reader.read(1)
 
 
 def raw_server(reply: bytes):

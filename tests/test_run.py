@@ -555,6 +555,32 @@ def test_stop_signals_abandon_only_the_code_named_and_only_in_one_process(monkey
         assert signal.getsignal(signal.SIGTERM) is before
 
 
+@pytest.mark.parametrize("world, first, again, stops_now, hint", [
+    (2, signal.SIGTERM, signal.SIGTERM, False, "Ctrl-C"),  # Slurm's, to torchrun and to each rank: one stop
+    (2, signal.SIGINT, signal.SIGTERM, True, "Ctrl-C again"),  # Ctrl-C twice at torchrun
+    (2, signal.SIGINT, signal.SIGINT, True, "Ctrl-C again"),
+    (1, signal.SIGTERM, signal.SIGTERM, True, "SIGTERM again"),  # no torchrun: a second kill is a second stop
+])
+def test_under_torchrun_a_sigterm_that_reaches_a_rank_twice_is_one_stop_and_a_second_ctrl_c_is_not(
+        monkeypatch, capsys, world, first, again, stops_now, hint):
+    """A scheduler's SIGTERM to every process reaches a rank twice, itself and forwarded by torchrun: one
+    stop, whose step finishes. A second Ctrl-C at torchrun comes as SIGTERM after SIGINT: a second stop."""
+    monkeypatch.setattr(utils, "world", lambda: world)
+    signals = utils.StopSignals(train.evaluate, train.update)
+    try:
+        signals.handle(first, sys._getframe())
+        try:
+            signals.handle(again, sys._getframe())
+            stopped_now = False
+        except KeyboardInterrupt:
+            stopped_now = True
+    finally:
+        signals.restore()
+    assert (signals.seen, stopped_now) == (first, stops_now)
+    said = f"{signals.NAMES[first]}: finishing this step and checkpointing; {hint} stops now"
+    assert capsys.readouterr().err.splitlines() == [said]  # one line, naming what stops the run at once
+
+
 @pytest.fixture(scope="module")
 def two_steps(tmp_path_factory):
     """A CartPole run of 2 steps, checkpointed at each; --hidden 256: a 270 KB weights file, 550 KB of Adam state."""

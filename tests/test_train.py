@@ -43,16 +43,40 @@ def test_cli_flags_override_yaml_preset_which_overrides_defaults(tmp_path):
     assert (cfg.algo, cfg.group_size, cfg.lr, cfg.progress, cfg.gamma) == ("grpo", 4, 0.25, False, 0.99)
 
 
+@dataclasses.dataclass
+class Documented:
+    """A config in train.Config's style: --help reads each field's comment and section from the source."""
+    steps: int = 1  # on its own line
+    # ---- LLM tasks
+    # a comment too long for its field's line sits above it
+    model: str = "tiny"
+    lr: float = 0.5
+    # ---- second section
+    lora: bool = True  # its own, not the one above
+
+
+def test_field_docs_read_a_comment_beside_its_field_or_above_it_within_the_section_it_sits_in():
+    assert utils.field_docs(Documented) == {
+        "steps": ("run", "on its own line"),
+        "model": ("LLM tasks", "a comment too long for its field's line sits above it"),
+        "lr": ("LLM tasks", ""),  # the comment above was model's alone
+        "lora": ("second section", "its own, not the one above")}
+
+
 def test_config_round_trips_through_yaml(tmp_path):
     cfg = cfg_from(["--algo", "rloo", "--group-size", "4", "--dr-grpo", "--lr", "3e-4"])
     (tmp_path / "c.yaml").write_text(utils.dump_config(cfg))
     assert cfg_from(["--config", str(tmp_path / "c.yaml")]) == cfg
 
 
-def test_unknown_yaml_key_names_the_closest_valid_key(tmp_path):
+def test_unknown_yaml_key_names_the_closest_valid_key_and_none_when_none_is_close(tmp_path):
     (tmp_path / "bad.yaml").write_text("lrr: 0.1\n")
     with pytest.raises(utils.ConfigError, match="unknown key 'lrr'.*'lr'"):
         cfg_from(["--config", str(tmp_path / "bad.yaml")])
+    (tmp_path / "bad.yaml").write_text("xyzzy: 0.1\n")  # 'dtype' is its likeliest, yet far from it
+    with pytest.raises(utils.ConfigError) as e:
+        cfg_from(["--config", str(tmp_path / "bad.yaml")])
+    assert str(e.value) == f"{tmp_path / 'bad.yaml'}: unknown key 'xyzzy'"
 
 
 def test_unknown_flag_names_the_closest_valid_flag():
@@ -123,6 +147,7 @@ def test_a_yaml_nan_or_inf_is_no_float_setting(tmp_path):
     ("steps: 3.5\n", "'steps' must be int, got 3.5"),  # not rounded down to 3 steps
     ("tis: off\n", "'tis' must be text, got False: quote it, as in 'off'"),  # was "unknown --tis 'False'"
     ("export: null\n", "'export' must be text, got None"),  # was an export into a directory named None
+    ("out: [runs]\n", "'out' must be text, got \\['runs'\\]$"),  # not a run written into "['runs']"
 ])
 def test_a_yaml_value_of_another_type_names_the_key_and_the_fix(tmp_path, text, message):
     (tmp_path / "p.yaml").write_text(text)
@@ -355,8 +380,10 @@ def test_second_ctrl_c_stops_a_source_that_never_returns_and_keeps_the_checkpoin
     assert signal.getsignal(signal.SIGINT) is before  # the handler was put back
 
 
-def test_refused_names_a_full_disk_or_exhausted_memory_and_nothing_else():
+def test_refused_names_a_full_disk_exhausted_memory_or_a_lost_rank_and_nothing_else():
     fix = "then --resume the run or run again"
+    lost = utils.RankLost("another rank died or hung (gloo: timed out), not this one: ...; then --resume")
+    assert utils.refused(lost) == str(lost)  # one line, not a traceback of this healthy rank's collective
     assert utils.refused(OSError(errno.ENOSPC, "No space left on device")) == (
         f"a write failed ([Errno 28] No space left on device); make room, {fix}")
     cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you "
