@@ -211,7 +211,7 @@ def read_metrics(path: Path, strict: bool = False) -> dict[str, list[tuple[int, 
         try:
             key, point = metrics_point(line)
         except ValueError as e:
-            why = f"{path} line {n}: {e}; repair or delete that line (the run's checkpoints are untouched)"
+            why = f"{path}:{n}: {e}; repair or delete that line (the run's checkpoints are untouched)"
             if strict:
                 raise ConfigError(why) from None
             warnings.warn(f"{why}; the report and curve leave it out")

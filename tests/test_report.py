@@ -192,7 +192,7 @@ def test_a_damaged_metrics_line_stops_report_py_naming_the_line_and_the_fix(tmp_
     metrics.write_bytes(f"step,wall_s,key,value\n1,0.4,loss,2\n{line}\n2,0.9,loss,4\n3,1.2,lo".encode())
     before = metrics.read_bytes()
     assert report.main([str(tmp_path)]) == 2 and not (tmp_path / "report.html").exists()
-    assert capsys.readouterr().err.splitlines() == [f"error: {metrics} line 3: {why}; {FIX}"]
+    assert capsys.readouterr().err.splitlines() == [f"error: {metrics}:3: {why}; {FIX}"]
     assert metrics.read_bytes() == before
 
 
@@ -207,7 +207,7 @@ def test_a_damaged_metrics_line_is_left_out_of_a_live_runs_report_curve_and_summ
         html = report.write_report(tmp_path).read_text()
         rundir.plot(tmp_path, keys=("eval_return",))
         summary = report.summary(tmp_path, 3.0, "").splitlines()
-    why = f"{metrics} line 3: value 'abc' is not a number; {FIX}; the report and curve leave it out"
+    why = f"{metrics}:3: value 'abc' is not a number; {FIX}; the report and curve leave it out"
     assert [str(w.message) for w in caught] == [why] * 3  # one a read (pytest records every one)
     assert '"curves": {"eval_return": [[2, 300.0], [6, 200.0]]}' in html and (tmp_path / "curve.png").exists()
     assert summary[1] == "  eval_return: best 300 (step 2), final 200 (step 6)"

@@ -693,7 +693,7 @@ def test_a_resume_past_a_damaged_metrics_line_trains_to_its_end_and_warns_of_it(
     done = run(cartpole(out, "--resume", str(out), "--steps", "3"))
     assert done.returncode == 0 and "Traceback" not in done.stderr and "run saved to" in done.stdout
     warned = {line for line in done.stderr.splitlines() if "metrics.csv" in line}  # the eval's, the curve's
-    assert warned == {f"warning: {out / 'metrics.csv'} line 2: value 'abc' is not a number; repair or delete "
+    assert warned == {f"warning: {out / 'metrics.csv'}:2: value 'abc' is not a number; repair or delete "
                       "that line (the run's checkpoints are untouched); the report and curve leave it out"}
     assert (out / "metrics.csv").read_text().splitlines(keepends=True)[1] == lines[1]
     assert (out / "curve.png").exists() and rundir.checkpoints(out)[-1].name == "ckpt-0000003"
