@@ -183,7 +183,8 @@ FIX = "repair or delete that line (the run's checkpoints are untouched)"
                                        ("1.5,0.5,loss,2", "step '1.5' is not a whole number"),
                                        ("1,0.5,loss", "3 fields, not 4 (step,wall_s,key,value)"),
                                        ('1,0.5,"loss,2', "3 fields, not 4 (step,wall_s,key,value)"),
-                                       ("1,0.5,lo\rss,2", "it does not read as one CSV row")])
+                                       ("1,0.5,lo\rss,2", "it does not read as one CSV row"),
+                                       ("1,0.5,loss," + "x" * 50, f"value '{'x' * 40}' is not a number")])
 def test_a_damaged_metrics_line_stops_report_py_naming_the_line_and_the_fix(tmp_path, capsys, line, why):
     """Was one line naming neither the line nor what is wrong there ("TypeError: float() argument must be a
     string or a real number, not 'NoneType'"). Line 5, still being written, is skipped as before."""
@@ -201,8 +202,8 @@ def test_a_damaged_metrics_line_is_left_out_of_a_live_runs_report_curve_and_summ
     (a hand edit of a live run, a resume from one) killed the run with a ValueError traceback mid-training."""
     (tmp_path / "config.yaml").write_text("task: cartpole\n")
     metrics = tmp_path / "metrics.csv"
-    metrics.write_text("step,wall_s,key,value\n2,1,eval_return,300\n4,2,eval_return,abc\n"
-                       "6,3,eval_return,200\n")
+    metrics.write_text("step,wall_s,key,value\n2,1,eval_return,300\n4,2,eval_return,abc\n\n"
+                       "6,3,eval_return,200\n\r\n")  # a blank line (an editor's "\r" too): nothing to warn of
     with pytest.warns(UserWarning) as caught:
         html = report.write_report(tmp_path).read_text()
         rundir.plot(tmp_path, keys=("eval_return",))
@@ -213,13 +214,25 @@ def test_a_damaged_metrics_line_is_left_out_of_a_live_runs_report_curve_and_summ
     assert summary[1] == "  eval_return: best 300 (step 2), final 200 (step 6)"
 
 
-def test_a_report_that_cannot_be_written_is_one_line_and_the_run_is_untouched(tmp_path, capsys):
+def test_a_report_that_cannot_be_written_is_one_line_naming_why_and_the_run_is_untouched(
+        tmp_path, capsys, monkeypatch):
     (tmp_path / "config.yaml").write_text("task: cartpole\n")
     (tmp_path / "report.html").mkdir()  # in report.html's way as a read-only mount is (to root, too)
     assert report.main([str(tmp_path)]) == 1
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith(f"{tmp_path}: cannot write its report.html (")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "report.html"]  # no .tmp left
+    (tmp_path / "report.html").rmdir()
+
+    def read_only(path, mode):  # a read-only mount refuses the file itself: there is no .tmp to remove
+        raise OSError(30, "Read-only file system", str(path))
+
+    monkeypatch.setattr(rundir, "open", read_only, raising=False)  # atomic_write's open(), not report.py's
+    assert report.main([str(tmp_path)]) == 1
+    tmp = tmp_path / f"report.html.{os.getpid()}.tmp"
+    assert capsys.readouterr().err.splitlines() == [
+        f"{tmp_path}: cannot write its report.html ([Errno 30] Read-only file system: '{tmp}'); copy the run "
+        "to a writable place"]
 
 
 def test_samples_reach_wandb_as_one_table_per_eval(run):

@@ -1,6 +1,7 @@
 """Around a run: --help, resuming from the run alone (damaged checkpoints, SIGKILL at random moments),
 TensorBoard and W&B loggers, the end-of-run summary."""
 import collections
+import errno
 import json
 import multiprocessing
 import os
@@ -81,6 +82,28 @@ def test_only_rank_0_writes_a_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(utils, "rank", lambda: 0)
     assert rundir.save_checkpoint(tmp_path, 1, policy, opt, meta, keep=3) == tmp_path / "ckpt-0000001"
     assert rundir.checkpoints(tmp_path) == [tmp_path / "ckpt-0000001"]
+
+
+def test_only_rank_0_logs_the_other_ranks_write_no_file_and_keep_no_logger(tmp_path, monkeypatch):
+    monkeypatch.setattr(utils, "rank", lambda: 1)  # torchrun's rank 1: rank 0 logs the all-reduced numbers
+    metrics = rundir.Metrics(tmp_path / "run", train.Config(log="tensorboard"))
+    metrics.log(1, {"loss": 1.0})
+    metrics.samples(1, [{"kind": "train", "text": "x"}])
+    metrics.close()
+    assert metrics.loggers == [] and not (tmp_path / "run").exists()
+
+
+def test_only_rank_0_makes_a_new_runs_directory_the_others_only_name_it(tmp_path, monkeypatch):
+    """Under torchrun rank 0 makes runs/NAME-<time>; another rank's mkdir would find it made and make -2."""
+    real = rundir.time.strftime
+    monkeypatch.setattr(rundir.time, "strftime", lambda fmt, *t: "20261202-000000" if fmt == "%Y%m%d-%H%M%S"
+                        else real(fmt, *t))
+    monkeypatch.setattr(utils, "rank", lambda: 1)
+    assert rundir.fresh_dir(str(tmp_path / "run")) == tmp_path / "run-20261202-000000"
+    assert not any(tmp_path.iterdir())
+    monkeypatch.setattr(utils, "rank", lambda: 0)
+    assert rundir.fresh_dir(str(tmp_path / "run")) == tmp_path / "run-20261202-000000"
+    assert [p.name for p in tmp_path.iterdir()] == ["run-20261202-000000"]
 
 
 def test_an_empty_or_foreign_state_file_is_skipped_and_a_stray_copy_is_no_checkpoint(tmp_path, capsys):
@@ -264,6 +287,33 @@ def test_tensorboard_and_wandb_get_the_numbers_of_metrics_csv(tmp_path, monkeypa
     assert config["lr"] == cfg.lr and config["task"] == "cartpole"
 
 
+def test_a_resume_logs_after_its_checkpoints_step_and_time_dropping_the_later_rows_and_events(
+        tmp_path, monkeypatch):
+    """A killed run logged steps 3-4 past its checkpoint at step 2: the resume drops them from metrics.csv
+    and hides them from TensorBoard, then logs its own step 3 once, its wall clock going on from the
+    checkpoint's 50 s."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    now = [1000.0]
+    monkeypatch.setattr(rundir.time, "perf_counter", lambda: now[0])
+    cfg = train.Config(log="tensorboard")
+    killed = rundir.Metrics(tmp_path, cfg)
+    for step in (1, 2, 3, 4):
+        now[0] = 1000 + step * 0.1234
+        killed.log(step, {"loss": step / 3})
+    killed.close()
+    now[0] = 2000.0
+    resumed = rundir.Metrics(tmp_path, cfg, wall_offset=50.0, resumed_at=2)
+    now[0] = 2000.25
+    resumed.log(3, {"loss": 30})
+    resumed.close()
+    assert (tmp_path / "metrics.csv").read_text().splitlines() == [  # one header, each step once
+        "step,wall_s,key,value", "1,0.123,loss,0.333333", "2,0.247,loss,0.666667", "3,50.25,loss,30"]
+    events = EventAccumulator(str(tmp_path / "tensorboard")).Reload().Scalars("loss")
+    assert [(e.step, e.value) for e in events] == [(1, pytest.approx(1 / 3)), (2, pytest.approx(2 / 3)),
+                                                    (3, 30)]
+
+
 def test_evals_of_several_checkpoints_into_one_out_keep_every_step_in_tensorboard(tmp_path):
     """An --eval-only purged TensorBoard's events from its step on: evaluating ckpt-10, then ckpt-5, into one
     --out hid step 10's numbers (metrics.csv kept both)."""
@@ -281,6 +331,18 @@ def test_evals_of_several_checkpoints_into_one_out_keep_every_step_in_tensorboar
     assert [(e.step, e.value) for e in events] == [(s, pytest.approx(v, rel=1e-5)) for s, _, v in csv]
 
 
+@pytest.mark.parametrize("log, module, fix", [
+    ("tensorboard", "torch.utils.tensorboard",
+     "--log tensorboard needs tensorboard: pip install tensorboard"),
+    ("wandb", "wandb", "--log wandb needs the wandb package: pip install wandb")])
+def test_a_logger_whose_package_is_not_installed_is_one_line_naming_the_install(tmp_path, monkeypatch, log,
+                                                                                 module, fix):
+    monkeypatch.setitem(sys.modules, module, None)  # `import` then fails as where it is not installed
+    with pytest.raises(utils.ConfigError) as e:
+        rundir.Metrics(tmp_path, train.Config(log=log))
+    assert str(e.value) == fix
+
+
 def test_wandb_keeps_the_rows_since_the_last_eval_at_a_stop_and_its_own_id_per_directory(tmp_path, monkeypatch):
     """A stop lost the training rows held for the next eval's table; the id was the directory's last part
     alone: the evals runs/a/eval-0000030 and runs/b/eval-0000030 were one W&B run."""
@@ -289,14 +351,20 @@ def test_wandb_keeps_the_rows_since_the_last_eval_at_a_stop_and_its_own_id_per_d
     ids = []
     for run in ("a", "b"):
         log = rundir.Metrics(tmp_path / run / "eval-0000030", train.Config(log="wandb,wandb"))
-        log.samples(2, [{"kind": "train", "text": "x"}, {"kind": "train", "text": "y"}])
+        log.samples(1, [{"kind": "train", "text": "x"}, {"kind": "train", "text": "y"}])
+        log.samples(2, [{"kind": "eval", "text": "z"}])  # a table at its step, with the rows since the last
+        if run == "a":
+            log.samples(3, [{"kind": "train", "text": "w"}])  # held for the next eval's table, or the stop's
         ids.append(log.loggers[0].run.id)
         assert len(log.loggers) == 1  # named twice, it wrote every point twice
-        log.close()
+        log.close()  # b's: nothing held, no table
     assert ids[0] != ids[1] and ids[0].startswith("eval-0000030-")
-    [file] = (tmp_path / "a" / "eval-0000030" / "wandb").glob("offline-run-*/run-*.wandb")
-    tables = [r for kind, r in wandb_records(file) if kind == "history" and "samples/nrows" in r]
-    assert [(r["step"], r["samples/nrows"]) for r in tables] == [(2, 2)]
+    tables = {}
+    for run in ("a", "b"):
+        [file] = (tmp_path / run / "eval-0000030" / "wandb").glob("offline-run-*/run-*.wandb")
+        tables[run] = [(r["step"], r["samples/nrows"]) for kind, r in wandb_records(file)
+                       if kind == "history" and "samples/nrows" in r]
+    assert tables == {"a": [(2, 3), (3, 1)], "b": [(2, 3)]}
 
 
 def wandb_records(path: Path):
@@ -335,6 +403,46 @@ def test_samples_rotate_past_their_byte_limit_and_a_resume_trims_both_files(tmp_
     metrics.samples(6, [{"text": "again"}])
     metrics.close()
     assert [(r["step"], r["text"][:5]) for r in report.read_samples(tmp_path)] == [(5, "xxxxx"), (6, "again")]
+
+
+def test_a_resume_keeps_the_log_lines_of_the_steps_it_keeps_less_a_last_line_cut_short(tmp_path):
+    metrics, samples = tmp_path / "metrics.csv", tmp_path / "samples.jsonl"
+    metrics.write_text("step,wall_s,key,value\n1,0.1,loss,2\n2,0.2,loss,3\n3,0.3,loss,4\n3,0.3,ev")
+    samples.write_text('{"step": 1, "text": "a"}\n{"step": 2, "text": "b"}\n{"step": 3, "te')
+    for path in (metrics, samples):  # an --eval-only's keep: every step but the one it evaluates again
+        rundir.truncate_log(path, lambda s: s != 1)
+    assert metrics.read_text() == "step,wall_s,key,value\n2,0.2,loss,3\n3,0.3,loss,4\n"  # the header stays
+    assert samples.read_text() == '{"step": 2, "text": "b"}\n'
+    rundir.truncate_log(tmp_path / "samples.1.jsonl", lambda s: True)  # a run that never rotated its samples
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.csv", "samples.jsonl"]
+
+
+def test_a_damaged_log_line_stops_a_resume_naming_its_line_number_and_first_40_characters(tmp_path):
+    damaged = "x" * 50
+    for name, text, n in (("metrics.csv", f"step,wall_s,key,value\n1,0.1,loss,2\n{damaged}\n", 3),
+                          ("samples.jsonl", f'{{"step": 1}}\n{damaged}\n', 2)):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(utils.ConfigError) as e:
+            rundir.truncate_log(tmp_path / name, lambda s: True)
+        assert str(e.value) == f"{tmp_path / name}:{n}: cannot read the line '{'x' * 40}'; fix or delete it"
+        assert (tmp_path / name).read_text() == text  # the run must not drop what it cannot read
+
+
+def test_a_resume_sets_aside_the_checkpoints_after_its_step_with_a_copy_of_the_logs_there(tmp_path, capsys):
+    for step in (-2, 0, 2, 4):  # a warm-start's checkpoint, then the RL steps'
+        (tmp_path / f"ckpt-{step:07d}").mkdir()
+    (tmp_path / "config.yaml").write_text("task: cartpole\n")
+    (tmp_path / "metrics.csv").write_text("step,wall_s,key,value\n4,0.4,loss,2\n")  # no samples*.jsonl
+    rundir.set_aside(tmp_path, 0)  # a resume of ckpt-0000000
+    aside, = tmp_path.glob("replaced-*")
+    assert [p.name for p in rundir.checkpoints(tmp_path)] == ["ckpt--000002", "ckpt-0000000"]
+    assert sorted(p.name for p in aside.iterdir()) == [
+        "ckpt-0000002", "ckpt-0000004", "config.yaml", "metrics.csv"]
+    assert (aside / "metrics.csv").read_text() == (tmp_path / "metrics.csv").read_text()
+    said = capsys.readouterr().err
+    assert said == f"moved the checkpoints after step 0 to {aside}, with a copy of the logs\n"
+    rundir.set_aside(tmp_path, 0)  # nothing after step 0 now: no second directory, nothing said
+    assert len(list(tmp_path.glob("replaced-*"))) == 1 and capsys.readouterr().err == ""
 
 
 def test_ctrl_c_in_the_warm_start_finishes_its_step_and_resume_alone_continues_it_bitwise(tmp_path, monkeypatch):
@@ -434,6 +542,66 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one_and_leaves_no_partial_
         assert [p.name for p in tmp_path.iterdir()] == ["ckpt-0000001"]  # no ckpt-0000002, no .tmp-ckpt-*
         assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt-0000001").iterdir()} == saved
     assert rundir.resume_checkpoint(tmp_path, policy, opt)["source"] == {"position": 1}
+
+
+def test_a_write_that_safetensors_or_torch_refuses_is_an_io_error_naming_the_free_space_and_leaves_nothing(
+        tmp_path, monkeypatch):
+    """Their own errors carry no errno and no path: the cause (a full disk, say) is only in the message."""
+    policy = MLPPolicy(4, 2)
+    opt, meta = torch.optim.Adam(policy.parameters()), {"wall_s": 0.0, "source": {}}
+
+    def refused(tensors, path):
+        raise RuntimeError("unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(rundir, "save_file", refused)
+    monkeypatch.setattr(rundir.shutil, "disk_usage", lambda path: collections.namedtuple("usage", "free")(
+        (3 << 20) + 5))  # 3 MiB and 5 bytes
+    with pytest.raises(OSError) as e:
+        rundir.save_checkpoint(tmp_path, 1, policy, opt, meta, keep=1)
+    assert (e.value.errno, e.value.strerror, e.value.filename) == (
+        errno.EIO, "unexpected pos 64 vs 0; 3 MiB free there", str(tmp_path / "ckpt-0000001"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_atomic_directory_replaces_the_old_one_whole_as_mkdir_makes_it_and_fills_an_empty_one_in_place(
+        tmp_path):
+    """An empty one (an --export DIR, a mount point) cannot be replaced: it is filled, the same inode."""
+    new, old, empty = tmp_path / "a" / "b" / "new", tmp_path / "old", tmp_path / "empty"
+    (old / "stale").mkdir(parents=True)  # a file of the old one that the new one lacks
+    empty.mkdir()
+    inode = empty.stat().st_ino
+    for final in (new, old, empty):
+        with rundir.atomic_dir(final) as tmp:
+            (tmp / "sub").mkdir()
+            (tmp / "sub" / "w").write_bytes(b"1")
+            (tmp / "sub" / "w").chmod(0o600)  # as safetensors writes its files
+        modes = {str(p.relative_to(final)): p.stat().st_mode & 0o7777 for p in (final, *final.rglob("*"))}
+        mkdir, create = 0o777 & ~utils.UMASK, 0o666 & ~utils.UMASK  # the modes mkdir and open() give
+        assert modes == {".": mkdir, "sub": mkdir, "sub/w": create}
+    assert empty.stat().st_ino == inode
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "empty", "old"]  # no .tmp-* left
+
+
+def test_resume_names_each_checkpoint_that_fails_and_only_a_plain_resume_starts_over(tmp_path, capsys):
+    policy = MLPPolicy(4, 2)
+    opt = torch.optim.Adam(policy.parameters())
+    with pytest.raises(utils.ConfigError) as e:  # an --eval-only of a directory without checkpoints
+        rundir.resume_checkpoint(tmp_path, policy, opt, required=True)
+    assert str(e.value) == f"--resume {tmp_path}: it holds no checkpoint; resume another run or ckpt-*"
+    for step in (1, 2):
+        rundir.save_checkpoint(tmp_path, step, policy, opt, {"wall_s": 0.0, "source": {}}, keep=3)
+        (tmp_path / f"ckpt-{step:07d}" / "meta.json").write_text("{")
+    capsys.readouterr()
+    assert rundir.resume_checkpoint(tmp_path, policy, opt) is None  # --resume RUN: the run starts over
+    assert [line.split(": ")[:2] for line in capsys.readouterr().err.splitlines()] == [
+        [f"skipping {tmp_path / 'ckpt-0000002'}", "JSONDecodeError"],
+        [f"skipping {tmp_path / 'ckpt-0000001'}", "JSONDecodeError"],
+        [f"--resume {tmp_path}", "no checkpoint loads; the run starts over"]]
+    for named, required in ((tmp_path / "ckpt-0000002", False), (tmp_path, True)):  # a ckpt-*, an --eval-only
+        with pytest.raises(utils.ConfigError) as e:
+            rundir.resume_checkpoint(named, policy, opt, required)
+        why = "no checkpoint of it loads (above)"
+        assert str(e.value) == f"--resume {named}: {why}; resume another run or ckpt-*"
 
 
 def test_a_second_ctrl_c_stops_mid_step_with_exit_130_and_keeps_what_was_saved(tmp_path, capsys, monkeypatch):
@@ -636,6 +804,16 @@ def test_a_run_directory_takes_one_run_at_a_time_and_a_killed_runs_hold_dies_wit
     assert train.main(["--resume", str(out), "--no-progress", "--steps", str(last + 2)]) == 0
     logged = [s for s, k in rows(out) if k == "loss"]
     assert logged == list(range(1, last + 3))  # each step once, in order
+
+
+def test_a_second_writer_of_a_run_directory_is_refused_until_the_first_closes(tmp_path):
+    first = rundir.Metrics(tmp_path, train.Config())
+    with pytest.raises(utils.ConfigError) as e:  # flock: another open file, even in this process, waits
+        rundir.Metrics(tmp_path, train.Config())
+    assert str(e.value) == (f"{tmp_path}: another run is still writing there; stop it first (a new run can "
+                            "take another --out)")
+    first.close()
+    rundir.Metrics(tmp_path, train.Config()).close()
 
 
 def test_resuming_an_earlier_checkpoint_sets_the_later_ones_aside_with_the_logs_and_retraces_them(tmp_path, capsys):
