@@ -367,7 +367,23 @@ def test_wandb_keeps_the_rows_since_the_last_eval_at_a_stop_and_its_own_id_per_d
     assert tables == {"a": [(2, 3), (3, 1)], "b": [(2, 3)]}
 
 
-def wandb_records(path: Path):
+def wandb_records(path: Path) -> list[tuple[str, dict]]:
+    """The records of a finished W&B run. Its log can still be written after run.finish() returns (wandb's
+    service writes it; seen for a process's second run), so this waits for the run's exit record."""
+    from google.protobuf.message import DecodeError
+
+    deadline = time.time() + 60
+    while True:
+        try:
+            records = list(log_records(path))
+        except DecodeError:  # a record still being written
+            records = []
+        if any(kind == "exit" for kind, _ in records) or time.time() > deadline:
+            return records
+        time.sleep(0.1)
+
+
+def log_records(path: Path):
     """(kind, {key: value}) of the records in a W&B transaction log (.wandb): LevelDB's log format (a 7-byte
     file header, 32 KiB blocks of checksum/length/type-framed chunks) around wandb's own protobuf Records."""
     from wandb.proto import wandb_internal_pb2
