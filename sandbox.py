@@ -173,7 +173,9 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: int = 5, mem_mb: int
             os.close(w)
             stuck, pipes = True, (proc.stdout, proc.stderr, status)
             try:  # the launcher enforces timeout_s; the backstop (+10 s) only catches a launcher that hangs
-                (out, err, st), cut, stuck = _read_all(pipes, max_output, time.monotonic() + timeout_s + 10)
+                # (the status, "returncode timed_out", kept whole: a max_output of 0 or 2 lost or broke it)
+                (out, err, st), cut, stuck = _read_all(pipes, (max_output, max_output, 64),
+                                                       time.monotonic() + timeout_s + 10)
             finally:
                 if stuck:  # or the trainer was interrupted: kill the group, and as root all of the uid
                     with contextlib.suppress(ProcessLookupError):
@@ -229,8 +231,8 @@ def sandbox_plan(mode: str) -> tuple[str, int, int]:
         "write your files)")
 
 
-def _read_all(files, cap: int, deadline: float) -> tuple[list[bytes], bool, bool]:
-    """Reads the pipes to their ends, keeping at most `cap` bytes of each (the rest is dropped):
+def _read_all(files, caps: tuple[int, ...], deadline: float) -> tuple[list[bytes], bool, bool]:
+    """Reads the pipes to their ends, keeping at most caps[i] bytes of the i-th (the rest is dropped):
     (what was kept, whether anything was dropped, whether the deadline hit)."""
     out, cut = [bytearray() for _ in files], False
     with selectors.DefaultSelector() as sel:
@@ -243,7 +245,7 @@ def _read_all(files, cap: int, deadline: float) -> tuple[list[bytes], bool, bool
                 chunk = os.read(key.fd, 1 << 16)
                 if not chunk:
                     sel.unregister(key.fileobj)
-                keep = max(0, cap - len(out[key.data]))
+                keep = max(0, caps[key.data] - len(out[key.data]))
                 out[key.data] += chunk[:keep]
                 cut |= len(chunk) > keep
     return out, cut, False

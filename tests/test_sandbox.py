@@ -5,6 +5,7 @@ import errno
 import functools
 import os
 import random
+import re
 import signal
 import socket
 import sqlite3
@@ -171,11 +172,11 @@ def test_a_run_stuck_past_the_backstop_or_interrupted_leaves_no_process_behind(m
     marker = f"20.{random.randint(100_000, 999_999)}"
     read_all = sandbox._read_all
 
-    def stuck(files, cap, deadline):  # once the code runs, the backstop passes or Ctrl-C lands
+    def stuck(files, caps, deadline):  # once the code runs, the backstop passes or Ctrl-C lands
         assert until(lambda: survivors(marker, sandbox_uids=False)), "the code never started"
         if interrupted:
             raise KeyboardInterrupt
-        return read_all(files, cap, time.monotonic() + 0.1)
+        return read_all(files, caps, time.monotonic() + 0.1)
 
     monkeypatch.setattr(sandbox, "_read_all", stuck)
     code = f"import os\nos.execv('/bin/sleep', ['/bin/sleep', '{marker}'])"
@@ -194,8 +195,53 @@ def test_a_run_stuck_past_the_backstop_or_interrupted_leaves_no_process_behind(m
 
 
 def test_huge_output_is_truncated_while_reading():
+    before = peak_rss_mb(reset=True)
     r = run_python("print('x' * 10**8)", max_output=1000)
     assert r.truncated and r.stdout == "x" * 1000 and r.returncode == 0
+    assert peak_rss_mb() - before < 50  # the 100 MB never came into this process, only the 1,000 bytes kept
+
+
+def test_output_of_exactly_max_output_is_whole_and_one_more_byte_in_a_later_write_is_reported_cut():
+    r = run_python("print('x' * 999)", max_output=1000)  # 1,000 bytes with the newline: nothing dropped
+    assert (r.stdout, r.truncated) == ("x" * 999 + "\n", False)
+    r = run_python("import time\nprint('x' * 1000, end='', flush=True)\ntime.sleep(0.1)\nprint('y', end='')",
+                   max_output=1000)  # the dropped byte comes alone, in a read of its own
+    assert (r.stdout, r.truncated) == ("x" * 1000, True)
+
+
+def test_a_run_with_max_output_0_still_reports_its_exit_code_and_timeout():
+    """The launcher's status ("returncode timed_out") came back through the same capped reader: with
+    max_output=0 a sys.exit(3) read as exit 0 and a timed-out run as a finished one; 2 raised ValueError."""
+    r = run_python("import sys\nprint('hi')\nsys.exit(3)", max_output=0)
+    assert r == sandbox.SandboxResult("", "", 3, False, True)  # "hi" was dropped
+    r = run_python("while True:\n    pass", timeout_s=0.5, max_output=2)
+    assert r == sandbox.SandboxResult("", "", -signal.SIGKILL, True, False)
+
+
+def test_the_default_limits_are_the_documented_ones_as_the_code_sees_them():
+    """5 s of wall clock, 5 s of CPU, 512 MB of address space, files of 16 MB on a scratch of 16 MB and
+    256 inodes, 64 open files, 8 processes, and 4,000 characters of each stream."""
+    r = run_python("import os, resource as r, sys, time\nstart = time.monotonic()\n"
+                   "print([r.getrlimit(k) for k in (r.RLIMIT_CPU, r.RLIMIT_AS, r.RLIMIT_FSIZE, "
+                   "r.RLIMIT_NOFILE, r.RLIMIT_NPROC)])\ns = os.statvfs('/tmp')\n"
+                   "print(s.f_blocks * s.f_frsize, s.f_files)\nprint('x' * 5000, flush=True)\n"
+                   "while True:  # how long the code has run, on stderr\n    time.sleep(0.1)\n"
+                   "    print(time.monotonic() - start, file=sys.stderr, flush=True)")
+    mb = lambda n: (n << 20, n << 20)
+    head = f"[(5, 5), {mb(512)}, {mb(16)}, (64, 64), (8, 8)]\n{16 << 20} 256\n"
+    assert r.stdout == head + "x" * (4000 - len(head)) and r.truncated
+    assert r.timed_out and r.returncode == -signal.SIGKILL
+    assert 4.0 <= float(r.stderr.split()[-1]) < 5.0  # 5 s from the launcher's start, before the code's
+
+
+def test_a_launcher_slow_to_start_still_gets_its_whole_timeout(tmp_path):
+    """run_python's own deadline is a backstop 10 s past timeout_s, for a launcher that hangs: one that
+    takes a while to start (a loaded machine) is not killed for it."""
+    slow = tmp_path / "python3"
+    slow.write_text(f"#!/bin/sh\nsleep 1\nexec {PYTHON} \"$@\"\n")
+    slow.chmod(0o755)
+    r = run_python("print(42)", timeout_s=0.5, plan=(str(slow), FLAGS, UID_BASE))
+    assert (r.stdout, r.returncode, r.timed_out) == ("42\n", 0, False)
 
 
 def test_writes_land_in_a_private_scratch_that_vanishes():
@@ -395,16 +441,24 @@ def test_sql_one_function_call_cannot_outrun_the_wall_clock():
     with pytest.raises(sqlite3.OperationalError, match="interrupted"):  # ran 25 s in one printf call in-process
         sandbox.run_sql(sql_database("shop"), "SELECT length(printf('%.*c', 999999999, name)) FROM customers",
                         timeout_s=1.0)
-    assert time.monotonic() - start < 1.0 + 5.0  # slack for a loaded CI machine; unbounded: 25 s
+    # timeout_s and 0.5 s more for the query process to start; slack for a loaded CI machine; unbounded: 25 s
+    assert 1.0 + 0.5 <= time.monotonic() - start < 1.0 + 5.0
 
 
-def test_sql_a_killed_query_process_raises_operational_error_naming_its_death():
-    """As the OOM killer would: the child dies without a word, and the caller gets an sqlite3.Error."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["oom-killer", "ctrl-c"])
+def test_sql_a_killed_query_process_raises_operational_error_naming_its_death(sig):
+    """As the OOM killer would: the child dies without a word, and the caller gets an sqlite3.Error; one
+    that says something on the way (the traceback of a Ctrl-C) has its last words in the message."""
     from envs import sql_database
 
-    def kill_the_query_child():
-        for f in until(lambda: [f for f in Path("/proc").glob("[0-9]*/cmdline") if child(f)]):
-            os.kill(int(f.parent.name), signal.SIGKILL)
+    def kill_the_query_child():  # once it has the database open: past Python's start, its handlers set
+        for f in until(lambda: [f for f in Path("/proc").glob("[0-9]*/cmdline") if child(f) and opened(f)]):
+            os.kill(int(f.parent.name), sig)
+
+    def opened(f: Path) -> bool:
+        with contextlib.suppress(OSError):
+            return any(os.readlink(fd) == str(Path(path).resolve()) for fd in (f.parent / "fd").iterdir())
+        return False
 
     def child(f: Path) -> bool:  # ours (not another test run's): our child, running _SQL_CHILD
         with contextlib.suppress(OSError):
@@ -412,15 +466,20 @@ def test_sql_a_killed_query_process_raises_operational_error_naming_its_death():
             return ppid == os.getpid() and sandbox._SQL_CHILD.encode() in f.read_bytes()
         return False
 
-    killer = threading.Thread(target=kill_the_query_child)
+    path, killer = sql_database("shop"), threading.Thread(target=kill_the_query_child)
     killer.start()
     try:
-        with pytest.raises(sqlite3.OperationalError) as e:  # the query alone runs 25 s: it dies first
-            sandbox.run_sql(sql_database("shop"), "SELECT length(printf('%.*c', 999999999, name)) "
-                                                  "FROM customers", timeout_s=30.0)
+        with pytest.raises(sqlite3.OperationalError) as e:  # the query runs on and on: it dies first
+            sandbox.run_sql(path, "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) "
+                                  "SELECT x FROM c WHERE x % 1000000 = 0", timeout_s=30.0)
     finally:
         killer.join()
-    assert str(e.value) == f"query process died ({-signal.SIGKILL}): b''"
+    if sig == signal.SIGKILL:
+        assert str(e.value) == f"query process died ({-signal.SIGKILL}): b''"
+    else:  # KeyboardInterrupt between two of the query's rows: Python prints it, then dies of the signal
+        died = rf"query process died \({-signal.SIGINT}\): "
+        assert re.fullmatch(died + r"b'Traceback \(most recent call last\):\\n.*\\nKeyboardInterrupt\\n'",
+                            str(e.value)), str(e.value)
 
 
 CTRL_C_MID_QUERY = """
@@ -444,6 +503,33 @@ def test_a_ctrl_c_at_the_terminal_leaves_a_running_query_to_finish():
     r = subprocess.run([sys.executable, "-c", CTRL_C_MID_QUERY, str(root)], start_new_session=True,
                        capture_output=True, text=True, timeout=300)
     assert r.stdout.splitlines() == ["the run saw it", "(['count(*)'], [(10000000,)], False)"], r.stderr[-500:]
+
+
+def test_sql_by_default_returns_1000_rows_and_8_mb_and_says_when_more_exist():
+    from envs import sql_database
+
+    path = sql_database("shop")
+    count = "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r LIMIT {})"
+    thousand = [(i,) for i in range(1, 1001)]
+    assert sandbox.run_sql(path, count.format(1000) + " SELECT i FROM r") == (["i"], thousand, False)
+    assert sandbox.run_sql(path, count.format(1001) + " SELECT i FROM r") == (["i"], thousand, True)
+    # the size of a row is its repr, ('x...x',): 5 characters more than its string. 8 strings of 999,999
+    # (SQLite's longest here) and one of 388,571 make 8 * 1,000,004 + 388,576 = 8,388,608 bytes: 8 MB exactly
+    last = count.format(9) + " SELECT printf('%.*c', CASE WHEN i < 9 THEN 999999 ELSE {} END, 'x') FROM r"
+    _, rows, more = sandbox.run_sql(path, last.format(388_571))
+    assert [len(row[0]) for row in rows] == [999_999] * 8 + [388_571] and not more
+    with pytest.raises(sqlite3.DataError, match="^result over 8388608 bytes: select fewer or shorter rows$"):
+        sandbox.run_sql(path, last.format(388_572))
+
+
+def test_sql_by_default_a_query_may_sort_180_mb_but_not_315_mb_in_its_256_mb():
+    from envs import sql_database
+
+    sort = SORT_BLOBS.replace("3000", "{0}").replace("2999", "{1}")  # n rows of 900 kB, all held at once
+    assert sandbox.run_sql(sql_database("shop"), sort.format(200, 199)) == (["i", "length(b)"],
+                                                                            [(200, 900000)], False)
+    with pytest.raises(sqlite3.OperationalError, match="^out of memory$"):
+        sandbox.run_sql(sql_database("shop"), sort.format(350, 349))
 
 
 def test_eight_concurrent_runaway_queries_leave_the_callers_memory_flat():
