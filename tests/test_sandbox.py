@@ -231,7 +231,7 @@ def test_the_default_limits_are_the_documented_ones_as_the_code_sees_them():
     head = f"[(5, 5), {mb(512)}, {mb(16)}, (64, 64), (8, 8)]\n{16 << 20} 256\n"
     assert r.stdout == head + "x" * (4000 - len(head)) and r.truncated
     assert r.timed_out and r.returncode == -signal.SIGKILL
-    assert 4.0 <= float(r.stderr.split()[-1]) < 5.0  # 5 s from the launcher's start, before the code's
+    assert 3.5 <= float(r.stderr.split()[-1]) < 5.0  # 5 s from the launcher's start, before the code's
 
 
 def test_a_launcher_slow_to_start_still_gets_its_whole_timeout(tmp_path):
