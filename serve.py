@@ -36,6 +36,7 @@ FINGERPRINT = ("task", "seed", "eval_size", "data", "model", "lora", "lora_rank"
                "lora_targets", "max_new_tokens", "batch", "group_size", "temperature", "top_p",
                "chat_template", "thinking", "overlong_buffer", "max_turns", "max_len", "dynamic_sampling",
                "max_gen_batches", "prompt_reweight", "judge_down", "sandbox")
+PROTOCOL = 1  # raised when a route or a batch's keys change: /hello refuses a worker of another nanorl
 MULTITURN = {"solved", "solved_first_turn", "turns"}  # a multi-turn source sends all of these
 STRIDE = 1_000_000  # worker w samples train problems w*STRIDE, w*STRIDE+1, ...: workers never share a prompt
 SURVIVORS = 64  # ids a resumed trainer skips: those issued after its checkpoint, to workers that outlived it
@@ -51,7 +52,7 @@ SEQS = 4096  # workers whose last batch the inbox remembers (the least recently 
 def fingerprint(cfg) -> dict:
     """What trainer and workers must agree on: the task split, the model, how it samples, and every option
     the worker's own source runs (what it sends would differ)."""
-    return {k: getattr(cfg, k) for k in FINGERPRINT}
+    return {"protocol": PROTOCOL, **{k: getattr(cfg, k) for k in FINGERPRINT}}
 
 
 def wire_keys(cfg, local: BatchSource) -> set[str]:
@@ -127,8 +128,9 @@ class Inbox:
             return 400, {"error": 'POST /hello needs JSON {"fingerprint": {...}}'}
         if diff := [f"{k} (trainer {v!r}, worker {theirs.get(k)!r})" for k, v in fingerprint(self.cfg).items()
                     if theirs.get(k) != v]:
+            fix = "config" if theirs.get("protocol") == PROTOCOL else "nanorl version (another protocol)"
             return 409, {"error": f"worker and trainer disagree on {'; '.join(diff)}: start the worker with "
-                                  "the trainer's config"}
+                                  f"the trainer's {fix}"}
         with self.cond:
             if not self.cond.wait_for(lambda: self.restored or self.finished, timeout=LONG_POLL):
                 return 503, {"error": "the trainer is loading its checkpoint; ask again shortly"}
@@ -437,7 +439,6 @@ class AdapterFetcher(threading.Thread):
         super().__init__(daemon=True)
         self.client, self.cfg, self.worker = client, cfg, worker
         self.nonce = run  # the trainer's Inbox.run (self.run is the thread's method)
-        self.patience = cfg.worker_patience
         self.have, self.pending, self.lock, self.done = -1, None, threading.Lock(), threading.Event()
         self.rejected = 0  # corrupt payloads; the previous adapter stays in use
         self.error = ""  # why no request of this worker's will ever pass (then `done` is set)
@@ -450,9 +451,9 @@ class AdapterFetcher(threading.Thread):
                 status, body = self.client.get(f"/adapter?{query}")
             except ServeError as e:  # patience counts from the trainer's last answer to any of our requests
                 status, body = 0, b""
-                if time.time() - max(start, self.client.answered) > self.patience:
-                    utils.stderr(f"worker {self.worker}: trainer unreachable for {self.patience:.0f} s "
-                                 f"({e}); exiting")
+                if time.time() - max(start, self.client.answered) > self.cfg.worker_patience:
+                    utils.stderr(f"worker {self.worker}: trainer unreachable for "
+                                 f"{self.cfg.worker_patience:.0f} s ({e}); exiting")
                     self.done.set()
             if status == 401:  # a trainer restarted with another token: no poll will ever pass
                 self.error = (f"the trainer at {self.client.url} refuses this worker's NANORL_TOKEN (401); "
@@ -469,8 +470,7 @@ class AdapterFetcher(threading.Thread):
                     if type(v) is not int or v < 0 or v == self.have:
                         raise PayloadError(f"version {v!r} is not newer than {self.have}")
                     with self.lock:
-                        self.have = v
-                        self.pending = (self.have, tensors, meta, body, time.perf_counter() - t)
+                        self.have, self.pending = v, (v, tensors, meta, body, time.perf_counter() - t)
                     continue
                 except PayloadError as e:
                     self.rejected += 1

@@ -500,6 +500,19 @@ def test_a_worker_whose_own_source_would_send_other_batches_is_refused_at_hello_
     assert inbox.next_worker == 0
 
 
+@pytest.mark.parametrize("theirs, shown", [(2, "2"), (None, "None")])
+def test_a_worker_of_another_protocol_is_refused_at_hello_naming_the_version_not_the_config(inbox, theirs, shown):
+    """A worker of another nanorl whose options all agree would be welcomed, then have batches of other keys
+    refused until it stopped naming code, model files and token. Its protocol (None: a key it lacks) says so."""
+    said = serve.fingerprint(inbox.cfg) | {"protocol": theirs}
+    if theirs is None:
+        del said["protocol"]
+    assert serve.PROTOCOL == 1 and inbox.hello(Request("/hello", {}, json.dumps({"fingerprint": said}).encode())) == (
+        409, {"error": f"worker and trainer disagree on protocol (trainer 1, worker {shown}): start the worker "
+                       "with the trainer's nanorl version (another protocol)"})
+    assert inbox.next_worker == 0
+
+
 def test_a_worker_with_another_batch_stops_at_hello_in_one_line_naming_it(capsys, monkeypatch, parsed):
     monkeypatch.setenv("NANORL_TOKEN", parsed.server.token)
     monkeypatch.setattr(serve, "LLMPolicy", lambda cfg: pytest.fail("the worker was admitted"))  # (not a hang)
