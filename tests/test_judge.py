@@ -15,6 +15,7 @@ import pytest
 
 import judge as judge_module
 from judge import Judge, JudgeUnavailable, parse_score
+from rawhttp import read_request
 
 
 @pytest.mark.parametrize("reply, score", [
@@ -415,19 +416,6 @@ def test_a_judge_that_counts_for_accuracy_is_asked_once_per_eval_sample_and_a_dr
     accuracy = rundir.read_metrics(tmp_path / "down" / "metrics.csv")["eval_accuracy"]
     assert [(s, v) for s, _, v in accuracy] == [(0, 0.0), (1, 0.0)]
     assert len(server.requests) <= 4 + 8 + 4
-
-
-def read_request(conn: socket.socket) -> bytes:
-    """One whole HTTP request. Bytes left unread make close() reset the connection, and the client may see
-    the reset instead of the reply: under load, 10 of 15 runs of the raw-reply test failed that way."""
-    request = b""
-    while chunk := conn.recv(65536):
-        request += chunk
-        head, blank, body = request.partition(b"\r\n\r\n")
-        length = re.search(rb"(?im)^content-length: *(\d+)", head)
-        if blank and len(body) >= (int(length[1]) if length else 0):
-            break
-    return request
 
 
 def dripping_server(tls: ssl.SSLContext | None = None):

@@ -18,6 +18,7 @@ from hypothesis import given, settings, strategies as st
 
 import transport
 from flood import flood
+from rawhttp import read_request
 from transport import Client, PayloadError, Request, ServeError, Server, decode, encode
 
 TOKEN = "test-token-0123456789abcdef"
@@ -659,14 +660,7 @@ def bare_peer(reply: bytes):
                 except TimeoutError:
                     continue
                 with conn:
-                    req = b""
-                    while b"\r\n\r\n" not in req and (chunk := conn.recv(65536)):
-                        req += chunk
-                    head, _, body = req.partition(b"\r\n\r\n")
-                    n = int(m[1]) if (m := re.search(rb"(?im)^content-length:\s*(\d+)", head)) else 0
-                    while len(body) < n and (chunk := conn.recv(65536)):
-                        body += chunk
-                    seen.append(head + b"\r\n\r\n" + body)
+                    seen.append(read_request(conn))
                     conn.sendall(reply)
 
         t = threading.Thread(target=serve)
