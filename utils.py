@@ -56,6 +56,18 @@ def data_file(name: str) -> Path:
                       "(pip install --force-reinstall --no-deps .)")
 
 
+def preset_file(source) -> Path:
+    """--config's file. A bare NAME or configs/NAME that is not here is this install's preset: a wheel's
+    are in share/nanorl/configs, a checkout's beside train.py, wherever the user runs it from."""
+    path = Path(source)
+    if path.exists() or path.parent not in (Path("."), Path("configs")):
+        return path
+    try:
+        return data_file(f"configs/{path.name}")
+    except ConfigError:  # no preset of that name either: the caller names the file as given
+        return path
+
+
 def coerce(field: dataclasses.Field, value, source: str):
     """YAML/CLI value -> the field's type, or a ConfigError naming the key. YAML's true is no number and 1 no
     bool; an int takes YAML's 3.0 (not 3.5, nor "3.0" on the CLI); a float is finite (a NaN lr would pass
@@ -141,9 +153,10 @@ def load_config(cls, argv: list[str], choices: dict | None = None, base: Path | 
     values = {}
     for source in filter(None, (base, args.config)):
         try:
-            preset = yaml.load(Path(source).read_text(), UniqueKeys) or {}
+            preset = yaml.load(preset_file(source).read_text(), UniqueKeys) or {}
         except FileNotFoundError:
-            raise ConfigError(f"--config {source}: no such file; presets live in configs/") from None
+            raise ConfigError(f"--config {source}: no such file, nor a preset of that name; presets live in "
+                              "configs/") from None
         except (OSError, ValueError, yaml.YAMLError) as e:  # a directory, binary bytes, broken YAML
             raise ConfigError(f"{source}: cannot read it as YAML ({' '.join(str(e).split())})") from None
         if not isinstance(preset, dict):

@@ -385,7 +385,8 @@ def test_a_start_that_failed_before_logging_a_step_leaves_its_directory_to_the_f
     (LLM + ["--prompt-reweight", "1.5"], "--prompt-reweight 1.5: a share in [0, 1], single-turn LLM tasks"),
     (LLM + ["--prompt-reweight", "-0.1"], "--prompt-reweight -0.1: a share in [0, 1]"),
     (["--task", "countdown_multiturn", "--prompt-reweight", "0.5"], "single-turn LLM tasks only"),
-    (["--config", "configs/no_such.yaml"], "--config configs/no_such.yaml: no such file; presets live in"),
+    (["--config", "configs/no_such.yaml"],
+     "--config configs/no_such.yaml: no such file, nor a preset of that name"),
     # validate() leaves them to the policy, which refuses them before loading a model
     (LLM + ["--temperature", "0"],
      "need --temperature > 0 and 0 < --top-p <= 1 (got 0.0, 1.0); RL learns from samples (evals decode greedily)"),

@@ -37,9 +37,14 @@ def test_a_wheel_installed_elsewhere_trains_reports_and_finds_its_data_from_anot
     module, databases, template = where.stdout.split()
     assert Path(module).parent == site and int(databases) == 3  # the sql task's three databases
     assert Path(template) == prefix / "share" / "nanorl" / "report.html.template"
-    trained = run("-m", "train", "--task", "cartpole", "--steps", "2", "--eval-every", "1", "--no-progress",
-                  "--out", "r")
+    # a preset by the name the README gives, though no configs/ is here: the wheel's
+    trained = run("-m", "train", "--config", "configs/cartpole_ppo.yaml", "--steps", "2", "--eval-every", "1",
+                  "--no-progress", "--out", "r")
     assert trained.returncode == 0, trained.stderr
+    assert "algo: ppo" in (elsewhere / "r" / "config.yaml").read_text()
+    missing = run("-m", "train", "--config", "cartpole_none.yaml")
+    assert missing.stderr == ("error: --config cartpole_none.yaml: no such file, nor a preset of that name; "
+                              "presets live in configs/\n")
     (elsewhere / "r" / "report.html").unlink()
     assert run("-m", "report", "r").stdout.strip() == "r/report.html"
     assert "eval_return" in (elsewhere / "r" / "report.html").read_text()
