@@ -238,7 +238,7 @@ def metrics_point(line: str) -> tuple[str, tuple[int, float, float]]:
     return key, tuple(point)
 
 
-def plot(out: Path, keys: tuple[str, ...]) -> None:
+def plot(out: Path, keys: tuple[str, ...]) -> "Figure":
     from matplotlib.figure import Figure  # lazily: only the end-of-run plot needs it (no pyplot: no GUI)
 
     series = read_metrics(out / "metrics.csv")
@@ -257,6 +257,7 @@ def plot(out: Path, keys: tuple[str, ...]) -> None:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / "curve.png", dpi=100)
+    return fig
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -263,3 +263,26 @@ def test_a_live_runs_report_rewrites_take_at_most_their_share_of_its_time(monkey
     now[0] = 85.0
     report.refresh(tmp_path / "b")  # another run's first eval is its own
     assert calls[-1] == ("b", 85.0)
+
+
+def test_curve_png_plots_each_key_by_step_and_wall_time_from_before_the_warm_start_which_it_shades(tmp_path):
+    """curve.png: by step (left) and by wall seconds (right), each key from its eval before the warm-start
+    (step -sft_steps) on; the warm-start's span shaded in both; keys the run did not log are left out."""
+    (tmp_path / "metrics.csv").write_text(  # a run of --sft-steps 3, as train.py logs it
+        "step,wall_s,key,value\n-3,0.5,eval_return_before_sft,10\n-2,1.0,sft_loss,2.0\n-1,1.5,sft_loss,1.8\n"
+        "0,2.0,sft_loss,1.5\n0,3.0,eval_return,20\n2,5.0,eval_return,30\n2,5.0,loss,0.3\n")
+    fig = rundir.plot(tmp_path, keys=("eval_return", "eval_accuracy"))
+    by_step, by_time = fig.axes
+    for ax, xs, label, span in ((by_step, [-3, 0, 2], "step", (-3, 0)),
+                                (by_time, [0.5, 3, 5], "wall seconds", (0, 2))):
+        [line] = ax.lines
+        assert (line.get_label(), list(line.get_xdata())) == ("eval_return", xs)
+        assert list(line.get_ydata()) == [10, 20, 30]
+        [shade] = ax.patches
+        assert (shade.get_x(), shade.get_x() + shade.get_width()) == span and ax.get_xlabel() == label
+        assert 0 < shade.get_alpha() < 1 and all(0 < g.get_alpha() < 1 for g in ax.get_xgridlines())  # seen
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["eval_return", "supervised warm-start"]
+    png = (tmp_path / "curve.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    size = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    assert size == (1000, 350)  # 10 x 3.5 inches at 100 dpi
