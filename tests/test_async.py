@@ -353,7 +353,7 @@ def test_adapter_payload_uses_peft_names_and_a_corrupt_one_keeps_the_previous_ad
         assert meta["version"] == 0 and '"r": 8' in meta["adapter_config"]
         assert all(n.startswith("base_model.model.") and ".default." not in n for n in tensors)
         assert len(src.inbox.payload) < sum(t.numel() * 4 for t in tensors.values()) + 20_000  # the adapter, not the model
-        good, src.inbox.payload = src.inbox.payload, bytes(bytearray(src.inbox.payload[:-1]) + bytes([src.inbox.payload[-1] ^ 1]))
+        src.inbox.payload = bytes(bytearray(src.inbox.payload[:-1]) + bytes([src.inbox.payload[-1] ^ 1]))
         src.inbox.version = 1  # a "new version" whose bytes were flipped in transit
         client = transport.Client(src.inbox.server.url, token=src.inbox.server.token, retries=1)
         fetcher = serve.AdapterFetcher(client, src.cfg, 0, src.inbox.run)
@@ -567,7 +567,7 @@ def test_a_stop_while_the_trainer_waits_for_workers_that_never_come_saves_its_st
     finally:
         proc.kill()
     log = (tmp_path / "trainer.log").read_text()
-    assert "Traceback" not in log and f"stopped during step 1 (not saved); checkpoints so far" in log
+    assert "Traceback" not in log and "stopped during step 1 (not saved); checkpoints so far" in log
     assert [c.name for c in rundir.checkpoints(tmp_path / "run")] == ["ckpt-0000000"]  # after the warm-start
     assert [s for s, _, _ in metrics(tmp_path)["sft_loss"]] == [-1, 0]
 

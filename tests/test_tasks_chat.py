@@ -5,8 +5,6 @@ import pytest
 
 import tasks
 import train
-import utils
-from modeldir import build_tiny_model
 from model import Sample
 from rollouts import TaskRollouts
 from tasks import Problem, bare_int_correct, make_task
