@@ -420,7 +420,7 @@ def workers_of(trainer: int) -> list[int]:
 
 def stuck(pid: int, log: Path) -> str:
     """Where a process that should have exited is (this test failed once in about 10 full runs, and never in
-    17 runs alone or 7 of its file): its signal masks (SIGUSR2, LAUNCHER_GONE, is 12: bit 0x800), each
+    28 runs alone or 6 of its file): its signal masks (SIGUSR2, LAUNCHER_GONE, is 12: bit 0x800), each
     thread's state and kernel wait, then its Python stacks, which PYTHONFAULTHANDLER dumps at a SIGABRT."""
     task = Path(f"/proc/{pid}")
     masks = [line for line in (task / "status").read_text().splitlines() if line.startswith(("Sig", "Shd"))]
