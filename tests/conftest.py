@@ -1,3 +1,5 @@
+import socket
+
 import pytest
 import torch
 
@@ -10,3 +12,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def hub_out_of_reach(monkeypatch):
+    """A hub out of reach, for real: the hub client's endpoint is a port of this machine where nothing
+    listens (a connection is refused), with no proxy that could reach it instead. Yields the endpoint."""
+    from huggingface_hub import constants
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    yield endpoint

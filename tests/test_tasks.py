@@ -611,8 +611,27 @@ def test_unreachable_hub_says_to_pass_data(monkeypatch):
     def load_dataset(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (LocalEntryNotFoundError)")
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    monkeypatch.setattr(tasks, "hub_out_of_reach", lambda: False)  # e.g. a proxy that cannot reach it
     with pytest.raises(ValueError, match=r"could not load 'openai/gsm8k'.*ConnectionError.*--data"):
         make_task("gsm8k", seed=0, eval_size=2)
+
+
+def test_a_hub_out_of_reach_stops_at_once_unless_hf_hub_offline_reads_the_cache(monkeypatch, hub_out_of_reach):
+    """Offline (no DNS), datasets' hub client retried for 24 s before its error."""
+    from huggingface_hub import constants
+    asked = []
+
+    def load_dataset(path, config, split):
+        asked.append(path)
+        return [{"question": f"What is {i} plus 1?", "answer": f"... #### {i + 1}"} for i in range(5)]
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    with pytest.raises(ValueError, match=r"^could not load 'openai/gsm8k' from the Hugging Face hub \(ConnectionError: "
+                       r"it takes no connection; HF_HUB_OFFLINE=1 reads rows a run cached\); pass a local file "
+                       r"with --data path/to/gsm8k\.jsonl"):
+        make_task("gsm8k", seed=0, eval_size=2)
+    assert asked == []
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # datasets reads the rows it cached
+    assert len(make_task("gsm8k", seed=0, eval_size=2).eval_problems()) == 2 and asked == ["openai/gsm8k"]
 
 
 def test_hub_rows_go_through_the_same_validation(monkeypatch):
@@ -624,6 +643,7 @@ def test_hub_rows_go_through_the_same_validation(monkeypatch):
         calls.append((path, config, split))
         return rows
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    monkeypatch.setattr(tasks, "hub_out_of_reach", lambda: False)
     with pytest.warns(UserWarning, match=r"openai/gsm8k\[train\]:row 2 "):
         task = make_task("gsm8k", seed=0, eval_size=1)
     assert calls == [("openai/gsm8k", "main", "train")]
