@@ -82,11 +82,18 @@ def hub_out_of_reach() -> bool:
         return False
     url = urllib.parse.urlsplit(constants.ENDPOINT)  # HF_ENDPOINT, a mirror, if one is set
     port = url.port or (80 if url.scheme == "http" else 443)
+    return not connects(url.hostname, port, constants.HF_HUB_ETAG_TIMEOUT)
+
+
+# Once a process: behind a firewall that drops packets each try waits out the whole timeout, and a student,
+# its teacher and a task's hub rows each ask.
+@functools.cache
+def connects(host: str, port: int, timeout_s: float) -> bool:
     try:
-        socket.create_connection((url.hostname, port), timeout=constants.HF_HUB_ETAG_TIMEOUT).close()
+        socket.create_connection((host, port), timeout=timeout_s).close()
     except OSError:
-        return True
-    return False
+        return False
+    return True
 
 
 def coerce(field: dataclasses.Field, value, source: str):

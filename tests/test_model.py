@@ -163,6 +163,9 @@ def test_an_offline_hub_id_loads_from_the_hub_cache_at_once_or_names_the_downloa
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    tries, connect = [], socket.create_connection
+    monkeypatch.setattr(socket, "create_connection", lambda *args, **kw: tries.append(args) or connect(*args, **kw))
+    utils.connects.cache_clear()
     assert utils.hub_out_of_reach()
     snapshot = tmp_path / "models--acme--tiny-chat" / "snapshots" / "abc123"  # the hub client's cache layout
     shutil.copytree(resolve_model("tiny"), snapshot)
@@ -170,6 +173,7 @@ def test_an_offline_hub_id_loads_from_the_hub_cache_at_once_or_names_the_downloa
     (snapshot.parents[1] / "refs" / "main").write_text("abc123")
     assert resolve_model("acme/tiny-chat") == str(snapshot)  # a directory: later loads never ask the hub
     assert LLMPolicy(train.Config(model="acme/tiny-chat", lora=False)).path == str(snapshot)
+    assert len(tries) == 1  # one try a process: behind a dropping firewall, each waits out its timeout
     with pytest.raises(utils.ConfigError, match=rf"^--model acme/other: cannot load it \({hub_out_of_reach} is "
                        rf"out of reach and {tmp_path} does not hold acme/other: `hf download acme/other` where"):
         resolve_model("acme/other")
