@@ -40,13 +40,19 @@ class SandboxUnavailable(RuntimeError):
 # the wall clock, kills everything and writes "returncode timed_out". As pid 1 the code ignores
 # signals it has no handler for: past RLIMIT_FSIZE its writes fail with EFBIG, not SIGXFSZ.
 _LAUNCHER = r"""
-import ctypes, os, pwd, resource, select, signal, struct, sys  # all runs need these; rare paths import theirs
+import ctypes, os, resource, select, signal, struct, sys  # all runs need these; rare paths import theirs
 status, flags, uid_base, cpu, mem, fsize, nofile, nproc, files = map(int, sys.argv[1:10])
 NEWNS, NEWUSER, NEWPID = 0x20000, 0x10000000, 0x20000000
-RDONLY, NOSUID, NODEV, NOEXEC, BIND, REC_PRIVATE = 1, 2, 4, 8, 4096, 0x44000
-# SysV shm, semaphores, message queues and memfds hold memory past the mappings RLIMIT_AS counts: shmget,
-# semget, msgget and memfd_create fail (ENOSPC) under a seccomp filter, which kills any other syscall ABI
-ABI = {"x86_64": (0xC000003E, 29, 64, 68, 319), "aarch64": (0xC00000B7, 194, 190, 186, 279)}
+RDONLY, NOSUID, NODEV, NOEXEC, BIND, REC, REC_PRIVATE = 1, 2, 4, 8, 4096, 0x4000, 0x44000
+# (audit arch, pivot_root, socket and socketpair, the calls that fail with EPERM). Those hold what no
+# limit bounds: SysV shm, semaphores, message queues, memfds and secret memfds hold memory past the
+# mappings RLIMIT_AS counts, keys live in the caller's keyrings (a token, say), and io_uring opens
+# sockets past this filter. A socket may be local or IP (the network namespace confines those), never
+# vsock and the like, which no namespace confines. Any other syscall ABI is killed.
+ABI = {"x86_64": (0xC000003E, 155, (41, 53), (29, 64, 68, 319, 447, 248, 249, 250, 425)),
+       "aarch64": (0xC00000B7, 41, (198, 199), (194, 190, 186, 279, 447, 217, 218, 219, 425))}
+FAMILIES = (1, 2, 10, 16)  # AF_UNIX, AF_INET, AF_INET6, AF_NETLINK
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")  # all the code sees
 libc = ctypes.CDLL(None, use_errno=True)
 def check(ok, what):
     if not ok:
@@ -72,6 +78,22 @@ def mount(src, dst, kind=None, flags=BIND, opts=None):
     check(libc.mount(src, dst.encode(), kind, flags, opts) == 0, dst)
 def read_only(path):  # recursively: mount_setattr(2), Linux >= 5.12
     check(libc.syscall(442, -100, path, 0x8000, struct.pack("4Q", 1, 0, 0, 0), 32) == 0, f"read-only {path}")
+def seccomp(arch, _, sockets, denied):  # classic BPF, [(code, jump if true, jump if false, k)]: a jump
+    ALLOW, EPERM, KILL = 0x7FFF0000, 0x50001, 0x80000000  # names the label it goes to (forward only)
+    prog = [(0x20, 0, 0, 4), (0x15, 0, "kill", arch), (0x20, 0, 0, 0), (0x35, "deny", 0, 0x40000000),
+            *[(0x15, "deny", 0, nr) for nr in denied], *[(0x15, "family", 0, nr) for nr in sockets],
+            (6, 0, 0, ALLOW), "family", (0x20, 0, 0, 16), *[(0x15, "allow", 0, f) for f in FAMILIES],
+            "deny", (6, 0, 0, EPERM), "allow", (6, 0, 0, ALLOW), "kill", (6, 0, 0, KILL)]
+    code, at = [], {}
+    for item in prog:
+        if isinstance(item, str):
+            at[item] = len(code)
+        else:
+            code.append(item)
+    jump = lambda i, to: at[to] - i - 1 if to else 0
+    buf = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", c, jump(i, t), jump(i, f), k)
+                                               for i, (c, t, f, k) in enumerate(code)))
+    check(libc.prctl(22, 2, struct.pack("HxxxxxxQ", len(code), ctypes.addressof(buf))) == 0, "seccomp")
 if flags & NEWUSER:
     own_userns()
 check(not flags or libc.unshare(flags & ~NEWUSER) == 0, "unshare")
@@ -82,27 +104,35 @@ if pid == 0:
     os.close(status)
     os.setpgid(0, 0)
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with the launcher
-    if flags & NEWNS:  # the host read-only, its own /proc and /dev, one small fresh scratch tmpfs
-        mount(b"none", "/", None, REC_PRIVATE)
-        read_only(b"/")
-        mount(b"proc", "/proc", b"proc", NOSUID | NODEV | NOEXEC)
+    if flags & NEWNS:  # a new root: the system's files read-only, its own /proc and /dev, a small scratch
         nodes = [(n, os.open(f"/dev/{n}", os.O_PATH)) for n in ("null", "zero", "full", "random", "urandom")]
-        mount(b"tmpfs", "/dev", b"tmpfs", NOSUID | NOEXEC, b"size=64k,nr_inodes=64,mode=755")
+        mount(b"none", "/", None, REC_PRIVATE)
+        new = "/tmp"  # (the host's /tmp, hidden in this namespace)
+        mount(b"tmpfs", new, b"tmpfs", NOSUID | NODEV, b"size=64k,nr_inodes=256,mode=755")
+        for d in dict.fromkeys((*SYSTEM, sys.base_prefix, sys.base_exec_prefix)):  # the interpreter's too
+            if os.path.islink(d):  # /bin -> usr/bin where /usr is merged
+                os.symlink(os.readlink(d), new + d)
+            elif os.path.isdir(d):
+                os.makedirs(new + d, exist_ok=True)
+                mount(d.encode(), new + d, flags=BIND | REC)
+        for d in ("proc", "dev", "tmp"):
+            os.mkdir(f"{new}/{d}")
+        read_only(new.encode())
+        mount(b"proc", new + "/proc", b"proc", NOSUID | NODEV | NOEXEC)
+        mount(b"tmpfs", new + "/dev", b"tmpfs", NOSUID | NOEXEC, b"size=64k,nr_inodes=64,mode=755")
         for name, fd in nodes:  # the host's nodes, each bound onto an empty file
-            open(f"/dev/{name}", "w").close()
-            mount(b"/proc/self/fd/%d" % fd, f"/dev/{name}")
+            open(f"{new}/dev/{name}", "w").close()
+            mount(b"/proc/self/fd/%d" % fd, f"{new}/dev/{name}")
         for name, fd in (("fd", ""), ("stdin", "/0"), ("stdout", "/1"), ("stderr", "/2")):
-            os.symlink("/proc/self/fd" + fd, f"/dev/{name}")
-        os.mkdir("/dev/shm")
-        read_only(b"/dev")
-        for d in {pwd.getpwuid(os.getuid()).pw_dir, "/home", "/root"} - {"/"}:  # this user's files, others'
-            if os.path.isdir(d) and os.access(d, os.X_OK):  # (one it cannot enter is hidden already)
-                mount(b"tmpfs", d, b"tmpfs", RDONLY | NOSUID | NODEV | NOEXEC, b"size=4k,nr_inodes=2")
+            os.symlink("/proc/self/fd" + fd, f"{new}/dev/{name}")
+        os.mkdir(new + "/dev/shm")
+        read_only(f"{new}/dev".encode())
         opts = b"size=%dk,nr_inodes=%d,mode=1777" % (max(64, fsize >> 10), files)
-        mount(b"tmpfs", "/tmp", b"tmpfs", NOSUID | NODEV, opts)
-        for d in ("/var/tmp", "/dev/shm", "/run"):  # the same scratch: one bound on bytes and files
-            if os.path.isdir(d):
-                mount(b"/tmp", d)
+        mount(b"tmpfs", new + "/tmp", b"tmpfs", NOSUID | NODEV, opts)
+        mount(new.encode() + b"/tmp", new + "/dev/shm")  # the same scratch: one bound on bytes and files
+        os.chdir(new)  # the old root goes: stacked under the new one, then detached
+        pivot_root = ABI[os.uname().machine][1]
+        check(libc.syscall(pivot_root, b".", b".") == 0 and libc.umount2(b".", 2) == 0, "pivot_root")
         os.chdir("/tmp")
         with open("main.py", "w", encoding="utf-8") as f:  # for tracebacks' source lines
             f.write(src)
@@ -115,9 +145,8 @@ if pid == 0:
         if not flags & NEWNS:
             for path in (".", "main.py"):
                 os.chown(path, uid, uid)
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
+        check(libc.setgroups(0, None) == 0 and libc.setgid(uid) == 0 and libc.setuid(uid) == 0,
+              f"uid {uid} (a root whose user namespace maps fewer ids: run as an ordinary user)")
         if flags & NEWNS:  # forbids nested user namespaces, as for ordinary users
             libc.prctl(4, 1)  # PR_SET_DUMPABLE, which setuid cleared: else /proc/self/uid_map stays root's
             own_userns()
@@ -126,13 +155,8 @@ if pid == 0:
     check(libc.capset(struct.pack("Ii", 0x20080522, 0), bytes(24)) == 0, "dropping capabilities")
     check(libc.prctl(38, 1, 0, 0, 0) == 0, "no_new_privs")
     check(os.uname().machine in ABI or not flags, f"no syscall numbers for {os.uname().machine}")
-    if os.uname().machine in ABI:  # [arch?, nr, x32?, 4 calls] -> allow, ENOSPC, kill (jumps skip ahead)
-        arch, *calls = ABI[os.uname().machine]
-        bpf = [(0x20, 0, 0, 4), (0x15, 0, 8, arch), (0x20, 0, 0, 0), (0x35, 5, 0, 0x40000000),
-               *[(0x15, 4 - i, 0, nr) for i, nr in enumerate(calls)],
-               (6, 0, 0, 0x7FFF0000), (6, 0, 0, 0x5001C), (6, 0, 0, 0x80000000)]
-        prog = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *insn) for insn in bpf))
-        check(libc.prctl(22, 2, struct.pack("HxxxxxxQ", len(bpf), ctypes.addressof(prog))) == 0, "seccomp")
+    if os.uname().machine in ABI:
+        seccomp(*ABI[os.uname().machine])
     sys.argv = ["main.py"]
     os.environ.clear()
     # an uncaught error prints the usual traceback, minus this launcher's frame
@@ -202,13 +226,14 @@ def use(mode: str) -> tuple[str, int, int]:
 def sandbox_plan(mode: str) -> tuple[str, int, int]:
     """(interpreter, unshare flags, uid base or 0), found once per mode. Strict needs namespaces, else
     SandboxUnavailable ("weak" falls back to rlimits): pid (the run sees and signals only its own
-    processes, which all die with its first), network (none), mount (the host read-only, its own /proc,
-    a minimal /dev, a private scratch), ipc, and user (allowing no nested one). As root each run also
-    gets an unused uid, so RLIMIT_NPROC binds and root's files stay unreadable."""
+    processes, which all die with its first), network (none), mount (a root of its own: the system's
+    directories read-only, its own /proc, a minimal /dev, a private scratch), ipc, and user (allowing
+    no nested one). As root each run also gets an unused uid, so RLIMIT_NPROC binds and root's files
+    stay unreadable."""
     root = os.geteuid() == 0
     uid_base = SANDBOX_UID_BASE if root else 0
-    # As root the code runs under another uid, so the interpreter must be readable by others
-    # (a pyenv Python under /root is not): then the system's python3 runs it.
+    # As root the code runs under another uid, so the interpreter must be readable by others (a pyenv
+    # Python under /root is not, but for the prefix the mount namespace shows): else the system's python3.
     system = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
     pythons = dict.fromkeys(p for p in (sys.executable, system) if p)
     full, why = _NEWPID | _NEWNET | _NEWNS | _NEWIPC | (0 if root else _NEWUSER), ""
@@ -217,7 +242,7 @@ def sandbox_plan(mode: str) -> tuple[str, int, int]:
             r = run_python("import json\nprint(json.dumps(6 * 7))", timeout_s=30.0, cpu_s=10, fsize_mb=1,
                            files=64, nproc=32, max_output=999, plan=(python, flags, uid_base))
             if r.stdout == "42\n" and r.returncode == 0 and not r.timed_out:  # the launcher's, too
-                kind = ("isolated (namespaces, host read-only, private scratch" if flags
+                kind = ("isolated (namespaces, system directories read-only, private scratch" if flags
                         else "WEAK mode (--sandbox weak: rlimits only")
                 sys.stderr.write(f"sandbox: {kind}{', a uid per run' * root}): {python if flags else why}\n")
                 return python, flags, uid_base
@@ -273,7 +298,7 @@ try:
     cur, rows, size = con.execute(query), [], 0
     while len(rows) <= max_rows and (row := cur.fetchone()) is not None:
         rows.append([{"blob": v.hex()} if isinstance(v, bytes) else v for v in row])
-        if (size := size + len(repr(row))) > max_bytes:
+        if (size := size + len(json.dumps(rows[-1]))) > max_bytes:  # the bytes the caller will read
             raise sqlite3.DataError(f"result over {max_bytes} bytes: select fewer or shorter rows")
     out = {"columns": [d[0] for d in cur.description or []], "rows": rows}
 except (sqlite3.Error, MemoryError) as e:

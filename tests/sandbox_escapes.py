@@ -16,6 +16,9 @@ from pathlib import Path
 
 
 MINIMAL_DEV = "fd full null random shm stderr stdin stdout urandom zero"  # and no disk, kvm, kmsg, tty...
+# The host's directories the code may see (all read-only), and the one its interpreter lives under
+SYSTEM = {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "tmp", "usr"}
+ADD_KEY, KEYCTL = {"x86_64": (248, 250), "aarch64": (217, 219)}.get(os.uname().machine, (-1, -1))
 
 
 def _survivors(marker: str) -> list[int]:
@@ -56,6 +59,23 @@ def _interrupted(run_python) -> tuple[bool, str]:
     for pid in left:  # (a failure) not left behind by this script
         os.kill(pid, 9)
     return seen == "interrupted" and not left, f"{seen}; survivors {left}"
+
+
+def _keyring(run_python, token: str) -> tuple[bool, str]:
+    """The caller's session keyring holds a key (a token, as a login's or a service's might); the code
+    searches its session, user and user-session keyrings for it and tries to add keys of its own."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    key = libc.syscall(ADD_KEY, b"user", b"nanorl-escape", token.encode(), len(token), -3)
+    r = run_python(f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nbuf = ctypes.create_string_buffer(99)\n"
+                   f"for ring in (-3, -4, -5):\n"
+                   f"    k = libc.syscall({KEYCTL}, 10, ring, b'user', b'nanorl-escape', 0)\n"
+                   f"    print(k, libc.syscall({KEYCTL}, 11, k, buf, 99), buf.value.decode())\n"
+                   f"print('added', libc.syscall({ADD_KEY}, b'user', b'mine', b'x', 1, -3))")
+    if key > 0:
+        libc.syscall(KEYCTL, 21, key)  # KEYCTL_INVALIDATE
+    return token not in r.stdout and "added -1" in r.stdout, (r.stdout.strip() or r.stderr)[-80:]
 
 
 def escapes(run_python, work: Path) -> dict[str, tuple[bool, str]]:
@@ -137,6 +157,28 @@ def escapes(run_python, work: Path) -> dict[str, tuple[bool, str]]:
                    "    pass\nprint(held)", timeout_s=30.0, cpu_s=30)
     held = int(r.stdout) if r.stdout.strip().isdigit() else -1
     out["hold memory past the limit in SysV shm or memfds"] = (0 <= held <= 512, f"{held} MB; {r.stderr[-60:]}")
+    # memfd_secret: memory that no mapping, and so no RLIMIT_AS, counts (40 fds of 15 MB, each filled
+    # through windows of 3 MB that RLIMIT_MEMLOCK allows)
+    r = run_python("import ctypes, mmap, os\nlibc = ctypes.CDLL(None, use_errno=True)\nheld = 0\n"
+                   "for i in range(40):\n    fd = libc.syscall(447, 0)\n    if fd < 0:\n        break\n"
+                   "    os.ftruncate(fd, 15 << 20)\n    for at in range(0, 15 << 20, 3 << 20):\n"
+                   "        with mmap.mmap(fd, 3 << 20, offset=at) as m:\n            m.write(b'x' * (3 << 20))\n"
+                   "    held += 15\nprint(held)", timeout_s=30.0, cpu_s=30)
+    held = int(r.stdout) if r.stdout.strip().isdigit() else -1
+    out["hold memory past the limit in secret memfds"] = (0 <= held <= 512, f"{held} MB; {r.stderr[-60:]}")
+    r = run_python("import os, sys\nprint(' '.join(sorted(os.listdir('/'))))\nprint(sys.base_prefix.split('/')[1])")
+    seen = (r.stdout.splitlines() + ["", ""])[:2]
+    out["see the host's directories (the project, runs, caches)"] = (
+        bool(seen[0]) and set(seen[0].split()) <= SYSTEM | {seen[1]}, seen[0][:80] or r.stderr[-80:])
+    r = run_python("import socket\ntry:\n    socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM).bind((-1, 47123))\n"
+                   "    print('bound')\nexcept OSError as e:\n    print(e.strerror)")
+    out["open a vsock socket (the hypervisor's, which no namespace confines)"] = (
+        r.stdout.strip() not in ("bound", ""), r.stdout.strip() or r.stderr[-80:])
+    r = run_python("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                   "params = ctypes.create_string_buffer(120)\n"
+                   "print(libc.syscall(425, 4, params))")  # io_uring_setup: its ops would open sockets unfiltered
+    out["set up io_uring"] = (r.stdout.strip() == "-1", r.stdout.strip() or r.stderr[-80:])
+    out["read a key from the caller's keyrings, or add one"] = _keyring(run_python, token)
     secret = work / "secret.txt"  # in the caller's home: 0600, as ~/.ssh/id_* or a hub token
     secret.write_text(token)
     secret.chmod(0o600)

@@ -530,13 +530,27 @@ def test_sql_by_default_returns_1000_rows_and_8_mb_and_says_when_more_exist():
     thousand = [(i,) for i in range(1, 1001)]
     assert sandbox.run_sql(path, count.format(1000) + " SELECT i FROM r") == (["i"], thousand, False)
     assert sandbox.run_sql(path, count.format(1001) + " SELECT i FROM r") == (["i"], thousand, True)
-    # the size of a row is its repr, ('x...x',): 5 characters more than its string. 8 strings of 999,999
-    # (SQLite's longest here) and one of 388,571 make 8 * 1,000,004 + 388,576 = 8,388,608 bytes: 8 MB exactly
+    # the size of a row is its JSON as sent, ["x...x"]: 4 bytes more than its string. 8 strings of 999,999
+    # (SQLite's longest here) and one of 388,580 make 8 * 1,000,003 + 388,584 = 8,388,608 bytes: 8 MB exactly
     last = count.format(9) + " SELECT printf('%.*c', CASE WHEN i < 9 THEN 999999 ELSE {} END, 'x') FROM r"
-    _, rows, more = sandbox.run_sql(path, last.format(388_571))
-    assert [len(row[0]) for row in rows] == [999_999] * 8 + [388_571] and not more
+    _, rows, more = sandbox.run_sql(path, last.format(388_580))
+    assert [len(row[0]) for row in rows] == [999_999] * 8 + [388_580] and not more
     with pytest.raises(sqlite3.DataError, match="^result over 8388608 bytes: select fewer or shorter rows$"):
-        sandbox.run_sql(path, last.format(388_572))
+        sandbox.run_sql(path, last.format(388_581))
+
+
+def test_sql_the_8_mb_counts_bytes_sent_so_an_escaped_character_counts_12_not_1():
+    """JSON escapes a character outside the BMP as two \\uXXXX: 12 bytes, where repr, the count before,
+    saw 1, and a query of emoji sent the caller 91 MB. 100,000 emoji a row: 1,200,004 bytes; 6 rows are
+    7,200,024 bytes, 7 are 8,400,028, past 8,388,608."""
+    from envs import sql_database
+
+    query = ("WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r LIMIT {}) "
+             "SELECT replace(printf('%.*c', 100000, 'x'), 'x', char(128512)) FROM r")
+    _, rows, _ = sandbox.run_sql(sql_database("shop"), query.format(6))
+    assert [row[0] for row in rows] == ["\U0001F600" * 100_000] * 6
+    with pytest.raises(sqlite3.DataError, match="^result over 8388608 bytes"):
+        sandbox.run_sql(sql_database("shop"), query.format(7))
 
 
 def test_sql_by_default_a_query_may_sort_180_mb_but_not_315_mb_in_its_256_mb():
