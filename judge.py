@@ -9,9 +9,11 @@ import json
 import os
 import re
 import threading
+from concurrent.futures import Future
 import time
 import urllib.error
 import urllib.request
+import warnings
 
 # "Score: 7", "score = 7", "score is 7/10", "**Score:** 7"; never "could score 10" nor "underscore 9". No
 # two \s* meet around an optional part: a long run of spaces would be split every way, in quadratic time.
@@ -23,7 +25,22 @@ REPLY_BYTES = 1 << 20  # a scored reply is a few KB; a server streaming more is 
 
 
 class JudgeUnavailable(RuntimeError):
-    """The judge gave no usable score; the message names the cause and the fix."""
+    """The judge gave no usable score; the message names the cause and the fix, `kind` the cause alone (an
+    HTTP status, an exception's type, no score), `said` the kinds its judge has warned of."""
+
+    def __init__(self, message: str, kind: str | None = None, said: set[str] | None = None):
+        super().__init__(message)
+        self.kind, self.said = kind or message, set() if said is None else said
+
+    def __str__(self) -> str:  # the run's error under --judge-down fail
+        return f"{self.args[0]}; or pass --judge-down drop to drop such samples and count them"
+
+    def warn_dropped(self) -> None:
+        """--judge-down drop's warning, once per kind for each judge: a garbage reply's text, and so the
+        message, differs at each sample (Python's own once-per-text printed thousands)."""
+        if self.kind not in self.said:
+            self.said.add(self.kind)
+            warnings.warn(f"samples are dropped: {self.args[0]}")  # and the loop counts them
 
 
 def parse_score(text: str, high: int) -> float | None:
@@ -100,23 +117,35 @@ class Judge:
         self.rubric, self.model, self.high, self.concurrency = rubric, model, high, concurrency
         self.timeout, self.retries, self.backoff, self.key_env = timeout, retries, backoff, key_env
         self.extra, self.cache, self.slots = extra or {}, {}, threading.Semaphore(concurrency)
+        self.lock, self.said = threading.Lock(), set()  # said: the causes of drops warned of
         self.__name__ = "judge"  # logged as reward_judge
 
     def __call__(self, prompt: str, completion: str, answer: str) -> float:
+        """The cache holds each key's Future from the first ask: a group's equal completions, scored at
+        once by a pool, wait for that one request instead of each sending their own."""
         key = (prompt, completion, self.rubric)
-        if (score := self.cache.get(key)) is None:  # two threads asking for one key get the same score
-            if len(self.cache) >= CACHE_ROWS:  # a long run judges millions of rows: start afresh
-                self.cache.clear()
-            # returned from here, not read back: another thread may clear the cache in between
-            score = self.cache[key] = self.ask(prompt, completion)
-        return score
+        with self.lock:
+            if (mine := key not in self.cache) and len(self.cache) >= CACHE_ROWS:  # a long run judges
+                self.cache.clear()  # millions of rows: start afresh (a waiter holds its Future)
+            future = self.cache[key] = Future() if mine else self.cache[key]
+        if mine:
+            try:
+                future.set_result(self.ask(prompt, completion))
+            except BaseException as e:  # not kept: a later step asks again
+                with self.lock:
+                    if self.cache.get(key) is future:
+                        del self.cache[key]
+                future.set_exception(e)
+        return future.result()
 
     def ask(self, prompt: str, completion: str) -> float:
         system = f"{self.rubric}\nEnd your reply with 'Score: N', N a whole number from 0 to {self.high}."
         messages = [{"role": "system", "content": system},
                     {"role": "user", "content": f"Prompt:\n{prompt}\n\nResponse:\n{completion}"}]
         body = {"model": self.model, "messages": messages, "temperature": 0, "max_tokens": 64, **self.extra}
-        key = os.environ.get(self.key_env)
+        if (key := os.environ.get(self.key_env)) and not re.fullmatch(r"[!-~]+", key):  # never shown
+            raise JudgeUnavailable(f"${self.key_env} holds a character an HTTP header cannot carry (a line "
+                                   "end, a space, non-ASCII): set it to the key alone", "key", self.said)
         headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
         request = urllib.request.Request(self.url, json.dumps(body).encode(), headers)
         fix = f"check that it is up, serves {self.model!r} and (if it needs a key) ${self.key_env} holds it"
@@ -129,7 +158,7 @@ class Judge:
                     raise ValueError(f"a reply over {REPLY_BYTES} bytes")
                 reply = json.loads(data)["choices"][0]["message"]["content"]
             except urllib.error.HTTPError as e:  # before OSError, which it is
-                cause = f"HTTP {e.code} {e.reason}"
+                kind, cause = f"HTTP {e.code}", f"HTTP {e.code} {e.reason}"
                 if 300 <= e.code < 400:
                     cause, fix = f"{cause} to {e.headers['Location']}", "make that URL the endpoint"
                 if e.code != 429 and e.code < 500:  # a bad request, key or model: asking again cannot help
@@ -138,11 +167,12 @@ class Judge:
             # nested past the recursion limit): each is a judge without a score, for --judge-down
             except (OSError, ValueError, KeyError, IndexError, TypeError, RecursionError,
                     http.client.HTTPException) as e:
-                cause = f"{type(e).__name__}: {e}"
+                kind, cause = type(e).__name__, f"{type(e).__name__}: {e}"
             else:
                 if isinstance(reply, str) and (score := parse_score(reply, self.high)) is not None:
                     return score
-                cause, fix = f"no score in its reply {reply!r:.60}", "constrain its reply (Judge's `extra`)"
+                kind, cause = "no score", f"no score in its reply {reply!r:.60}"
+                fix = "constrain its reply (Judge's `extra`)"
                 break  # at temperature 0, asking again gets the same reply
-        raise JudgeUnavailable(f"judge {self.url} gave no score after {attempt + 1} tries ({cause}); {fix}, "
-                               "or pass --judge-down drop to drop such samples and count them")
+        raise JudgeUnavailable(f"judge {self.url} gave no score after {attempt + 1} tries ({cause}); {fix}",
+                               kind, self.said)

@@ -8,6 +8,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import yaml
@@ -27,18 +28,29 @@ def thin(points: list) -> list:
     return kept if kept[-1] is points[-1] else kept + points[-1:]
 
 
-def read_samples(run: Path) -> list[dict]:
-    """samples.1.jsonl (rotated whole) then samples.jsonl; a last line cut short by a kill is left out."""
-    text = "".join(p.read_text() for p in (run / "samples.1.jsonl", run / "samples.jsonl") if p.exists())
-    return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]
+def read_samples(run: Path, strict: bool = False) -> list[dict]:
+    """samples.1.jsonl (rotated whole) then samples.jsonl; a last line cut short by a kill is left out, and
+    a damaged one as read_metrics does: with a warning (a live run's report), or `strict`, a ConfigError."""
+    rows = []
+    for path in (run / "samples.1.jsonl", run / "samples.jsonl"):
+        lines = path.read_text(errors="replace").splitlines(keepends=True) if path.exists() else []
+        for n, line in enumerate(lines, 1):
+            try:
+                rows += [json.loads(line)] if line.endswith("\n") else []
+            except ValueError as e:
+                why = f"{path}:{n}: not a JSON line ({e.msg}); repair or delete that line"
+                if strict:
+                    raise utils.ConfigError(why) from None
+                warnings.warn(f"{why}; the report leaves it out")
+    return rows
 
 
 def write_report(run: Path, strict: bool = False) -> Path:
-    """`strict`: a damaged line of metrics.csv stops it (report.py); else it is left out (a live run's)."""
+    """`strict`: a damaged line of a log stops it (report.py); else it is left out (a live run's)."""
     series = rundir.read_metrics(run / "metrics.csv", strict) if (run / "metrics.csv").exists() else {}
     data = {"run": run.name, "config": yaml.safe_load((run / "config.yaml").read_text()),
             "curves": {key: [[s, v] for s, _, v in thin(points)] for key, points in series.items()},
-            "samples": read_samples(run)}
+            "samples": read_samples(run, strict)}
     # A JavaScript literal (NaN and Infinity included) whose every "<" is \u003c: a model's text can neither
     # close the script ("</script>") nor make the browser read the rest of the page as script ("<!--<script>")
     html = TEMPLATE.read_text().replace("/*DATA*/", json.dumps(data).replace("<", "\\u003c"))
@@ -75,21 +87,22 @@ def summary(run: Path, wall_s: float, export: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
         utils.stderr("usage: python report.py RUN_DIR (a run directory of train.py, with its config.yaml)")
-        return 2
-    if not (Path(argv[0]) / "config.yaml").exists():
-        why = "no config.yaml in it" if Path(argv[0]).is_dir() else "no such directory"
+        return 0 if argv in (["-h"], ["--help"]) else 2
+    if not ((run := Path(argv[0])) / "config.yaml").exists():
+        why = ("no config.yaml in it" if run.is_dir() else "not a directory" if run.exists()
+               else "no such directory")
         utils.stderr(f"{argv[0]}: {why}; pass a run directory of train.py (runs/NAME)")
         return 2
     try:
-        print(write_report(Path(argv[0]), strict=True))
-    except utils.ConfigError as e:  # a damaged line of metrics.csv, named
+        print(write_report(run, strict=True))
+    except utils.ConfigError as e:  # a damaged line of metrics.csv or samples.jsonl, named
         utils.stderr(f"error: {e}")
         return 2
     except (ValueError, KeyError, TypeError, yaml.YAMLError) as e:  # a hand-edited file of the run
-        utils.stderr(f"{argv[0]}: cannot read its config.yaml or samples.jsonl ("
-                     f"{type(e).__name__}: {' '.join(str(e).split())}); fix or delete the damaged line")
+        why = f"{type(e).__name__}: {' '.join(str(e).split())}"
+        utils.stderr(f"{argv[0]}: cannot read its config.yaml ({why}); repair it (YAML), or copy a run's")
         return 2
     except OSError as e:  # a run this user may read, not write (another's, a read-only mount)
         utils.stderr(f"{argv[0]}: cannot write its report.html ({e}); copy the run to a writable place")

@@ -487,7 +487,7 @@ def sample_rows(batch: Batch, n: int, kind: str, step: int) -> list[dict]:
         mask, version = batch.mask[r] > 0, int(batch.version[r])  # version: train rows (eval: the step's)
         rows.append({"kind": kind, "prompt": prompt, "completion": completion, "answer": answer,
                      "tokens": int(mask.sum()), "finish": "budget" if batch.truncated[r] else "end",
-                     "reward": json_number(batch.rewards[r].sum()),
+                     "reward": json_number(batch.rewards[r].sum() if mask.any() else math.nan),  # unscored
                      "adv": None if batch.adv is None else json_number(batch.adv[r][mask].mean()),
                      "rewards": {k.removeprefix("reward_"): json_number(v[r]) for k, v in batch.stats.items()
                                  if k.startswith("reward_")},

@@ -272,7 +272,7 @@ class Task:
             except JudgeUnavailable as e:
                 if not drop:
                     raise
-                warnings.warn(f"a sample is dropped: {e}")  # once per distinct cause; the loop counts them
+                e.warn_dropped()  # once per cause
                 r = math.nan
             except Exception as e:  # a bug in the reward: its traceback, and the completion that found it
                 e.add_note(f"in reward {name}, scoring the completion {completion[:200]!r}")

@@ -323,8 +323,9 @@ def old_scores(policy, batch: Batch, cfg: Config, weights) -> tuple[torch.Tensor
 def rollout_metrics(batch: Batch, rewards: torch.Tensor, cfg: Config) -> dict:
     """The batch as sampled, logged every step; reward (= reward_mean) is before any --kl-in-reward."""
     score, length = (rewards * batch.mask).sum(1), batch.mask.sum(1)  # [N] task reward, [N] steps
-    adv_mean = masked_mean(batch.adv, batch.mask)
-    out = {"reward": score.mean(), "reward_mean": score.mean(), "reward_std": score.std(correction=0),
+    scored = score[length > 0]  # a row masked out (a sample no judge scored) has no reward: not a 0
+    mean, adv_mean = scored.mean(), masked_mean(batch.adv, batch.mask)  # (none scored: NaN, no warning)
+    out = {"reward": mean, "reward_mean": mean, "reward_std": (scored - mean).square().mean().sqrt(),
            "adv_mean": adv_mean, "adv_std": masked_mean((batch.adv - adv_mean) ** 2, batch.mask).sqrt(),
            "length_mean": length.mean(), "length_max": length.max(),
            "truncated_frac": batch.truncated.float().mean(), "steps_env": length.sum() * utils.world(),
@@ -465,8 +466,9 @@ def train(cfg: Config) -> Path | None:
         if not signals.stopping:  # the last step's checkpoint; with --steps 0, the warm-start's or the base's
             signals.save()
         bar.close()
-    except utils.ConfigError:  # one to fix, mid-run (an async trainer's --workers all died): keep the steps
-        signals.save()
+    except (utils.ConfigError, JudgeUnavailable, tasks.RewardError):  # one to fix, mid-run (a judge down, an
+        if saved := signals.save():  # async trainer's --workers all died): keep the last finished step
+            utils.stderr(f"{saved.name} saved; after fixing the error below, --resume {out}")
         raise
     except (KeyboardInterrupt, OSError, utils.RankLost):  # Ctrl-C twice, a full disk, another rank gone
         utils.stderr(f"stopped during step {step + 1} (not saved); checkpoints so far: --resume {out}")

@@ -150,6 +150,52 @@ def test_a_score_survives_another_thread_clearing_the_full_cache_before_it_is_re
     assert len(server.requests) == 2  # nothing cached: asked twice
 
 
+def test_a_groups_equal_completions_scored_at_once_wait_for_one_request(server):
+    """A pool scores a group's rows at the same time: each missed the cache before any score was stored,
+    and 8 equal completions were 8 paid requests. A failure is shared by its waiters, and not kept."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    server.delay = 0.3
+    judge = Judge("r", server.url, "m", retries=0)
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(lambda _: judge("p", "c", ""), range(8))) == [0.6] * 8
+    assert len(server.requests) == 1
+    server.fail, server.requests[:] = 10 ** 9, []
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(judge, "p", "other", "") for _ in range(4)]
+    assert all(isinstance(f.exception(), JudgeUnavailable) for f in futures) and len(server.requests) == 1
+    with pytest.raises(JudgeUnavailable):
+        judge("p", "other", "")  # asked again: an outage is not remembered as the answer
+    assert len(server.requests) == 2
+
+
+@pytest.mark.parametrize("key", ["sk-SECRET-abc123\n", "sk-SECRET-abc123\r", "sk SECRET", "sk-SECRÉT"])
+def test_a_key_a_header_cannot_carry_stops_at_once_without_showing_it(server, monkeypatch, key):
+    """A key read from a .env file kept its line end: http.client's refusal quoted the header, key and all,
+    into the error and every --judge-down drop warning, and was retried though it could never pass."""
+    monkeypatch.setenv("NANORL_JUDGE_KEY", key)
+    with pytest.raises(JudgeUnavailable) as e:
+        Judge("r", server.url, "m", retries=3, backoff=10.0)("p", "c", "")
+    assert e.value.args[0] == ("$NANORL_JUDGE_KEY holds a character an HTTP header cannot carry (a line end, a "
+                            "space, non-ASCII): set it to the key alone") and server.requests == []
+
+
+def test_drop_warns_once_per_kind_of_cause_for_each_judge_though_each_reply_differs(server):
+    """A judge answering the question itself gave a new text, so a new warning, at every sample: about 12,800
+    lines over a default run. Three replies without a score, then the judge down: two warnings."""
+    judge, errors = Judge("r", server.url, "m", retries=0), []
+    for i in range(4):
+        server.reply, server.fail = f"The sum is {i}!", 10 ** 9 * (i == 3)
+        with pytest.raises(JudgeUnavailable) as e:
+            judge("p", f"c{i}", "")
+        errors.append(e.value)
+    with pytest.warns(UserWarning) as said:
+        for e in errors:
+            e.warn_dropped()
+    assert [str(w.message) for w in said] == [f"samples are dropped: {errors[i].args[0]}" for i in (0, 3)]
+    assert "The sum is 0!" in errors[0].args[0] and "HTTP 503" in errors[3].args[0]
+
+
 def test_retries_with_backoff_then_succeeds(server):
     server.fail = 2
     judge = Judge("r", server.url, "m", retries=3, backoff=0.1)
@@ -261,7 +307,7 @@ def test_a_redirect_is_not_followed_so_the_key_goes_to_no_other_host(monkeypatch
     endpoint.location = elsewhere.location = f"http://localhost:{elsewhere.server_port}/v1/chat/completions"
     try:
         with pytest.raises(JudgeUnavailable, match=rf"after 1 tries \(HTTP {code} .* to "
-                           rf"{re.escape(endpoint.location)}\); make that URL the endpoint, or pass"):
+                           rf"{re.escape(endpoint.location)}\); make that URL the endpoint; or pass"):
             Judge("r", f"http://127.0.0.1:{endpoint.server_port}/v1", "m", backoff=0.01)("p", "c", "")
         assert endpoint.seen == [("POST", "Bearer sekrit")]  # asked once, where the user pointed it
         assert elsewhere.seen == []  # urllib's default opener sent the key on to this host
@@ -368,10 +414,29 @@ def test_judge_down_mid_run_with_fail_stops_with_one_line_and_keeps_checkpoints(
 
 
 @pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("fails", ["judge", "nan"])
+def test_a_reward_failing_mid_run_saves_the_last_finished_step_though_no_checkpoint_was_due(
+        server, tmp_path, tiny, monkeypatch, capfd, fails):
+    """A judge down under --judge-down fail, or a reward returning NaN, at step 3 with --ckpt-every 50:
+    steps 1-2 were logged but never saved, and --resume started over, cutting them."""
+    import rundir
+    reward = dies_at_call(server, 4 + 2 * 8 + 1, Judge("r", server.url, "m", retries=1, backoff=0.01))
+    if fails == "nan":
+        judge, calls = reward, []
+        reward = lambda p, c, a: judge(p, c, a) if len(calls.append(1) or calls) <= 4 + 2 * 8 else math.nan
+        reward.__name__ = "judge"
+    assert judged_run(monkeypatch, tmp_path, tiny, reward, "--ckpt-every", "50") == (1 if fails == "judge" else 2)
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err[-2] == f"ckpt-0000002 saved; after fixing the error below, --resume {tmp_path / 'run'}"
+    assert err[-1].startswith("error: judge http" if fails == "judge" else "error: reward judge returned nan")
+    assert [c.name for c in rundir.checkpoints(tmp_path / "run")] == ["ckpt-0000002"]
+
+
+@pytest.mark.usefixtures("one_thread")
 def test_judge_down_mid_run_with_drop_runs_on_and_counts(server, tmp_path, tiny, monkeypatch, capfd):
     import rundir
     reward = dies_at_call(server, 4 + 2 * 8 + 1, Judge("r", server.url, "m", retries=1, backoff=0.01))
-    with pytest.warns(UserWarning, match=r"a sample is dropped: judge http://127.0.0.1.*refused"):
+    with pytest.warns(UserWarning, match=r"samples are dropped: judge http://127.0.0.1.*refused"):
         assert judged_run(monkeypatch, tmp_path, tiny, reward, "--judge-down", "drop") == 0
     m = rundir.read_metrics(tmp_path / "run" / "metrics.csv")
     assert [(s, v) for s, _, v in m["judge_dropped_frac"]] == [(1, 0), (2, 0), (3, 1), (4, 1)]
@@ -384,6 +449,8 @@ def test_judge_down_mid_run_with_drop_runs_on_and_counts(server, tmp_path, tiny,
     rows = [json.loads(line, parse_constant=refuse) for line in (tmp_path / "run" / "samples.jsonl").open()]
     dropped = [r for r in rows if r["kind"] == "train" and r["step"] >= 3]
     assert dropped and all(r["rewards"]["judge"] is None and r["adv"] is None for r in dropped)
+    # and no reward: a 0 there, and in the logged reward, made an outage look like the policy collapsing
+    assert all(r["reward"] is None for r in dropped) and [math.isnan(v) for _, _, v in m["reward"]] == [0, 0, 1, 1]
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -411,7 +478,7 @@ def test_a_judge_that_counts_for_accuracy_is_asked_once_per_eval_sample_and_a_dr
     accuracy = rundir.read_metrics(tmp_path / "up" / "metrics.csv")["eval_accuracy"]
     assert [(s, v) for s, _, v in accuracy] == [(0, 1.0), (1, 1.0)]
     server.fail, server.requests[:] = 10 ** 9, []  # down: every request gets a 503
-    with pytest.warns(UserWarning, match="a sample is dropped"):
+    with pytest.warns(UserWarning, match="samples are dropped"):
         assert train.main([*argv, "--out", str(tmp_path / "down"), "--judge-down", "drop"]) == 0
     accuracy = rundir.read_metrics(tmp_path / "down" / "metrics.csv")["eval_accuracy"]
     assert [(s, v) for s, _, v in accuracy] == [(0, 0.0), (1, 0.0)]

@@ -163,7 +163,7 @@ def test_judge_killed_mid_run_with_drop_masks_out_and_counts_the_rest(judge_url,
 
     reward = Recorder(judge(judge_url, retries=1, backoff=0.05), before=kill)
     judged_task(monkeypatch, reward)
-    with pytest.warns(UserWarning, match=r"a sample is dropped: judge http://127.0.0.1.*refused"):
+    with pytest.warns(UserWarning, match=r"samples are dropped: judge http://127.0.0.1.*refused"):
         out = train.train(config(tiny, tmp_path, "--steps", "3", "--judge-down", "drop", "--ckpt-every", "1"))
     m = rundir.read_metrics(out / "metrics.csv")
     assert [v for _, _, v in m["skipped"]] == [0, 1, 1]  # no token left to train on: no optimizer step

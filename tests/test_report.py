@@ -144,10 +144,14 @@ def test_rebuild_command_writes_the_same_page(run, tmp_path):
 
 def test_a_directory_that_is_no_run_is_named_not_answered_with_the_usage(tmp_path, capsys):
     """`python report.py /missing/dir` printed only its usage line."""
+    (tmp_path / "metrics.csv").write_text("")
     assert report.main([str(tmp_path / "missing")]) == 2 and report.main([str(tmp_path)]) == 2
+    assert report.main([str(tmp_path / "metrics.csv")]) == 2 and report.main(["--help"]) == 0
     assert capsys.readouterr().err.splitlines() == [
         f"{tmp_path / 'missing'}: no such directory; pass a run directory of train.py (runs/NAME)",
-        f"{tmp_path}: no config.yaml in it; pass a run directory of train.py (runs/NAME)"]
+        f"{tmp_path}: no config.yaml in it; pass a run directory of train.py (runs/NAME)",
+        f"{tmp_path / 'metrics.csv'}: not a directory; pass a run directory of train.py (runs/NAME)",
+        "usage: python report.py RUN_DIR (a run directory of train.py, with its config.yaml)"]
 
 
 def test_two_processes_rewriting_a_report_and_a_line_still_being_written_both_go_through(tmp_path):
@@ -166,14 +170,22 @@ def test_two_processes_rewriting_a_report_and_a_line_still_being_written_both_go
         "config.yaml", "metrics.csv", "report.html"]
 
 
-@pytest.mark.parametrize("name, text", [("samples.jsonl", '{"step": 1}\nnot json\n'),
+@pytest.mark.parametrize("name, text", [("samples.jsonl", '{"step": 1}\n{"step": 2}\nnot json\n{"step": 3}\n'),
                                         ("config.yaml", "task: [cartpole\n")])
-def test_a_damaged_log_is_one_line_naming_the_fix(tmp_path, capsys, name, text):
+def test_a_damaged_log_is_one_line_naming_the_file_the_line_and_the_fix(tmp_path, capsys, name, text):
+    """samples.jsonl's was "cannot read its config.yaml or samples.jsonl (JSONDecodeError: ... line 1 column
+    1 ...)": neither the file nor the line (the decoder's line 1 is within the line)."""
     (tmp_path / "config.yaml").write_text("task: cartpole\n")
     (tmp_path / name).write_text(text)  # the damaged file (config.yaml: replaced)
     assert report.main([str(tmp_path)]) == 2 and not (tmp_path / "report.html").exists()
-    err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith(f"{tmp_path}: cannot read") and "delete the damaged line" in err[0]
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {tmp_path / name}:3: not a JSON line (Expecting value); repair or delete that line"
+        if name == "samples.jsonl" else f"{tmp_path}: cannot read its config.yaml (ParserError: while parsing a "
+        "flow sequence in \"<unicode string>\", line 1, column 7: task: [cartpole ^ expected ',' or ']', but got "
+        "'<stream end>' in \"<unicode string>\", line 2, column 1: ^); repair it (YAML), or copy a run's"]
+    if name == "samples.jsonl":  # a live run's report leaves it out, as a damaged metrics line
+        with pytest.warns(UserWarning, match=f"{tmp_path / name}:3: not a JSON line .*; the report leaves it out"):
+            assert [r["step"] for r in report.read_samples(tmp_path)] == [1, 2, 3]
 
 
 FIX = "repair or delete that line (the run's checkpoints are untouched)"

@@ -400,15 +400,19 @@ def test_score_weights_and_breaks_down_each_reward():
 
 
 def test_score_raises_a_judges_outage_unless_asked_to_drop_the_sample():
-    def judge(prompt, completion, answer):
-        raise JudgeUnavailable("judge down")
+    warned = set()
+
+    def judge(prompt, completion, answer):  # as a Judge raises it: a cause's kind, the kinds it warned of
+        raise JudgeUnavailable(f"judge down ({completion})", "down", warned)
 
     task = make_task("countdown", seed=0, eval_size=0)
     task.rewards = [(format_reward, 1.0), (judge, 0.5)]
-    with pytest.raises(JudgeUnavailable, match="judge down"):
+    with pytest.raises(JudgeUnavailable, match=r"^judge down \(<answer>1</answer>\); or pass --judge-down drop"):
         task.score("p", "<answer>1</answer>", CD24)
-    with pytest.warns(UserWarning, match="a sample is dropped: judge down"):
+    with pytest.warns(UserWarning, match=r"^samples are dropped: judge down \(<answer>1</answer>\)$") as said:
         total, parts = task.score("p", "<answer>1</answer>", CD24, drop=True)
+        task.score("p", "<answer>2</answer>", CD24, drop=True)  # another text, the same cause: said once
+    assert len(said) == 1
     assert math.isnan(total) and parts["format_reward"] == 1.0 and math.isnan(parts["judge"])
 
 

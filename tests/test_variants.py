@@ -1,6 +1,7 @@
 """The RLVR toolbox through the loop: aggregation invariance, mismatch corrections, KL in the
 reward, overlong masking, dynamic sampling, the LLM critic, and tiny end-to-end runs."""
 import dataclasses
+import math
 import itertools
 
 import pytest
@@ -124,6 +125,21 @@ def test_rollout_metrics_count_the_groups_whose_rewards_all_agree(group_size, fr
     assert out["adv_mean"] == pytest.approx(adv.mean().item())
     assert out["adv_std"] == pytest.approx(adv.std(correction=0).item())
     assert out["steps_env"] == batch.mask.sum().item() and out["length_max"] == batch.mask.sum(1).max().item()
+
+
+def test_rollout_metrics_average_the_reward_over_scored_rows_never_counting_a_dropped_one_as_0():
+    """--judge-down drop masks out a group no judge scored (collate): its rows logged a reward of 0, so an
+    outage looked like the policy collapsing. Scores as above (sum 20 over 16 rows); group 0 (1, 1) dropped."""
+    cfg = cfg_from("--algo", "reinforce", "--group-size", "2")
+    policy, batch = cartpole(cfg)
+    score = torch.tensor([1.0, 1.0, 0.0, 1.0, 2.0, 2.0, 3.0, 0.0]).repeat(2)
+    rewards = torch.zeros_like(batch.mask)
+    rewards[torch.arange(cfg.batch), batch.mask.sum(1).long() - 1] = score
+    batch.group, batch.mask[:2] = torch.arange(cfg.batch) // 2, 0.0
+    out = train.rollout_metrics(train.prepare(policy, batch, cfg), rewards, cfg)
+    assert out["reward"] == out["reward_mean"] == pytest.approx(18 / 14)
+    batch.mask[:] = 0.0  # every sample dropped: no reward at all
+    assert math.isnan(train.rollout_metrics(batch, rewards, cfg)["reward"])
 
 
 # ---------------------------------------------------------------- the loss's terms, the update's arithmetic
