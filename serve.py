@@ -37,7 +37,6 @@ FINGERPRINT = ("task", "seed", "eval_size", "data", "model", "lora", "lora_rank"
                "chat_template", "thinking", "overlong_buffer", "max_turns", "max_len", "dynamic_sampling",
                "max_gen_batches", "prompt_reweight", "judge_down", "sandbox")
 PROTOCOL = 1  # raised when a route or a batch's keys change: /hello refuses a worker of another nanorl
-MULTITURN = {"solved", "solved_first_turn", "turns"}  # a multi-turn source sends all of these
 STRIDE = 1_000_000  # worker w samples train problems w*STRIDE, w*STRIDE+1, ...: workers never share a prompt
 SURVIVORS = 64  # ids a resumed trainer skips: those issued after its checkpoint, to workers that outlived it
 LONG_POLL = 2.0  # seconds GET /adapter waits for a newer version; also the workers' heartbeat period
@@ -46,7 +45,7 @@ WAITING = 60.0  # seconds a step waits without a batch between its "waiting for 
 CHECKS = 2.0  # seconds between looks at the trainer's own --workers while it waits: a dead one is told soon
 REFUSALS = 5  # bad batches in a row that stop a worker: not 409s (ahead of a --resumed trainer), OTHER_RUN's
 OTHER_RUN = 412  # a request of a worker another trainer process registered: it says /hello again
-SEQS = 4096  # workers whose last batch the inbox remembers (the least recently heard forgotten first)
+SEQS = 4096  # workers whose last batch, and heartbeat, the inbox remembers (the least recently heard go)
 
 
 def fingerprint(cfg) -> dict:
@@ -59,7 +58,7 @@ def wire_keys(cfg, local: BatchSource) -> set[str]:
     """The keys of every batch this run's workers send: rollouts.WIRE's and the stats their source fills,
     multi-turn's or a reward_<fn> per reward, as tasks.Task.score names them."""
     if isinstance(local, EnvRollouts):
-        return set(WIRE) | MULTITURN
+        return set(WIRE) | {"solved", "solved_first_turn", "turns"}  # a multi-turn source sends all of these
     dropped = {"judge_dropped_frac"} if cfg.judge_down == "drop" else set()
     return set(WIRE) | {f"reward_{n}" for n in tasks.reward_names(local.task.rewards)} | dropped
 
@@ -115,9 +114,13 @@ class Inbox:
     def _heard(self, worker) -> bool:
         """Heartbeat; True once the run is over (the route answers 410 and the worker exits)."""
         if type(worker) is int and 0 <= worker < self.next_worker:  # only ids /hello issued count as live
+            self.seen.pop(worker, None)  # as seqs: SEQS at most, since each /hello issues an id (a flood)
             self.seen[worker] = time.time()
+            if len(self.seen) > SEQS:
+                del self.seen[next(iter(self.seen))]
             if self.finished:
                 self.told.add(worker)
+                self.cond.notify_all()  # close() waits for every live worker to hear it
         return self.finished
 
     def hello(self, req: Request):
@@ -155,9 +158,8 @@ class Inbox:
             return 400, {"error": "GET /adapter needs ?have=VERSION&worker=ID"}
         if req.query.get("run") != self.run:
             return OTHER_RUN, {"error": "this worker was registered by another trainer: POST /hello again"}
-        have = int(req.query["have"])
         # A worker ahead of this trainer sampled for its run before a --resume: it takes this one's weights.
-        other = lambda: self.version >= 0 and self.version != have
+        other = lambda: self.version >= 0 and self.version != int(req.query["have"])
         with self.cond:
             self.cond.wait_for(lambda: other() or self.finished, timeout=LONG_POLL)
             if self._heard(int(req.query["worker"])):
@@ -176,6 +178,8 @@ class Inbox:
         if t["tokens"].ndim != 2:
             return "tokens must be [N, L]"
         N, L = t["tokens"].shape
+        if L == 0:
+            return "rows need at least one token"
         if L > self.max_len or N > self.capacity * k:
             return f"{N} rows of {L} tokens; at most {self.capacity} groups of {k} rows, {self.max_len} long"
         for n, x in t.items():
@@ -197,6 +201,8 @@ class Inbox:
         m, a = t["mask"], t["attn"]
         if ((m != 0) & (m != 1)).any() or ((a != 0) & (a != 1)).any() or (m > a).any() or m[:, 0].any():
             return "mask and attn must be 0/1, mask inside attn and 0 in column 0"
+        if not (t["rewards"] * m).sum(1).abs().sum().isfinite():  # [N] returns; the total bounds a group's
+            return "rewards summed over rows reach inf in float32 (a NaN step); keep them far below 3.4e38"
         if (texts := meta.get("texts")) is None or isinstance(texts, list) and len(texts) == N and all(
                 isinstance(r, list) and len(r) == 3 and all(isinstance(x, str) for x in r) for r in texts):
             return None
@@ -319,9 +325,7 @@ class Inbox:
         with self.cond:
             self.finished = True
             self.cond.notify_all()
-        deadline = time.time() + 2 * LONG_POLL + 1
-        while time.time() < deadline and self.live() - self.told:
-            time.sleep(0.1)
+            self.cond.wait_for(lambda: not self.live() - self.told, timeout=2 * LONG_POLL + 1)
         self.server.close()
 
 
@@ -432,7 +436,7 @@ class AsyncRollouts(BatchSource):
 # ---------------------------------------------------------------- the worker side
 class AdapterFetcher(threading.Thread):
     """Long-polls GET /adapter in the background so the worker never waits for weights (the newest
-    waits for `take`). Sets `done` once the trainer finished or was unreachable for --worker-patience s.
+    waits for `take`). Sets `done` once the trainer finished, or its polls failed for --worker-patience s.
     Told OTHER_RUN, says /hello again as `worker` and takes the new trainer's `run` (or stops, refused)."""
 
     def __init__(self, client: Client, cfg, worker: int, run: str):
@@ -441,30 +445,20 @@ class AdapterFetcher(threading.Thread):
         self.nonce = run  # the trainer's Inbox.run (self.run is the thread's method)
         self.have, self.pending, self.lock, self.done = -1, None, threading.Lock(), threading.Event()
         self.rejected = 0  # corrupt payloads; the previous adapter stays in use
-        self.error = ""  # why no request of this worker's will ever pass (then `done` is set)
+        self.error, self.causes = "", set()  # why no request will ever pass; why polls failed, each said once
 
     def run(self):
-        start = time.time()
+        heard, patience = time.time(), self.cfg.worker_patience  # heard: the last poll answered whole
         while not self.done.is_set():
             try:
                 query = f"have={self.have}&worker={self.worker}&run={self.nonce}"
                 status, body = self.client.get(f"/adapter?{query}")
-            except ServeError as e:  # patience counts from the trainer's last answer to any of our requests
-                status, body = 0, b""
-                if time.time() - max(start, self.client.answered) > self.cfg.worker_patience:
-                    utils.stderr(f"worker {self.worker}: trainer unreachable for "
-                                 f"{self.cfg.worker_patience:.0f} s ({e}); exiting")
-                    self.done.set()
-            if status == 401:  # a trainer restarted with another token: no poll will ever pass
-                self.error = (f"the trainer at {self.client.url} refuses this worker's NANORL_TOKEN (401); "
-                              "restart the worker with the trainer's")
-            if status == OTHER_RUN:
-                self.hello_again()
-            if status in (401, 410):
-                self.done.set()
-            elif status == 200:
-                t = time.perf_counter()
-                try:
+                heard = time.time()  # no batch's answer, no cut adapter's headers: they made patience endless
+                if status == OTHER_RUN:  # registered by another trainer: a --resumed one takes it back
+                    said = hello(self.client, self.cfg, self.worker)  # None: over; another run: ConfigError
+                    status, self.nonce = (410, self.nonce) if said is None else (status, said[1])
+                elif status == 200:
+                    t = time.perf_counter()
                     tensors, meta = decode(body)
                     v = meta.get("version")  # an older one: the trainer was --resumed from a checkpoint
                     if type(v) is not int or v < 0 or v == self.have:
@@ -472,22 +466,27 @@ class AdapterFetcher(threading.Thread):
                     with self.lock:
                         self.have, self.pending = v, (v, tensors, meta, body, time.perf_counter() - t)
                     continue
-                except PayloadError as e:
-                    self.rejected += 1
-                    utils.stderr(f"worker {self.worker}: adapter rejected, keeping version {self.have}: {e}")
+            except ServeError as e:
+                status, cause = 0, type(e.__cause__).__name__
+                if cause not in self.causes:  # once, not at each retry
+                    self.causes.add(cause)
+                    utils.stderr(f"worker {self.worker}: cannot fetch an adapter ({e}); polling again")
+                if time.time() - heard > patience:
+                    utils.stderr(f"worker {self.worker}: trainer unreachable for "
+                                 f"{patience:.0f} s ({e}); exiting")
+                    self.done.set()
+            except PayloadError as e:
+                self.rejected += 1
+                utils.stderr(f"worker {self.worker}: adapter rejected, keeping version {self.have}: {e}")
+            except utils.ConfigError as e:  # refused at /hello, or a reply over the client's cap (no trainer)
+                status, self.error = 0, str(e)
+            if status == 401:  # a trainer restarted with another token: no poll will ever pass
+                self.error = (f"the trainer at {self.client.url} refuses this worker's NANORL_TOKEN (401); "
+                              "restart the worker with the trainer's")
+            if status == 410 or self.error:
+                self.done.set()
             if status not in (204, 410):
                 time.sleep(0.5)  # after an error: do not spin
-
-    def hello_again(self) -> None:
-        """A --resumed trainer takes its past workers back under their ids; another run refuses them."""
-        try:
-            if (said := hello(self.client, self.cfg, self.worker)) is None:  # the run is over
-                self.done.set()
-            else:
-                self.nonce = said[1]
-        except utils.ConfigError as e:  # refused (another fingerprint or id), or no answer for patience
-            self.error = str(e)
-            self.done.set()
 
     def take(self):
         with self.lock:
@@ -564,6 +563,7 @@ def run_worker(cfg) -> int:
         return 0
     me, run = said
     policy = LLMPolicy(cfg)  # --vllm: its tokenizer side only; HF: it samples too, each version loaded in
+    client.max_reply += sum(t.nbytes for t in policy.wire_state().values())  # a full-weight run's adapter
     torch.manual_seed(seed := cfg.seed * STRIDE + me)  # workers share cfg.seed, not their sampling noise
     gen = VLLMGenerator(policy.path, cfg, policy.eos_ids, seed) if cfg.vllm else policy
     fetcher = AdapterFetcher(client, cfg, me, run)

@@ -33,7 +33,8 @@ DEFAULT_MAX_BODY = 1 << 30  # 1 GiB: a full-model weight push fits, a 2 GB lie d
 # Whatever clients do, the server holds at most MAX_CONNS connections (and threads), gives each HEADER_S
 # to send its headers, then BODY_S plus a second per BODY_RATE bytes that arrived to finish (not announced:
 # a trickle claiming 1 GiB would hold a connection for 17 minutes), and holds at most max_body bytes of
-# bodies at once, counted as they arrive: stalled uploads cannot reserve what they announce.
+# bodies at once, counted as they arrive: stalled uploads cannot reserve what they announce. A reply, whose
+# size is ours, has BODY_S plus a second per BODY_RATE bytes of it to be read.
 MAX_CONNS, HEADER_S, BODY_S, BODY_RATE = 64, 10.0, 30.0, 1 << 20
 
 
@@ -84,7 +85,15 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json" if is_json else "application/octet-stream")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        # The socket timeout bounds a whole sendall (Python >= 3.5): at 10 s, a 20 MB adapter was cut for any
+        # reader under 2 MB/s, every time, and http.server logs a timeout at DEBUG only.
+        self.server.admit(self.request, time.monotonic() + (seconds := BODY_S + len(body) / BODY_RATE))
+        self.connection.settimeout(seconds)
+        try:
+            self.wfile.write(body)
+        except OSError:  # the reader hung up, or was too slow for its deadline (a worker's link, say)
+            self.server.count("replies_cut")
+            raise
 
     def send_error(self, code, message=None, explain=None):
         # Every error, http.server's own (bad request line, 501, 431) included, is JSON. The body
@@ -236,7 +245,7 @@ class Client:
     for GET, because a POST /batch may have landed and must not be sent twice."""
 
     def __init__(self, url: str, token: str | None = None, timeout: float = 30.0, retries: int = 3,
-                 backoff: float = 1.0):
+                 backoff: float = 1.0, max_reply: int = DEFAULT_MAX_BODY):
         host, port = split_url(url)
         if not (token := token or os.environ.get("NANORL_TOKEN")):
             raise utils.ConfigError("no token: set NANORL_TOKEN to the trainer's (a trainer started without "
@@ -244,6 +253,9 @@ class Client:
         self.url, self.host, self.port = url.rstrip("/"), host, port or 80
         self.token, self.timeout, self.retries, self.backoff = _check_token(token), timeout, retries, backoff
         self.answered = 0.0  # time.time() of the server's last answer, whatever its status
+        # replies are read into memory whole: a peer announcing more is no nanorl server (a worker raises
+        # it by the size of its model's trained weights, which a full-weight run's adapter carries)
+        self.max_reply = max_reply
 
     def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytearray]:
         for attempt in range(1, self.retries + 1):
@@ -256,22 +268,39 @@ class Client:
                     conn.request(method, path, body=body, headers={"Authorization": f"Bearer {self.token}"})
                 resp = conn.getresponse()
                 self.answered = time.time()
-                if resp.length is None:  # no Content-Length: read to the end
-                    return resp.status, resp.read()
-                out = bytearray(resp.length)  # read in place: decode views these bytes, no copy
-                if (got := resp.readinto(out)) < len(out):  # short only if the peer hung up
-                    raise http.client.IncompleteRead(memoryview(out)[:got], len(out) - got)  # no copy
-                return resp.status, out
+                return resp.status, self._body(resp, f"{method} {self.url}{path}")
             except (OSError, http.client.HTTPException) as e:
                 if attempt == self.retries or (sent and method != "GET"):
                     stage = "during" if sent else "connecting for"
+                    cut = isinstance(e, http.client.IncompleteRead)  # its deadline passed, or it stopped
+                    why = (f"the reply was cut: a trainer gives one {BODY_S:.0f} s plus 1 s per "
+                           f"{BODY_RATE / 2**20:g} MiB to arrive, or it stopped" if cut
+                           else f"is the trainer running at {self.url}?")
                     raise ServeError(f"{method} {self.url}{path} failed {stage} the request after {attempt} "
-                                     f"tries: {type(e).__name__}: {e}; is the trainer running at {self.url}?"
-                                     ) from e
+                                     f"tries: {type(e).__name__}: {e}; {why}") from e
                 log.warning("%s %s: %s; retry %d/%d", method, path, e, attempt, self.retries - 1)
                 time.sleep(self.backoff * attempt)
             finally:
                 conn.close()
+
+    def _body(self, resp: http.client.HTTPResponse, what: str) -> bytearray:
+        """The reply's body. Past max_reply bytes it is no nanorl trainer's, and the error is not retried: a
+        worker that allocated what such a peer announced said "out of memory; lower --micro-batch"."""
+        if (size := resp.length) is None:  # no Content-Length: read to the end (a proxy's error page, say)
+            out = bytearray()  # in chunks: read(max_reply + 1) would allocate all of that at once
+            while len(out) <= self.max_reply and (chunk := resp.read1(1 << 20)):
+                out += chunk
+            size = len(out)
+        if size > self.max_reply:
+            raise utils.ConfigError(f"{what}: a reply of {size:,}{'' if resp.length else '+'} bytes is over "
+                                    f"this client's cap of {self.max_reply:,}; {self.url} does not look like "
+                                    "a nanorl trainer: check --trainer-url")
+        if resp.length is None:
+            return out
+        out = bytearray(size)  # read in place: decode views these bytes, no copy
+        if (got := resp.readinto(out)) < size:  # short only if the peer hung up
+            raise http.client.IncompleteRead(memoryview(out)[:got], size - got)  # no copy
+        return out
 
     get = functools.partialmethod(request, "GET")  # get(path)
     post = functools.partialmethod(request, "POST")  # post(path, body)

@@ -8,10 +8,12 @@ import socket
 import subprocess
 import threading
 import time
+import types
 
 import pytest
 import torch
 
+import algos
 import rollouts
 import serve
 import train
@@ -657,6 +659,52 @@ def test_the_inbox_remembers_the_last_batch_of_a_bounded_number_of_workers(inbox
     assert [inbox.taken(w, seq) for w, seq in ((0, 0), (1, 0), (2, 0), (0, 1), (3, 0))] == [False] * 5
     assert inbox.seqs == {2: 0, 0: 1, 3: 0} and list(inbox.seqs) == [2, 0, 3]  # 1, least recently heard: gone
     assert [inbox.taken(w, seq) for w, seq in ((0, 0), (0, 1), (2, 1), (2, 1))] == [True, True, False, True]
+
+
+def test_a_flood_of_hellos_leaves_only_the_seqs_workers_heard_last_and_live_counts_those(inbox, monkeypatch):
+    """Each /hello issues an id and its time was kept for ever: 100,000 hellos, 100,000 entries and as
+    many live workers."""
+    monkeypatch.setattr(serve, "SEQS", 3)
+    hello = lambda: inbox.hello(Request("/hello", {}, encode_hello(inbox)))[1]["worker"]
+    assert [hello() for _ in range(5)] == [0, 1, 2, 3, 4]
+    assert list(inbox.seen) == [2, 3, 4] and inbox.live() == {2, 3, 4}  # 0 and 1, heard first: forgotten
+    assert client(inbox).get(f"/adapter?have=-1&worker=2&run={inbox.run}") == (200, b"v0")  # 2 polls
+    assert hello() == 5 and list(inbox.seen) == [4, 2, 5]  # 3, now the least recently heard: forgotten
+    monkeypatch.setattr(serve, "HEARTBEAT", 0.0)
+    assert inbox.live() == set()  # none heard within the heartbeat
+    inbox.seen.clear()  # or close() waits for them to poll
+
+
+def test_rows_of_no_tokens_get_a_counted_400_not_a_500_and_a_traceback(inbox):
+    empty = {k: v[:, :0] if v.ndim == 2 else v for k, v in forge().items()}  # [4, 0] and [4]
+    status, reply = client(inbox).post("/batch", encode(empty, {"worker": 0, "run": inbox.run, "seq": 0}))
+    assert (status, json.loads(reply)) == (400, {"error": "rows need at least one token"})
+    assert inbox.counts["batches_rejected"] == 1 and "http_500" not in inbox.server.counts
+
+
+def rewarded(at: list[int], value: float) -> dict:
+    """forge()'s group (completion tokens 4..11) with `value` as the reward of each row's tokens `at`."""
+    t = forge()
+    t["rewards"][:, at] = value
+    return t
+
+
+@pytest.mark.parametrize("batch, lands", [
+    (rewarded([10, 11], 3e38), False),  # each row's return: 6e38, inf in float32
+    (rewarded([11], 1e38), False),  # each row's 1e38 is finite; their group's sum, 4e38, is not
+    (rewarded([4, 11], -3e38), False),  # -6e38: -inf
+    (rewarded([11], 8e37), True),  # the group's sum: 3.2e38, under float32's largest, 3.4028e38
+])
+def test_rewards_whose_returns_or_group_sum_overflow_float32_get_a_counted_400_as_they_make_grpo_nan(
+        inbox, batch, lands):
+    """Every reward finite, yet a row's return (or its group's sum, GRPO's mean) inf: the step was NaN."""
+    rows = types.SimpleNamespace(rewards=batch["rewards"], mask=batch["mask"], group=batch["group"])
+    assert algos.grpo(rows, types.SimpleNamespace(dr_grpo=False)).isfinite().all() == lands  # what trained
+    status, reply = post(inbox, batch)
+    assert (status == 200, inbox.counts["batches_rejected"]) == (lands, 0 if lands else 1)
+    if not lands:
+        assert reply == {"error": "rewards summed over rows reach inf in float32 (a NaN step); keep them far "
+                                  "below 3.4e38"}
 
 
 def test_an_odd_first_batch_fixes_nothing_and_honest_workers_batches_land(inbox):

@@ -18,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 
 import transport
 from flood import flood
-from rawhttp import read_request
+from rawhttp import bare_peer
 from transport import Client, PayloadError, Request, ServeError, Server, decode, encode
 
 TOKEN = "test-token-0123456789abcdef"
@@ -643,35 +643,6 @@ def test_client_retries_get_but_never_resends_a_delivered_post(method, attempts)
     assert len(seen) == attempts
 
 
-@contextlib.contextmanager
-def bare_peer(reply: bytes):
-    """An HTTP peer on 127.0.0.1 that reads each request whole, sends the raw bytes `reply` and hangs up;
-    yields (its url, the requests it read)."""
-    with socket.socket() as lis:
-        lis.bind(("127.0.0.1", 0))
-        lis.listen(8)
-        lis.settimeout(0.05)
-        seen, stop = [], threading.Event()
-
-        def serve():
-            while not stop.is_set():
-                try:
-                    conn, _ = lis.accept()
-                except TimeoutError:
-                    continue
-                with conn:
-                    seen.append(read_request(conn))
-                    conn.sendall(reply)
-
-        t = threading.Thread(target=serve)
-        t.start()
-        try:
-            yield f"http://127.0.0.1:{lis.getsockname()[1]}", seen
-        finally:
-            stop.set()
-            t.join()
-
-
 def test_client_reads_a_reply_without_content_length_to_the_end():
     # e.g. a proxy's error page in front of the trainer: HTTP/1.0, no Content-Length, ended by the close
     page = b"HTTP/1.0 502 Bad Gateway\r\nContent-Type: text/html\r\n\r\n<h1>bad gateway</h1>"
@@ -689,6 +660,25 @@ def test_a_peer_hanging_up_mid_body_is_an_incomplete_read_retried_for_get_only(m
             c.get("/p") if method == "GET" else c.post("/p", b"body")
     assert len(seen) == attempts and all(r.endswith(b"\r\n\r\n" + b"body" * (method == "POST"))
                                          for r in seen)
+
+
+@pytest.mark.parametrize("head, size", [(b"Content-Length: 100000000000000\r\n", "100,000,000,000,000"),
+                                        (b"", "65+")])  # no Content-Length: read to the end, one byte past
+def test_a_reply_over_the_clients_cap_is_refused_in_one_line_without_retry_or_allocating_it(head, size):
+    """A peer announcing 1e14 bytes made the client allocate them: a worker pointed at it said "out of
+    memory; lower --micro-batch". What a peer sends without a Content-Length is capped as it arrives."""
+    with bare_peer(b"HTTP/1.0 200 OK\r\n" + head + b"\r\n" + b"x" * 65) as (url, seen):
+        said = (f"GET {url}/adapter: a reply of {size} bytes is over this client's cap of 64; {url} does not "
+                "look like a nanorl trainer: check --trainer-url")
+        with pytest.raises(ValueError, match="^" + re.escape(said) + "$"):
+            Client(url, TOKEN, retries=3, backoff=0, max_reply=64).get("/adapter")
+    assert len(seen) == 1
+
+
+def test_a_reply_of_exactly_the_clients_cap_is_read_whole_with_or_without_a_content_length():
+    for head in (b"Content-Length: 64\r\n", b""):
+        with bare_peer(b"HTTP/1.0 200 OK\r\n" + head + b"\r\n" + b"x" * 64) as (url, _):
+            assert Client(url, TOKEN, retries=1, max_reply=64).get("/adapter") == (200, b"x" * 64)
 
 
 # ---------------------------------------------------------------- whatever clients do, the server keeps serving
@@ -823,3 +813,60 @@ def test_aborted_connections_log_one_line_each_not_a_traceback(server, caplog):
         time.sleep(0.5)
     assert all("Traceback" not in r.getMessage() and r.exc_info is None for r in caplog.records)
     assert sum(len(r.getMessage()) for r in caplog.records) < 20 * 200
+
+
+def read_reply(sock: socket.socket) -> tuple[bytes, int]:
+    """The status line and the number of body bytes a raw socket got before the server closed it."""
+    data = b""
+    with contextlib.suppress(OSError):  # a reply cut by the server may end in a reset
+        while chunk := sock.recv(1 << 20):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return head.split(b"\r\n")[0], len(body)
+
+
+def slow_reader(srv, path: str) -> socket.socket:
+    """A GET sent on a socket with a small receive buffer: the kernel holds little of a reply left unread."""
+    u = urlsplit(srv.url)
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+    s.settimeout(10)  # a hang guard
+    s.connect((u.hostname, u.port))
+    s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode())
+    return s
+
+
+def test_a_reply_has_body_s_plus_a_second_per_body_rate_bytes_to_be_read_not_one_socket_timeout(monkeypatch):
+    """The socket timeout (10 s) bounded a whole sendall: a 20 MB adapter was cut for every worker reading
+    under 2 MB/s, and nothing said so. Here the timeout is 0.5 s and the reader stalls for 1 s."""
+    monkeypatch.setattr(transport._Handler, "timeout", 0.5)
+    monkeypatch.setattr(transport, "BODY_S", 1.5)
+    monkeypatch.setattr(transport, "BODY_RATE", 16 << 20)  # a reply of 24 MiB: 1.5 + 24 / 16 = 3 s
+    payload = bytes(24 << 20)
+    with Server({("GET", "/big"): lambda req: (200, payload)}, token=TOKEN) as srv:
+        with slow_reader(srv, "/big") as s:
+            for _ in range(300):
+                with srv.lock:
+                    left = [until - time.monotonic() for until, admitted in srv.conns.values() if admitted]
+                if left and left[0] > 1.6:  # past the request's BODY_S: the reply's deadline
+                    break
+                time.sleep(0.01)
+            assert len(left) == 1 and 2.5 < left[0] <= 3.0
+            time.sleep(1.0)  # twice the socket timeout, a third of the reply's deadline
+            assert read_reply(s) == (b"HTTP/1.0 200 OK", 24 << 20)
+        assert "replies_cut" not in srv.counts
+
+
+def test_a_reply_not_read_within_its_deadline_is_cut_and_counted(monkeypatch):
+    monkeypatch.setattr(transport, "BODY_S", 0.5)
+    monkeypatch.setattr(transport, "BODY_RATE", 16 << 20)  # a reply of 16 MiB: 0.5 + 16 / 16 = 1.5 s
+    payload = bytes(16 << 20)  # more than the kernel buffers of both ends hold
+    with Server({("GET", "/big"): lambda req: (200, payload)}, token=TOKEN) as srv:
+        with slow_reader(srv, "/big") as s:
+            start = time.monotonic()
+            while not srv.counts["replies_cut"] and time.monotonic() - start < 8:
+                time.sleep(0.01)
+            cut_after = time.monotonic() - start
+            status, got = read_reply(s)
+        assert srv.counts["replies_cut"] == 1 and 1.3 < cut_after < 3.0
+        assert status == b"HTTP/1.0 200 OK" and got < 16 << 20

@@ -22,6 +22,7 @@ import train
 import transport
 import utils
 from model import LLMPolicy
+from rawhttp import bare_peer
 from rollouts import WIRE, sources
 from modeldir import build_tiny_model
 
@@ -85,6 +86,36 @@ def test_a_worker_pointed_at_another_server_stops_in_one_line_naming_the_url(cap
     err = capsys.readouterr().err.strip().splitlines()
     assert (rc, err) == (2, [f"error: {other.url} is no nanorl trainer: POST /hello got {status} {body[:80]!r}; "
                              "check --trainer-url"])
+
+
+def test_a_worker_pointed_at_a_peer_announcing_a_huge_reply_stops_in_one_line_not_out_of_memory(capsys,
+                                                                                                 monkeypatch):
+    """It allocated the 1e14 bytes announced, and said "out of memory; lower --micro-batch"."""
+    monkeypatch.setenv("NANORL_TOKEN", "worker-test-token-0123456789")
+    with bare_peer(b"HTTP/1.0 200 OK\r\nContent-Length: 100000000000000\r\n\r\n{}") as (url, seen):
+        rc = train.main(["--task", "arith", "--role", "rollout", "--trainer-url", url])
+    said = (f"error: POST {url}/hello: a reply of 100,000,000,000,000 bytes is over this client's cap of "
+            f"1,073,741,824; {url} does not look like a nanorl trainer: check --trainer-url")
+    assert (rc, capsys.readouterr().err.strip().splitlines(), len(seen)) == (2, [said], 1)  # not retried
+
+
+def test_a_worker_whose_adapter_polls_keep_failing_says_why_once_and_leaves_after_its_patience(capsys):
+    """Every adapter cut mid-body (a link too slow for it): the headers of each refreshed the patience, so
+    the worker polled for ever, and said nothing."""
+    cut = b"HTTP/1.0 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 10
+    with bare_peer(cut) as (url, seen):
+        client = transport.Client(url, "worker-test-token-0123456789", retries=1)
+        cfg = dataclasses.replace(train.parse(argv("unused")), worker_patience=1.0)
+        fetcher = serve.AdapterFetcher(client, cfg, 0, "run0")
+        fetcher.start()
+        fetcher.join(10)  # a hang guard: polls every 0.5 s, for 1 s
+        assert not fetcher.is_alive() and fetcher.done.is_set() and len(seen) >= 2  # retried, said once
+    why = (f"GET {url}/adapter?have=-1&worker=0&run=run0 failed during the request after 1 tries: "
+           "IncompleteRead: IncompleteRead(10 bytes read, 90 more expected); the reply was cut: a trainer "
+           "gives one 30 s plus 1 s per 1 MiB to arrive, or it stopped")
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"worker 0: cannot fetch an adapter ({why}); polling again",
+                   f"worker 0: trainer unreachable for 1 s ({why}); exiting"]
 
 
 def test_a_post_answered_429_or_503_is_sent_again_until_the_trainer_answers(monkeypatch):
