@@ -18,9 +18,11 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """In float64, as group_baseline: a spread past ~1.8e19 squares past float32's range (std inf, adv 0)."""
+    x, mask = x.double(), mask.double()
     mean = masked_mean(x, mask)
     std = masked_mean((x - mean) ** 2, mask).sqrt()
-    return (x - mean) / (std + EPS) * mask
+    return ((x - mean) / (std + EPS) * mask).float()
 
 
 def next_policy_step(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -52,14 +54,15 @@ def gae(rewards, values, mask, last_value, terminated, gamma: float, lam: float)
 
 
 def group_baseline(scores: torch.Tensor, group: torch.Tensor):
-    """Per-row mean, std (population) and size of the row's group; all [N]."""
+    """Per-row mean, std (population) and size of the row's group; all [N]. In float64: rewards 0 and 1e25
+    (float32's range holds both) square past it, and a std of inf made every advantage 0."""
     _, idx = torch.unique(group, return_inverse=True)
-    sums = lambda x: torch.zeros(int(idx.max()) + 1).index_add_(0, idx, x)  # [groups]
-    k = sums(torch.ones_like(scores))
+    sums = lambda x: torch.zeros(int(idx.max()) + 1, dtype=torch.float64).index_add_(0, idx, x.double())
+    k = sums(torch.ones_like(scores))  # [groups], as mean and std
     mean = sums(scores) / k
     # about the mean, not E[x^2] - mean^2, which cancels to 0 in float32 for rewards like 1000 +- 0.01
     std = (sums((scores - mean[idx]) ** 2) / k).sqrt()
-    return mean[idx], std[idx], k[idx]
+    return mean[idx].float(), std[idx].float(), k[idx].float()
 
 
 def reinforce(batch, cfg):

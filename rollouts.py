@@ -4,6 +4,7 @@ workers (`--role rollout`) run these very sources, so every option behaves alike
 import contextlib
 import hashlib
 import math
+import numbers
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import astuple, dataclass, field, fields
 
@@ -154,6 +155,10 @@ def rollout_single(policy, task: tasks.Task, problems: list[Problem], group_size
     drop = cfg.judge_down == "drop"
     with ThreadPoolExecutor(width) as pool:
         scores = list(pool.map(lambda r, t: task.score(r[0].prompt, t, r[0].answer, drop), rows, texts))
+    for (total, _), text in zip(scores, texts):  # each reward is within float32's range, but their sum?
+        if abs(total) > tasks.FLOAT32_MAX:  # (NaN, a judge's missing score, is not)
+            raise tasks.RewardError(f"{task.name}'s weighted total {total:.3g} for the completion "
+                                    f"{text[:60]!r} is past float32's range; scale its rewards or weights")
     out = [Episode(p, x, None, s.ids, s.logps, [1] * len(s.ids), *score, truncated=s.truncated, text=t)
            for (p, x), s, t, score in zip(rows, samples, texts, scores)]
     return [out[i : i + group_size] for i in range(0, len(out), group_size)]
@@ -244,6 +249,9 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
                 e.reward += tasks.checked(reward, f"{type(e.env).__name__}.step", t)
                 e.turns += 1
                 e.solved_at_turn = info.get("solved_at_turn", 0)
+                if type(e.solved_at_turn) is not int or not 0 <= e.solved_at_turn <= e.turns:
+                    raise tasks.RewardError(f"{type(e.env).__name__}.step's info['solved_at_turn'] is "
+                                            f"{e.solved_at_turn!r:.40}: the turn that solved, from 1, or 0")
                 e.text += t
                 # A turn cut off mid-way ends the episode: a reply must follow the turn's end token.
                 e.done = done or e.truncated or e.turns == max_turns
@@ -349,6 +357,13 @@ class TaskRollouts(BatchSource):
         if cfg.overlong_buffer:
             count = lambda text: len(self.policy.tokenizer.encode(text, add_special_tokens=False))
             task.rewards.append((tasks.overlong_penalty(cfg.max_new_tokens, cfg.overlong_buffer, count), 1.0))
+        # what Task.score reads: a NaN weight made every sample look unscored (nothing trained, silently), a
+        # string or a bare function failed mid-step naming nothing
+        pair = lambda r: isinstance(r, (tuple, list)) and len(r) == 2 and callable(r[0]) and isinstance(
+            r[1], numbers.Real) and math.isfinite(r[1])
+        if not task.rewards or not all(map(pair, task.rewards)):
+            raise utils.ConfigError(f"{type(task).__name__}.rewards is {task.rewards!r:.100}: list "
+                                    "(function, weight) pairs, at least one, each weight a finite number")
         return task
 
     def too_long(self, prompt: str) -> str | None:
@@ -415,10 +430,11 @@ class TaskRollouts(BatchSource):
     def demonstrations(self, n: int) -> Batch:
         """n solver-written (prompt, answer) rows for the supervised warm-start (--sft-steps)."""
         problems, tok = self.draw(n), self.policy.tokenizer
-        if not all(texts := [self.task.solve(p) for p in problems]):  # a judge's task without references
-            raise utils.ConfigError(f"--sft-steps: {self.task.name} has problems without an answer to "
-                                    "imitate (a judged task's rows); add answers to its rows, or "
-                                    "--sft-steps 0")
+        texts = [self.task.solve(p) for p in problems]
+        if bad := [t for t in texts if not isinstance(t, str) or not t]:
+            raise utils.ConfigError(f"--sft-steps: {type(self.task).__name__}.solve() gave {bad[0]!r:.60}, "
+                                    "not an answer's text to imitate (a judged task's rows may have none); "
+                                    "make it return one, or --sft-steps 0")
         ids = [tok.encode(text, add_special_tokens=False) + [tok.eos_token_id] for text in texts]
         demos = [Sample(d, [0.0] * len(d), False) for d in ids]
         return make_batch([self.prompt_ids(p) for p in problems], demos, [0.0] * n, self.policy.pad_id)

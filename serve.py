@@ -311,7 +311,7 @@ class Inbox:
                 utils.stderr(f"worker process {p.pid} exited with code {p.returncode}")
         if procs and len(self.exited) == len(procs) and self.alone:  # a fresh token: no other worker has it
             raise utils.ConfigError(f"all {len(procs)} --workers processes exited and, without NANORL_TOKEN, "
-                                    "no other worker can join; see their output above, then --resume the run")
+                                    "no other worker can join; see their output above")  # train adds --resume
 
     def fresh(self, group: dict, step: int) -> bool:
         return step - int(group["version"].min()) <= self.cfg.max_staleness

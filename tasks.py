@@ -42,7 +42,7 @@ class Problem:
 
     def __post_init__(self):  # a number as the answer would pass here and fail in a reward, much later
         if not all(isinstance(x, str) for x in (self.prompt, self.answer, self.key)):
-            raise ValueError(f"a Problem's prompt, answer and key are str (of a number too): {self!r:.200}")
+            raise ConfigError(f"a Problem's prompt, answer and key are str (of a number too): {self!r:.200}")
 
 
 # ---------------------------------------------------------------- answers and numbers
@@ -238,7 +238,7 @@ def reward_names(rewards: list) -> list[str]:
     names = []
     for i, (fn, _) in enumerate(rewards):
         name = getattr(fn, "__name__", f"reward{i}")
-        names.append(name if name not in names else f"{name}_{i}")
+        names.append(name if name not in {*names, "mean", "std"} else f"{name}_{i}")  # std: reward_std's
     return names
 
 

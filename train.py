@@ -322,7 +322,7 @@ def old_scores(policy, batch: Batch, cfg: Config, weights) -> tuple[torch.Tensor
 
 def rollout_metrics(batch: Batch, rewards: torch.Tensor, cfg: Config) -> dict:
     """The batch as sampled, logged every step; reward (= reward_mean) is before any --kl-in-reward."""
-    score, length = (rewards * batch.mask).sum(1), batch.mask.sum(1)  # [N] task reward, [N] steps
+    score, length = (rewards * batch.mask).sum(1, dtype=torch.float64), batch.mask.sum(1)  # [N] return, steps
     scored = score[length > 0]  # a row masked out (a sample no judge scored) has no reward: not a 0
     mean, adv_mean = scored.mean(), masked_mean(batch.adv, batch.mask)  # (none scored: NaN, no warning)
     out = {"reward": mean, "reward_mean": mean, "reward_std": (scored - mean).square().mean().sqrt(),
@@ -466,9 +466,9 @@ def train(cfg: Config) -> Path | None:
         if not signals.stopping:  # the last step's checkpoint; with --steps 0, the warm-start's or the base's
             signals.save()
         bar.close()
-    except (utils.ConfigError, JudgeUnavailable, tasks.RewardError):  # one to fix, mid-run (a judge down, an
-        if saved := signals.save():  # async trainer's --workers all died): keep the last finished step
-            utils.stderr(f"{saved.name} saved; after fixing the error below, --resume {out}")
+    except (utils.ConfigError, JudgeUnavailable, tasks.RewardError) as e:  # one to fix, mid-run (a judge
+        if saved := signals.save():  # down, an async trainer's --workers all died): keep the last step
+            e.args = (f"{e.args[0]}; {saved.name} is saved: once fixed, --resume {out}", *e.args[1:])
         raise
     except (KeyboardInterrupt, OSError, utils.RankLost):  # Ctrl-C twice, a full disk, another rank gone
         utils.stderr(f"stopped during step {step + 1} (not saved); checkpoints so far: --resume {out}")

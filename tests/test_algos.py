@@ -30,6 +30,15 @@ def test_masked_whiten_has_zero_mean_unit_std_and_zeros_outside_mask():
     assert torch.allclose(w, t([[-1 / std, 0, 1 / std, 0]]), atol=1e-5)
 
 
+def test_statistics_of_rewards_within_float32_but_squaring_past_it_stay_finite():
+    """Rewards 0 and 1e25 (float32 holds both): the deviations' squares overflowed, std was inf, and every
+    advantage 0, silently. A group of the two, and the whole batch whitened: -1 and 1."""
+    b = SimpleNamespace(rewards=t([[0.0], [1e25]]), mask=t([[1], [1]]), group=torch.tensor([0, 0]))
+    assert algos.grpo(b, CFG).tolist() == [[-1.0], [1.0]]
+    assert algos.group_baseline(t([0.0, 1e25]), b.group)[1].tolist() == [pytest.approx(5e24)] * 2
+    assert algos.masked_whiten(t([[0.0, 1e25]]), t([[1, 1]])).tolist() == [[-1.0, 1.0]]
+
+
 def test_discounted_returns_stop_at_the_end_of_each_row():
     r, m = t([[1, 1, 1, 0], [2, 0, 0, 0]]), t([[1, 1, 1, 0], [1, 0, 0, 0]])
     g = algos.discounted_returns(r, m, gamma=0.5)

@@ -682,9 +682,9 @@ def test_a_trainer_whose_own_workers_all_died_saves_its_finished_steps_and_stops
     run = tmp_path / "run"
     assert train.main(flags(tiny, run, "--role", "trainer", "--workers", "1", "--steps", "5")) == 2
     err = capsys.readouterr().err.splitlines()
+    trained = [s for s, _, _ in rundir.read_metrics(run / "metrics.csv")["loss"]]  # batches queued: 2 or more
     assert f"worker process {killed[0]} exited with code -9" in err and err[-1] == (
         "error: all 1 --workers processes exited and, without NANORL_TOKEN, no other worker can join; see "
-        "their output above, then --resume the run")
-    trained = [s for s, _, _ in rundir.read_metrics(run / "metrics.csv")["loss"]]  # batches queued: 2 or more
+        f"their output above; ckpt-{trained[-1]:07d} is saved: once fixed, --resume {run}")
     assert trained == list(range(1, trained[-1] + 1)) and 2 <= trained[-1] < 5
     assert [c.name for c in rundir.checkpoints(run)] == [f"ckpt-{trained[-1]:07d}"]  # the last finished step

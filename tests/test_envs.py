@@ -252,6 +252,64 @@ def test_an_env_with_its_own_step_is_solved_by_its_info_solved_at_turn_as_docume
     assert 'info["solved_at_turn"]' in TextEnv.__doc__ and '`info["solved_at_turn"]`' in README
 
 
+@pytest.mark.parametrize("wrong", [None, "yes", True, 9])
+def test_an_envs_info_solved_at_turn_that_is_no_turn_stops_in_one_line_naming_it(wrong):
+    """None failed deep in the rollout ("float() argument must be a string or a real number, not 'NoneType'"),
+    naming neither the env nor its step; True passed as turn 1, and 9 as a turn not yet played."""
+    class Said(GuessNumber):
+        def step(self, completion):
+            return None, 1.0, True, {"solved_at_turn": wrong}
+
+    with pytest.raises(RewardError) as e:
+        rollout_multiturn(ScriptedPolicy(chat_tokenizer(), bisect), Said, [Problem("Guess.", "37", "37")],
+                          group_size=1, max_turns=7, max_new_tokens=8, max_len=4096)
+    assert str(e.value) == f"Said.step's info['solved_at_turn'] is {wrong!r}: the turn that solved, from 1, or 0"
+
+
+@pytest.mark.parametrize("rewards", [[], [(len, math.nan)], [(len, "1")], [len], [(len, 1.0, 2.0)]])
+def test_rewards_that_are_no_function_weight_pairs_stop_in_one_line_when_the_task_is_made(monkeypatch, rewards):
+    """A NaN weight made every total NaN, every sample "unscored": nothing trained and the run ended 0; a
+    string weight or a bare function failed mid-step (TypeError) naming nothing."""
+    class Weighed(tasks.Arith):
+        name = "weighed"
+
+    Weighed.rewards = rewards
+    monkeypatch.setitem(tasks.TASKS, "weighed", Weighed)
+    with pytest.raises(ConfigError) as e:
+        TaskRollouts(train.Config(task="weighed"), policy=None)
+    assert str(e.value) == (f"--task weighed: Weighed.rewards is {rewards!r:.100}: list (function, weight) "
+                            "pairs, at least one, each weight a finite number")
+
+
+def test_rewards_whose_weighted_total_passes_float32_stop_naming_the_task_and_the_completion():
+    """Two rewards of 3e38, each in float32's range: their total failed in make_batch ("value cannot be
+    converted to type float without overflow")."""
+    class Huge(Task):
+        name, rewards = "huge", [(lambda p, c, a: 3e38, 1.0), (lambda p, c, a: 3e38, 1.0)]
+
+    with pytest.raises(RewardError) as e:
+        rollout_single(Recording(chat_tokenizer(), lambda text: "a"), Huge(), [Problem("say a", "a", "ka")], 2,
+                       train.Config(max_new_tokens=8, gen_batch=4))
+    assert str(e.value) == "huge's weighted total 6e+38 for the completion 'a' is past float32's range; scale " \
+                           "its rewards or weights"
+
+
+def test_a_solver_that_returns_no_text_stops_the_warm_start_in_one_line_naming_it(monkeypatch):
+    """An int from solve() failed inside the tokenizer ("text input must be of type str"), naming nothing."""
+    class Mute(tasks.Arith):
+        name = "mute"
+
+        def solve(self, problem):
+            return int(problem.answer)
+
+    monkeypatch.setitem(tasks.TASKS, "mute", Mute)
+    source = TaskRollouts(train.Config(task="mute", sft_steps=1), ScriptedPolicy(chat_tokenizer(), bisect))
+    with pytest.raises(ConfigError) as e:
+        source.demonstrations(2)
+    assert re.fullmatch(r"--sft-steps: Mute.solve\(\) gave -?\d+, not an answer's text to imitate \(a judged "
+                        r"task's rows may have none\); make it return one, or --sft-steps 0", str(e.value))
+
+
 def test_a_huge_reply_is_tokenized_only_as_far_as_max_len_can_hold_and_ends_the_episode():
     """A 2 MB reply was tokenized whole (seconds and GBs with a real tokenizer) to end the episode anyway."""
     class Dump(GuessNumber):

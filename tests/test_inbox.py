@@ -548,7 +548,7 @@ def test_a_step_waiting_on_dead_workers_says_each_once_and_stops_when_no_other_c
             with pytest.raises(utils.ConfigError) as stopped:
                 box.take(0, {0}, procs)
             assert str(stopped.value) == ("all 2 --workers processes exited and, without NANORL_TOKEN, no other "
-                                          "worker can join; see their output above, then --resume the run")
+                                          "worker can join; see their output above")
             assert capsys.readouterr().err.splitlines() == said
             return
         got = []

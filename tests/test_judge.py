@@ -61,15 +61,14 @@ class FakeJudge(BaseHTTPRequestHandler):
         with s.lock:
             s.requests.append((self.path, body, dict(self.headers)))
             failing = len(s.requests) <= s.fail
+            s.in_flight += 1
+            s.peak = max(s.peak, s.in_flight)
+        time.sleep(s.delay)  # a failure takes as long: a request in flight, whatever it will answer
+        with s.lock:
+            s.in_flight -= 1
         if failing:
             self.send_error(s.status)
             return
-        with s.lock:
-            s.in_flight += 1
-            s.peak = max(s.peak, s.in_flight)
-        time.sleep(s.delay)
-        with s.lock:
-            s.in_flight -= 1
         out = json.dumps({"choices": [{"message": {"role": "assistant", "content": s.reply}}]}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -427,8 +426,9 @@ def test_a_reward_failing_mid_run_saves_the_last_finished_step_though_no_checkpo
         reward.__name__ = "judge"
     assert judged_run(monkeypatch, tmp_path, tiny, reward, "--ckpt-every", "50") == (1 if fails == "judge" else 2)
     err = capfd.readouterr().err.strip().splitlines()
-    assert err[-2] == f"ckpt-0000002 saved; after fixing the error below, --resume {tmp_path / 'run'}"
-    assert err[-1].startswith("error: judge http" if fails == "judge" else "error: reward judge returned nan")
+    assert len(err) == 1 and err[0].startswith("error: judge http" if fails == "judge" else
+                                               "error: reward judge returned nan")
+    assert f"; ckpt-0000002 is saved: once fixed, --resume {tmp_path / 'run'}" in err[0]
     assert [c.name for c in rundir.checkpoints(tmp_path / "run")] == ["ckpt-0000002"]
 
 

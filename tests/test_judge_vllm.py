@@ -129,7 +129,7 @@ def test_judge_scores_reach_the_advantage_and_the_loss(judge_url, tiny, tmp_path
         prompt = policy.tokenizer.decode(batch.tokens[r, 1:a].tolist())  # the prompt after <|bos|>
         problem = next(p for p in (source.task.train_problem(i) for i in range(2)) if p.prompt == prompt)
         rows.append(tasks.int_correct(prompt, completion, problem.answer)
-                    + reward.judge.cache[(prompt, completion, RUBRIC)])
+                    + reward.judge.cache[(prompt, completion, RUBRIC)].result())  # the one request's
     expected = torch.tensor(rows)
     assert torch.allclose((batch.rewards * batch.mask).sum(1), expected, atol=1e-6)
     g = expected.view(2, 2)

@@ -711,6 +711,15 @@ def test_greedy_accuracy_counts_correctness_reward_hits():
 def test_problem_is_an_immutable_value():
     p = Problem("1+1=", "2", "1+1")
     assert p == Problem("1+1=", "2", "1+1") and hash(p) == hash(Problem("1+1=", "2", "1+1"))
+    with pytest.raises(ConfigError, match=r"^a Problem's prompt, answer and key are str \(of a number too\)"):
+        Problem("1+1=", 2, "1+1")  # a user's generate(): one line (was a ValueError's traceback)
+
+
+def test_reward_names_are_never_the_totals_reward_mean_or_reward_std():
+    """A reward named std replaced the logged reward_std of the totals with its own value."""
+    fns = [types.SimpleNamespace(__name__=n) for n in ("mean", "std", "same", "same")]
+    assert tasks.reward_names([(fn, 1.0) for fn in fns]) == ["mean_0", "std_1", "same", "same_3"]
+    assert tasks.reward_names([(lambda p, c, a: 0.0, 1.0), (object(), 1.0)]) == ["<lambda>", "reward1"]
 
 
 def test_the_docstring_example_adds_a_task_with_one_class_and_one_entry(monkeypatch):
