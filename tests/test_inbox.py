@@ -689,17 +689,19 @@ def rewarded(at: list[int], value: float) -> dict:
     return t
 
 
-@pytest.mark.parametrize("batch, lands", [
-    (rewarded([10, 11], 3e38), False),  # each row's return: 6e38, inf in float32
-    (rewarded([11], 1e38), False),  # each row's 1e38 is finite; their group's sum, 4e38, is not
-    (rewarded([4, 11], -3e38), False),  # -6e38: -inf
-    (rewarded([11], 8e37), True),  # the group's sum: 3.2e38, under float32's largest, 3.4028e38
+@pytest.mark.parametrize("batch, lands, grpo_finite", [
+    (rewarded([10, 11], 3e38), False, False),  # each row's return: 6e38, inf in float32
+    # each row's 1e38 is finite; their group's sum, 4e38, is not: GRPO's mean, now taken in float64, holds it,
+    # but a batch mean in float32 (reinforce_baseline's) would not
+    (rewarded([11], 1e38), False, True),
+    (rewarded([4, 11], -3e38), False, False),  # -6e38: -inf
+    (rewarded([11], 8e37), True, True),  # the group's sum: 3.2e38, under float32's largest, 3.4028e38
 ])
 def test_rewards_whose_returns_or_group_sum_overflow_float32_get_a_counted_400_as_they_make_grpo_nan(
-        inbox, batch, lands):
+        inbox, batch, lands, grpo_finite):
     """Every reward finite, yet a row's return (or its group's sum, GRPO's mean) inf: the step was NaN."""
     rows = types.SimpleNamespace(rewards=batch["rewards"], mask=batch["mask"], group=batch["group"])
-    assert algos.grpo(rows, types.SimpleNamespace(dr_grpo=False)).isfinite().all() == lands  # what trained
+    assert algos.grpo(rows, types.SimpleNamespace(dr_grpo=False)).isfinite().all() == grpo_finite
     status, reply = post(inbox, batch)
     assert (status == 200, inbox.counts["batches_rejected"]) == (lands, 0 if lands else 1)
     if not lands:
