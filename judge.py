@@ -9,11 +9,11 @@ import json
 import os
 import re
 import threading
-from concurrent.futures import Future
 import time
 import urllib.error
 import urllib.request
 import warnings
+from concurrent.futures import Future
 
 # "Score: 7", "score = 7", "score is 7/10", "**Score:** 7"; never "could score 10" nor "underscore 9". No
 # two \s* meet around an optional part: a long run of spaces would be split every way, in quadratic time.

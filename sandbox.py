@@ -43,7 +43,7 @@ _LAUNCHER = r"""
 import ctypes, os, resource, select, signal, struct, sys  # all runs need these; rare paths import theirs
 status, flags, uid_base, cpu, mem, fsize, nofile, nproc, files = map(int, sys.argv[1:10])
 NEWNS, NEWUSER, NEWPID = 0x20000, 0x10000000, 0x20000000
-RDONLY, NOSUID, NODEV, NOEXEC, BIND, REC, REC_PRIVATE = 1, 2, 4, 8, 4096, 0x4000, 0x44000
+NOSUID, NODEV, NOEXEC, BIND, REC, REC_PRIVATE = 2, 4, 8, 4096, 0x4000, 0x44000
 # (audit arch, pivot_root, socket and socketpair, the calls that fail with EPERM). Those hold what no
 # limit bounds: SysV shm, semaphores, message queues, memfds and secret memfds hold memory past the
 # mappings RLIMIT_AS counts, keys live in the caller's keyrings (a token, say), and io_uring opens
