@@ -35,8 +35,10 @@ def read_samples(run: Path, strict: bool = False) -> list[dict]:
     for path in (run / "samples.1.jsonl", run / "samples.jsonl"):
         lines = path.read_text(errors="replace").splitlines(keepends=True) if path.exists() else []
         for n, line in enumerate(lines, 1):
+            if not line.endswith("\n"):  # the last, still being written (or cut short by a kill)
+                continue
             try:
-                rows += [json.loads(line)] if line.endswith("\n") else []
+                rows.append(json.loads(line))
             except ValueError as e:
                 why = f"{path}:{n}: not a JSON line ({e.msg}); repair or delete that line"
                 if strict:
