@@ -395,8 +395,10 @@ class TaskRollouts(BatchSource):
         need = want // utils.world()  # this rank's groups
         kept, flat, rounds = [], [], 0
         # Dynamic sampling (DAPO): a group whose rewards all agree has zero advantage under GRPO and
-        # RLOO, so it is set aside and fresh prompts are generated, at most max_gen_batches rounds.
-        while len(kept) < need and rounds < (cfg.max_gen_batches if cfg.dynamic_sampling else 1):
+        # RLOO, so it is set aside and fresh prompts are generated, at most max_gen_batches rounds: on all
+        # ranks while any is short (each by its own count: streams off the position a checkpoint holds).
+        limit = cfg.max_gen_batches if cfg.dynamic_sampling else 1
+        while rounds < limit and (not rounds or utils.reduce_dict({"short": len(kept) < need})["short"]):
             rounds += 1
             for group in rollout_single(self.policy, self.task, self.draw(want), cfg.group_size, cfg):
                 rewards = {r.reward for r in group}  # NaN: a judge gave no score, the group is masked out

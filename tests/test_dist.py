@@ -107,6 +107,31 @@ class Oracle:
         return self.task.solve(self.problems[i]) if right else "-12345"
 
 
+class OneSided(Oracle):
+    """Training problems: each group's even samples are right on rank 0 (reward spread), every sample is wrong
+    on the other ranks (a flat group, which --dynamic-sampling sets aside and draws again for)."""
+
+    def __init__(self, task):
+        self.task, self.problems = task, [task.train_problem(i) for i in range(64)]
+        self.index = {p.prompt: i for i, p in enumerate(self.problems)}
+
+    def generate(self, prefixes, max_new_tokens, gen_batch, greedy=False):
+        right = lambda j: int(j % 2 == 0 and utils.rank() == 0)
+        return [Sample([p[0], right(j)], [0.0, 0.0], False) for j, p in enumerate(prefixes)]
+
+    def decode(self, ids):
+        return self.task.solve(self.problems[ids[0]]) if ids[1] else "-12345"
+
+
+def dynamic_sampling_draws() -> dict:
+    cfg = cfg_from("--task", "arith", "--algo", "grpo", "--group-size", "2", "--batch", "8",
+                   "--dynamic-sampling")
+    source = rollouts.TaskRollouts(cfg, policy=None)
+    source.policy = OneSided(source.task)
+    rows = len(source.next(0))
+    return {"rows": rows, "position": source.position, "gen_rounds": source.last["gen_rounds"]}
+
+
 def eval_with_oracle(task: str = "arith", size: int = 10) -> dict:
     source = rollouts.TaskRollouts(cfg_from("--task", task, "--eval-size", str(size), "--pass-k", "2"), policy=None)
     source.policy = Oracle(source.task)
@@ -133,6 +158,7 @@ def worker(out: Path) -> None:
     report["first_obs"] = cartpole.next(0).obs[:, 0].tolist()
     report["eval"] = eval_with_oracle()
     report["eval_one"] = {task: eval_with_oracle(task, size=1) for task in ("arith", "add")}  # rank 1: none
+    report["dynamic"] = dynamic_sampling_draws()
     torch.manual_seed(100 + r)  # deliberately different weights per rank before the broadcast
     policy = MLPPolicy(4, 2)
     utils.broadcast_weights(policy)
@@ -193,6 +219,13 @@ def test_ranks_draw_disjoint_interleaved_problems_covering_one_process_stream(ra
 def test_control_ranks_roll_out_from_different_seeds(ranks):
     _, (r0, r1) = ranks
     assert len(r0["first_obs"]) == 2 and r0["first_obs"] != r1["first_obs"]  # batch 4 = 2 episodes per rank
+
+
+def test_dynamic_sampling_ranks_draw_as_many_rounds_while_any_is_short(ranks):
+    """Rank 0's groups all had spread, rank 1's none: rank 0 stopped after one round (position 4), rank 1
+    drew three (12), and a checkpoint (rank 0's position) resumed rank 1 on problems it had trained on."""
+    _, (r0, r1) = ranks
+    assert r0["dynamic"] == r1["dynamic"] == {"rows": 4, "position": 12, "gen_rounds": 3}  # --max-gen-batches
 
 
 def test_sharded_eval_reduces_to_the_one_process_numbers(ranks):
