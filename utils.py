@@ -333,6 +333,8 @@ def init_distributed(timeout_s: float) -> None:
     """Joins torchrun's group; a rank stuck in a collective for timeout_s raises rather than hangs."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or dist.is_initialized():
         return
+    if timeout_s > 1e9:  # gloo's deadline, now + timeout in ns, overflows past ~9.2e9 s: it timed out at once
+        raise ConfigError(f"--dist-timeout {timeout_s:g}: at most 1e9 seconds (31 years: never, in effect)")
     die_with_launcher()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # LLMPolicy's "cuda" is then this rank's GPU

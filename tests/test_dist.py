@@ -8,6 +8,7 @@ import ctypes
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -260,6 +261,15 @@ def test_world_size_must_split_the_global_batch_into_whole_groups(monkeypatch):
     monkeypatch.setattr(utils, "world", lambda: 2)
     with pytest.raises(utils.ConfigError, match="2 rank\\(s\\) need a multiple of 8.*try --batch 16"):
         train.validate(cfg)
+
+
+def test_a_dist_timeout_past_gloos_clock_is_refused_before_the_group_forms(monkeypatch):
+    """gloo adds the timeout to its clock in nanoseconds: --dist-timeout 1e10 had every rank's rendezvous time
+    out at once, 8.6e13 failed gloo's own check and 1e15 overflowed timedelta, each a traceback per rank."""
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it; the check comes before any rendezvous
+    for seconds in (1e10, 1e15):
+        with pytest.raises(utils.ConfigError, match=re.escape(f"--dist-timeout {seconds:g}: at most 1e9 seconds")):
+            utils.init_distributed(seconds)
 
 
 def test_two_rank_cartpole_run_checkpoints_once_and_resumes_on_one_rank(tmp_path):
