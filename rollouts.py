@@ -520,7 +520,10 @@ def json_number(x) -> float | None:
 
 
 def show_samples(batch: Batch, label: str, n: int) -> None:
-    """Prints the first n rows' prompt, completion, answer and reward breakdown (--debug-samples)."""
+    """Prints the first n rows' prompt, completion, answer and reward breakdown (--debug-samples): rank 0's
+    under torchrun, as train.py's own rows are (each rank printed its share of an eval's, n each)."""
+    if utils.rank() > 0:
+        return
     for r, (prompt, completion, answer) in enumerate(batch.texts[:n]):
         parts = {k.removeprefix("reward_"): round(float(v[r]), 4) for k, v in batch.stats.items()}
         tqdm.write(f"--- {label} prompt: {prompt!r}\n    completion: {completion!r}\n"

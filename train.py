@@ -452,7 +452,7 @@ def train(cfg: Config) -> Path | None:
             stats.update(utils.reduce_dict(source.last, mean=True))  # 5. log, evaluate, checkpoint
             log.log(step + 1, stats)
             log.samples(step + 1, sample_rows(batch, cfg.samples, "train", step + 1))
-            if step % cfg.eval_every == 0 and cfg.debug_samples and utils.rank() == 0:
+            if step % cfg.eval_every == 0 and cfg.debug_samples:
                 show_samples(batch, f"step {step}", cfg.debug_samples)
             if stop(step + 1, log):  # a stop during the step skips the eval (one during it abandons it)
                 break

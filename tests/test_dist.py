@@ -327,9 +327,12 @@ def test_a_checkpoint_of_another_world_size_or_an_older_one_gives_rank_0s_state_
 def test_two_rank_llm_grpo_run_resumes_on_one_rank(tmp_path):
     run = tmp_path / "run"
     argv = ["--task", "arith", "--model", "tiny", "--lora", "--algo", "grpo", "--group-size", "4", "--batch", "8",
-            "--max-new-tokens", "4", "--eval-size", "6", "--no-progress", "--out", str(run)]
+            "--max-new-tokens", "4", "--eval-size", "6", "--debug-samples", "1", "--no-progress",
+            "--out", str(run)]
     proc = torchrun("train.py", *argv, "--steps", "2", "--sft-steps", "1")  # the warm-start sums gradients too
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # --debug-samples 1: one row of each of the 3 evals (before the warm-start, steps 0, 2), not one per rank
+    assert proc.stdout.count("--- eval prompt") == 3 and proc.stdout.count("--- step 0 prompt") == 1
     metrics = read_metrics(run)
     assert [s for s, _ in metrics["sft_loss"]] == [0] and metrics["sft_loss"][0][1] > 0
     assert [s for s, _ in metrics["loss"]] == [1, 2] and [s for s, _ in metrics["eval_accuracy"]] == [0, 2]
