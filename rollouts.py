@@ -444,13 +444,17 @@ class TaskRollouts(BatchSource):
     def prompt_ids(self, problem: Problem) -> list[int]:  # what the warm-start imitates after
         return self.policy.encode_prompt(problem.prompt)
 
-    def state(self) -> dict:
-        spread = {"spread": [astuple(p) for p in self.spread]} if self.spread else {}
-        return super().state() | {"held_out": self.held_out} | spread
+    def state(self) -> dict:  # each rank replays its own spread: all ranks' go in (rank 0's alone gave rank
+        # 1 rank 0's on a resume, which both then replayed, while rank 1's own were lost)
+        spreads = utils.gather_objects([astuple(p) for p in self.spread]) if self.cfg.prompt_reweight else []
+        return super().state() | {"held_out": self.held_out} | ({"spreads": spreads} if any(spreads) else {})
 
     def load_state(self, state: dict) -> None:
         super().load_state(state)
-        self.spread = [Problem(*p) for p in state.get("spread", [])]  # absent: nothing to replay
+        spreads = state.get("spreads", [state.get("spread", [])])  # none: no replay; older: rank 0's
+        r, w = utils.rank(), utils.world()  # another world size: all ranks' dealt out anew
+        own = spreads[r] if len(spreads) == w else [p for s in spreads for p in s][r::w]
+        self.spread = [Problem(*p) for p in own]
         if state.get("held_out", self.held_out) != self.held_out:  # an older checkpoint has none
             utils.stderr("warning: the eval problems are not the run's (its --data rows, --seed or "
                          "--eval-size changed): evals from here on measure others, some perhaps trained on")

@@ -421,6 +421,16 @@ def broadcast_bytes(data: bytearray | None) -> bytearray:
     return data if rank() == 0 else bytearray(buf.numpy())
 
 
+@collective
+def gather_objects(value) -> list:
+    """Every rank's `value` (small, picklable: from this run's own ranks), in rank order."""
+    if world() == 1:
+        return [value]
+    everyone = [None] * world()
+    dist.all_gather_object(everyone, value)
+    return everyone
+
+
 def from_rank0(path: Path) -> Path:
     """Rank 0's path on every rank: a new run's directory is the one rank 0 made, the others' only a guess."""
     return Path(os.fsdecode(bytes(broadcast_bytes(bytearray(os.fsencode(path))))))

@@ -133,6 +133,20 @@ def dynamic_sampling_draws() -> dict:
     return {"rows": rows, "position": source.position, "gen_rounds": source.last["gen_rounds"]}
 
 
+def replayed_after_a_resume() -> list[str]:
+    """--prompt-reweight 0.5: the problems a rank draws after a resume from the checkpoint of step 1 (rank 0's
+    source.state(), which every rank reads), where rank 0's groups had reward spread and rank 1's none."""
+    cfg = cfg_from("--task", "arith", "--algo", "grpo", "--group-size", "2", "--batch", "8",
+                   "--prompt-reweight", "0.5")
+    source = rollouts.TaskRollouts(cfg, policy=None)
+    source.policy = OneSided(source.task)
+    source.next(0)
+    state = bytearray(json.dumps(source.state()).encode())  # as meta.json holds it
+    resumed = rollouts.TaskRollouts(cfg, policy=None)
+    resumed.load_state(json.loads(bytes(utils.broadcast_bytes(state if utils.rank() == 0 else None))))
+    return [p.key for p in resumed.draw(4)]
+
+
 def eval_with_oracle(task: str = "arith", size: int = 10) -> dict:
     source = rollouts.TaskRollouts(cfg_from("--task", task, "--eval-size", str(size), "--pass-k", "2"), policy=None)
     source.policy = Oracle(source.task)
@@ -160,6 +174,7 @@ def worker(out: Path) -> None:
     report["eval"] = eval_with_oracle()
     report["eval_one"] = {task: eval_with_oracle(task, size=1) for task in ("arith", "add")}  # rank 1: none
     report["dynamic"] = dynamic_sampling_draws()
+    report["replayed"] = replayed_after_a_resume()
     torch.manual_seed(100 + r)  # deliberately different weights per rank before the broadcast
     policy = MLPPolicy(4, 2)
     utils.broadcast_weights(policy)
@@ -227,6 +242,15 @@ def test_dynamic_sampling_ranks_draw_as_many_rounds_while_any_is_short(ranks):
     drew three (12), and a checkpoint (rank 0's position) resumed rank 1 on problems it had trained on."""
     _, (r0, r1) = ranks
     assert r0["dynamic"] == r1["dynamic"] == {"rows": 4, "position": 12, "gen_rounds": 3}  # --max-gen-batches
+
+
+def test_each_rank_replays_its_own_spread_prompts_after_a_resume(ranks):
+    """A checkpoint held rank 0's spread alone: after a resume rank 1 replayed rank 0's problem 0 too (drawn
+    twice in one step) and never its own."""
+    _, (r0, r1) = ranks
+    key = lambda i: rollouts.TaskRollouts(cfg_from("--task", "arith"), policy=None).task.train_problem(i).key
+    assert r0["replayed"] == [key(0), key(6)]  # rank 0: problems 0, 2 had spread; half its 2 fresh ones go
+    assert r1["replayed"] == [key(5), key(7)]  # rank 1: none had spread, nothing to replay
 
 
 def test_sharded_eval_reduces_to_the_one_process_numbers(ranks):
