@@ -93,8 +93,7 @@ class Inbox:
         self.refusal = ""  # why the latest refused batch was: a step waiting for batches says it
         self.alone, self.exited = not os.environ.get("NANORL_TOKEN"), set()  # only --workers join; dead pids
         self.resumed = Counter()  # the counts up to a --resumed run's checkpoint: its logged totals go on
-        url = cfg.trainer_url or "http://127.0.0.1:0"  # an ephemeral loopback port
-        host, port = split_url(url)
+        host, port = split_url(cfg.trainer_url or "http://127.0.0.1:0")  # none: a loopback port, never taken
         try:
             self.server = Server({("POST", "/hello"): self.hello, ("GET", "/adapter"): self.adapter,
                                   ("POST", "/batch"): self.receive}, host, port or 0)
@@ -102,7 +101,7 @@ class Inbox:
             fix = ("pick another port, or stop the process that holds it" if e.errno == errno.EADDRINUSE
                    else "pick a port above 1023 (those below need root)" if e.errno == errno.EACCES
                    else "give this machine's host name or address (0.0.0.0: all of them)")
-            why = f"--trainer-url {url}: cannot listen there ({e.strerror}); {fix}"
+            why = f"--trainer-url {cfg.trainer_url}: cannot listen there ({e.strerror}); {fix}"
             raise utils.ConfigError(why) from None
         # 0.0.0.0 (or ::) is every interface here, which a worker on another machine cannot dial
         reach = (f"http://{socket.gethostname()}:{self.server.server_address[1]}" if host in ("0.0.0.0", "::")
@@ -274,6 +273,7 @@ class Inbox:
             while len(got) < self.groups:
                 if not self.cond.wait_for(lambda: self.queue, timeout=min(CHECKS, WAITING)):
                     self.check_workers(procs)
+                    utils.beat()  # torchrun: the other ranks, in broadcast_bytes, wait on past --dist-timeout
                     if time.monotonic() - said >= WAITING:
                         said, live = time.monotonic(), len(self.live())
                         utils.stderr(f"step {step}: waiting for batches ({live} live workers{self.refusal})")

@@ -411,11 +411,14 @@ def sum_grads(module: torch.nn.Module) -> None:
 
 @collective
 def broadcast_bytes(data: bytearray | None) -> bytearray:
-    """Rank 0's bytes on every rank, as a uint8 tensor, never pickled: a bytearray decode views uncopied."""
+    """Rank 0's bytes on every rank, as a uint8 tensor, never pickled: a bytearray decode views uncopied.
+    Never empty: a length of 0 is rank 0's beat(), which the others wait through."""
     if world() == 1:
         return data
     n = torch.tensor([len(data) if rank() == 0 else 0])
     dist.broadcast(n, 0)
+    while not n:
+        dist.broadcast(n, 0)
     buf = torch.frombuffer(data, dtype=torch.uint8) if rank() == 0 else torch.empty(int(n), dtype=torch.uint8)
     dist.broadcast(buf, 0)
     return data if rank() == 0 else bytearray(buf.numpy())
@@ -429,6 +432,14 @@ def gather_objects(value) -> list:
     everyone = [None] * world()
     dist.all_gather_object(everyone, value)
     return everyone
+
+
+@collective
+def beat() -> None:
+    """Rank 0, busy long before its next broadcast_bytes (an async trainer waiting for workers), says so every
+    few seconds: the others' wait in it, one broadcast, failed at --dist-timeout ("another rank ... hung")."""
+    if world() > 1:
+        dist.broadcast(torch.tensor([0]), 0)
 
 
 def from_rank0(path: Path) -> Path:

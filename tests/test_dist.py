@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -646,3 +647,35 @@ def test_two_rank_async_trainer_with_two_hf_workers_trains_every_step_exactly(tm
     # within 4 steps depends on the machine's load (exact counting: test_inbox's liveness test)
     assert 1 <= max(v for _, v in m["live_workers"]) <= 2
     assert proc.stderr.count("trainer listening on") == 1  # rank 0 alone serves
+
+
+def test_a_two_rank_trainer_waits_for_late_workers_past_the_dist_timeout(tmp_path):
+    """While rank 0 waited for batches, rank 1 waited in one broadcast: a worker later than --dist-timeout
+    (a node still starting, preempted workers) failed rank 1, "another rank died or hung", and the run. Rank 0
+    now beats every few seconds while it waits; the worker here comes well past the 8 s."""
+    with socket.socket() as s:  # a free port: the worker must know the url before the trainer prints it
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    argv = ["--task", "arith", "--model", "tiny", "--lora", "--sft-steps", "0", "--algo", "grpo",
+            "--group-size", "4", "--batch", "8", "--max-new-tokens", "4", "--eval-size", "2", "--no-progress",
+            "--trainer-url", url]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "NANORL_TOKEN": "a" * 32}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           *argv, "--role", "trainer", "--steps", "1", "--dist-timeout", "8", "--out", str(tmp_path / "run")]
+    err = tmp_path / "stderr"
+    with open(err, "w") as stderr:
+        trainer = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+    worker = None
+    try:
+        while "trainer listening on" not in err.read_text():
+            assert trainer.poll() is None, err.read_text()[-3000:]
+            time.sleep(0.2)
+        time.sleep(20)  # rank 1 is in step 1's broadcast well past --dist-timeout
+        worker = subprocess.Popen([sys.executable, "train.py", *argv, "--role", "rollout"], cwd=ROOT, env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        assert trainer.wait(timeout=240) == 0, err.read_text()[-3000:]
+    finally:
+        for p in filter(None, (trainer, worker)):
+            p.kill()
+            p.wait()
+    assert [s for s, _ in read_metrics(tmp_path / "run")["loss"]] == [1]
