@@ -294,8 +294,10 @@ def collective(fn):
         except RuntimeError as e:
             if not (gone := re.search(r"connection \w+ by peer|timed out", str(e), re.IGNORECASE)):
                 raise  # anything else is a bug here, shown whole
-            raise RankLost(f"another rank died or hung (gloo: {gone[0].lower()}), not this one: its error or "
-                           "exit code (torchrun's summary) says why; then --resume the run") from e
+            why = gone[0].lower()  # a rank past --dist-timeout may be only slow: a long checkpoint or eval
+            slow = " (none, if only slow: raise --dist-timeout)" if why == "timed out" else ""
+            raise RankLost(f"another rank died or hung (gloo: {why}), not this one: its error or exit code "
+                           f"(torchrun's summary) says why{slow}; then --resume the run") from e
     return checked
 
 

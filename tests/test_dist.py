@@ -402,6 +402,8 @@ def test_a_failing_rank_stops_the_whole_run_with_a_message(tmp_path, action, tim
                     "--dist-timeout", timeout, "--out", str(tmp_path / "run"), timeout=180)
     assert proc.returncode != 0
     assert message in proc.stderr and LOST in proc.stderr and "[rank0]:" not in proc.stderr
+    # a timeout's only other cause: a rank merely slower than --dist-timeout (a long checkpoint, an eval)
+    assert ("(none, if only slow: raise --dist-timeout); then --resume" in proc.stderr) == ("timed out" in message)
     assert f"checkpoints so far: --resume {tmp_path / 'run'}\n" in proc.stderr
     assert not list((tmp_path / "run").glob("ckpt-*"))  # no checkpoint of a half-finished run
 
