@@ -396,7 +396,7 @@ class TaskRollouts(BatchSource):
         kept, flat, rounds = [], [], 0
         # Dynamic sampling (DAPO): a group whose rewards all agree has zero advantage under GRPO and
         # RLOO, so it is set aside and fresh prompts are generated, at most max_gen_batches rounds: on all
-        # ranks while any is short (each by its own count: streams off the position a checkpoint holds).
+        # ranks while any is short (by their own counts they drew apart from the one position checkpointed).
         limit = cfg.max_gen_batches if cfg.dynamic_sampling else 1
         while rounds < limit and (not rounds or utils.reduce_dict({"short": len(kept) < need})["short"]):
             rounds += 1
@@ -444,8 +444,7 @@ class TaskRollouts(BatchSource):
     def prompt_ids(self, problem: Problem) -> list[int]:  # what the warm-start imitates after
         return self.policy.encode_prompt(problem.prompt)
 
-    def state(self) -> dict:  # each rank replays its own spread: all ranks' go in (rank 0's alone gave rank
-        # 1 rank 0's on a resume, which both then replayed, while rank 1's own were lost)
+    def state(self) -> dict:  # spreads: every rank's own (rank 0's alone had a resumed rank 1 replay its)
         spreads = utils.gather_objects([astuple(p) for p in self.spread]) if self.cfg.prompt_reweight else []
         return super().state() | {"held_out": self.held_out} | ({"spreads": spreads} if any(spreads) else {})
 
