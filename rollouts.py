@@ -445,7 +445,7 @@ class TaskRollouts(BatchSource):
         return self.policy.encode_prompt(problem.prompt)
 
     def state(self) -> dict:  # spreads: every rank's own (rank 0's alone had a resumed rank 1 replay its)
-        spreads = utils.gather_objects([astuple(p) for p in self.spread]) if self.cfg.prompt_reweight else []
+        spreads = utils.gather_json([astuple(p) for p in self.spread]) if self.cfg.prompt_reweight else []
         return super().state() | {"held_out": self.held_out} | ({"spreads": spreads} if any(spreads) else {})
 
     def load_state(self, state: dict) -> None:

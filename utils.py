@@ -9,6 +9,7 @@ import errno
 import functools
 import importlib.metadata
 import inspect
+import json
 import math
 import os
 import re
@@ -427,13 +428,17 @@ def broadcast_bytes(data: bytearray | None) -> bytearray:
 
 
 @collective
-def gather_objects(value) -> list:
-    """Every rank's `value` (small, picklable: from this run's own ranks), in rank order."""
+def gather_json(value) -> list:
+    """Every rank's JSON-able `value`, in rank order; sent as JSON bytes, never pickled."""
     if world() == 1:
         return [value]
-    everyone = [None] * world()
-    dist.all_gather_object(everyone, value)
-    return everyone
+    mine = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world())]
+    dist.all_gather(sizes, torch.tensor([len(mine)]))
+    longest = int(max(sizes))  # all_gather takes equal sizes: each rank's bytes, padded to the longest
+    everyone = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
+    dist.all_gather(everyone, torch.cat([mine, torch.zeros(longest - len(mine), dtype=torch.uint8)]))
+    return [json.loads(bytes(t[:int(n)].numpy())) for t, n in zip(everyone, sizes)]
 
 
 @collective
