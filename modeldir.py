@@ -42,10 +42,13 @@ def resolve_model(name: str) -> str:
                                     "builds from source)")
         name = str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
     local = Path(name).expanduser()
-    if name.endswith(".gguf"):
+    if name.lower().endswith(".gguf") or is_gguf(local):  # by content too: X.GGUF, X.bin were "no such dir"
         if not local.is_file():
             raise utils.ConfigError(f"--model {name}: no such file; pass the path of a .gguf file")
         return gguf_to_hf(local)
+    if local.is_dir() and not (local / "config.json").is_file() and (ggufs := sorted(local.glob("*.gguf"))):
+        raise utils.ConfigError(f"--model {name}: a directory of GGUF files, without config.json; pass one "
+                                f"file: --model {ggufs[0]}")
     if (local / "adapter_config.json").is_file() and not (local / "config.json").is_file():
         raise utils.ConfigError(f"--model {name}: a LoRA adapter (an --export), not a model; --export DIR "
                                 "--export-merged writes one that --model loads")
@@ -54,6 +57,8 @@ def resolve_model(name: str) -> str:
                                 "--export DIR --export-merged writes one that --model loads")
     if local.is_dir():
         name = str(local)
+    elif local.is_file():  # not a GGUF (above): one of a model's files, say its weights
+        raise utils.ConfigError(f"--model {name}: a file, not a model directory or .gguf file; {LOAD_HINT}")
     # A hub id is NAME or OWNER/NAME: a longer path, or one into a directory here without models (runs/x), is
     # a directory not made yet, which the hub would only answer after ~25 s of retries offline.
     elif name.startswith((".", "/", "~")) or name.count("/") > 1 or (
@@ -67,6 +72,13 @@ def resolve_model(name: str) -> str:
         typo = utils.closest(name, ("tiny", "smollm2-135m"))  # the names that need no download
         raise utils.ConfigError(f"--model {name}: cannot load it ({why}){typo}; {LOAD_HINT}") from None
     return path
+
+
+def is_gguf(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return f.read(4) == b"GGUF"  # the magic every GGUF version starts with
 
 
 def hub_cached(name: str) -> str:

@@ -107,6 +107,18 @@ def test_gguf_errors_are_one_line_naming_the_fix(tmp_path, monkeypatch):
     assert 'pip install gguf (or pip install -e ".[demo]")' in one_line_error(str(cut))
 
 
+def test_a_gguf_is_known_by_its_content_and_a_directory_of_them_names_the_file(converted, tmp_path):
+    """A GGUF named X.GGUF was "no such directory" (it exists); a directory holding only .gguf files
+    said its config.json lacked a model_type (it has none); a model's lone weights file, "no such directory"."""
+    upper = tmp_path / "SmolLM2-135M-Instruct.Q4_1.GGUF"  # the same stem: the same converted directory
+    upper.symlink_to(GGUF)
+    assert resolve_model(str(upper)) == converted
+    assert one_line_error(str(GGUF.parent)) == (f"--model {GGUF.parent}: a directory of GGUF files, without "
+                                                f"config.json; pass one file: --model {GGUF}")
+    weights = Path(converted) / "model.safetensors"
+    assert one_line_error(str(weights)).startswith(f"--model {weights}: a file, not a model directory or .gguf")
+
+
 def write_gguf(path: Path, kind: str, settings: dict, tensors: dict, tokens: list[str],
                arch: bool = True) -> Path:
     """A GGUF of only `kind` (general.type), the llama settings, tensors and (if any) the tokens given;
