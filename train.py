@@ -138,14 +138,14 @@ def task_defaults(given: dict) -> dict:
     tiny = given.get("model", Config.model) == "tiny"  # random init: every reward 0 (no gradient) until SFT
     # a random-init model has nothing worth freezing, unless --lora-rank (-alpha, -targets) asks for LoRA
     lora = given.get("lora", Config.lora and (not tiny or any(k.startswith("lora_") for k in given)))
-    longest = Config.max_len if task in TEXT_ENVS else given.get("max_new_tokens", kind.max_new_tokens)
+    longest = ("max_len", Config.max_len) if task in TEXT_ENVS else ("max_new_tokens", kind.max_new_tokens)
     return {"algo": "grpo", "group_size": 8, "batch": 64,  # 8 prompts x 8: a spread at 10-90% accuracy
             "lora": lora, "lr": 5e-4 if lora else 5e-5,  # a low-rank update: ~10x the rate
             "sft_steps": 200 if tiny else 0,  # arith_chain: 32 s to 15% held-out; sql: ~39 min (2 cores)
             "max_new_tokens": kind.max_new_tokens,  # the task's own budget ("12+7=" needs 8, GSM8K 512)
             "max_turns": getattr(TEXT_ENVS.get(task), "max_turns", Config.max_turns),  # a text env's own
             "gamma": 1.0,  # per token, 0.99 gave a 300-token answer's first token 5% of its reward
-            "micro_batch": 0 if tiny else max(1, 2048 // longest)}  # 2048 tokens: bench/memory.py
+            "micro_batch": 0 if tiny else max(1, 2048 // given.get(*longest))}  # 2048 tokens: bench/memory.py
 
 
 def choices() -> dict:

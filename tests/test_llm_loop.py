@@ -167,6 +167,7 @@ def test_the_random_init_tiny_model_gets_a_warm_start_and_full_fine_tuning_by_de
     (["--task", "countdown", "--model", "smollm2-135m", "--max-new-tokens", "4096"], 1),  # at least a row
     (["--task", "arith", "--model", "smollm2-135m"], 256),  # 8 tokens: one pass for the batch
     (["--task", "sql", "--model", "smollm2-135m"], 1),  # an episode may run to --max-len 2048
+    (["--task", "sql", "--model", "smollm2-135m", "--max-len", "512"], 4),  # the given one (was ignored: 1)
     (["--task", "countdown", "--model", "smollm2-135m", "--micro-batch", "0"], 0),  # what is given wins
     (["--task", "countdown"], 0),  # the tiny model: a few MB of activations, one pass is fastest
     (["--task", "cartpole"], 0),
