@@ -208,6 +208,10 @@ class LLMPolicy(nn.Module):
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids)
         self.use_template = cfg.chat_template and self.tokenizer.chat_template is not None
+        template = str(self.tokenizer.chat_template) if self.use_template else ""
+        if cfg.thinking and "enable_thinking" not in template:  # it would change nothing, silently
+            raise utils.ConfigError(f"--thinking: {cfg.model} has no chat template that reads enable_thinking "
+                                    "(Qwen3's does); drop --thinking")
         # the bos the tokenizer writes before a text, which encode(add_special_tokens=False) leaves out
         self.bos = [i for i in self.tokenizer("")["input_ids"] if i == self.tokenizer.bos_token_id]
         try:  # a broken template fails here, not at the first rollout

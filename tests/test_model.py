@@ -612,6 +612,12 @@ def test_encode_prompt_plain_text_and_chat_template_with_thinking(tiny, tmp_path
     assert policy(str(path)).decode(policy(str(path)).encode_prompt("1+1")) == "<user>1+1:"
     assert policy(str(path), thinking=True).decode(policy(str(path), thinking=True).encode_prompt("1+1")) == "<user>1+1?:"
     assert policy(str(path), chat_template=False).encode_prompt("12") == pol.encode_prompt("12")
+    # --thinking where no template reads it (SmolLM2's, none, or switched off) changed nothing, silently
+    cfg["chat_template"] = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}:"
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for model, kw in ((str(path), {}), (tiny, {}), (str(path), {"chat_template": False})):
+        with pytest.raises(utils.ConfigError, match="^--thinking: .* has no chat template that reads enable_thinking"):
+            policy(model, thinking=True, **kw)
 
 
 def test_policy_without_weights_holds_no_memory_yet_agrees_on_tokens_eos_and_adapter_names(tiny, tmp_path):
