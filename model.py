@@ -192,6 +192,7 @@ class LLMPolicy(nn.Module):
                                     f"({str(e).splitlines()[0]}); {LOAD_HINT}") from None
         lm = load_lm(self.path, cfg, self.device)
         self.positions = learned_positions(lm)  # None: no end (before LoRA wraps an embedding, if named)
+        self.context = self.positions or getattr(lm.config, "max_position_embeddings", None)  # None: unnamed
         self.model = add_lora(lm, cfg) if self.lora else lm
         # PPO's critic: a linear head on the last hidden state, trained through the same adapter (or
         # weights); zero-initialised so the first values are 0 rather than noise of the reward's scale.
@@ -210,8 +211,8 @@ class LLMPolicy(nn.Module):
         self.use_template = cfg.chat_template and self.tokenizer.chat_template is not None
         template = str(self.tokenizer.chat_template) if self.use_template else ""
         if cfg.thinking and "enable_thinking" not in template:  # it would change nothing, silently
-            raise utils.ConfigError(f"--thinking: {cfg.model} has no chat template that reads enable_thinking "
-                                    "(Qwen3's does); drop --thinking")
+            raise utils.ConfigError(f"--thinking: {cfg.model} has no chat template that reads "
+                                    "enable_thinking (Qwen3's does); drop --thinking")
         # the bos the tokenizer writes before a text, which encode(add_special_tokens=False) leaves out
         self.bos = [i for i in self.tokenizer("")["input_ids"] if i == self.tokenizer.bos_token_id]
         try:  # a broken template fails here, not at the first rollout

@@ -352,6 +352,10 @@ class TaskRollouts(BatchSource):
         self.held_out = hashlib.sha256(keys.encode()).hexdigest()[:16]
 
     def make_task(self, cfg) -> tasks.Task:
+        context = None if not self.policy or self.policy.positions else self.policy.context  # GPT-2's: cut
+        if context and cfg.max_new_tokens >= context:  # no prompt fits: a rotary model ran past it, silently
+            raise utils.ConfigError(f"--max-new-tokens {cfg.max_new_tokens} leaves no room for a prompt in "
+                                    f"the model's {context:,}-token context; lower it")
         task = tasks.make_task(cfg.task, seed=cfg.seed, eval_size=cfg.eval_size, data=cfg.data or None,
                                bad_rows=cfg.bad_rows, too_long=self.too_long if self.policy else None)
         if cfg.overlong_buffer:
@@ -369,8 +373,7 @@ class TaskRollouts(BatchSource):
     def too_long(self, prompt: str) -> str | None:
         """Why a data row's prompt cannot be sampled (None: it fits): with --max-new-tokens it would pass the
         model's context. Unchecked, a rotary model ran past it silently and a huge row ran out of memory."""
-        context = self.policy.positions or getattr(self.policy.model.config, "max_position_embeddings", None)
-        if not context:  # a config that names no context: nothing to compare with
+        if not (context := self.policy.context):  # a config that names no context: nothing to compare with
             return None
         room, n = context - self.cfg.max_new_tokens, len(self.policy.encode_prompt(prompt))
         if n > room:

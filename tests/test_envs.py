@@ -76,6 +76,7 @@ class ScriptedPolicy:
         self.tokenizer, self.script, self.sampled = tokenizer, script, []
         self.use_template, self.thinking, self.bos = tokenizer.chat_template is not None, False, []
         self.eos_ids, self.pad_id, self.positions = {tokenizer.eos_token_id}, tokenizer.pad_token_id, None
+        self.context = None  # no network, so no context to fit
 
     def generate(self, prefixes, max_new_tokens, gen_batch=64, greedy=False):
         out = []

@@ -21,7 +21,7 @@ from envs import TextEnv
 from exact import assert_sampled_ids_are_trained
 from model import LLMPolicy, VLLMGenerator
 from modeldir import resolve_model
-from rollouts import make_batch, rollout_multiturn
+from rollouts import TaskRollouts, make_batch, rollout_multiturn
 from tasks import Problem, ProceduralTask, completion_number
 from transport import decode, encode
 
@@ -228,6 +228,21 @@ def randomise_adapter(pol: LLMPolicy, scale: float) -> None:
     """lora_B starts at zero, where the adapter is the identity and hides bugs: make it matter."""
     g = torch.Generator().manual_seed(1)
     pol.load_trainable({n: torch.randn(t.shape, generator=g) * scale for n, t in pol.trainable_state().items()})
+
+
+def test_a_completion_budget_past_the_context_is_refused_before_a_sample(pol, tmp_path):
+    """--max-new-tokens 9000 on SmolLM2 (8,192 positions, rotary): `add` sampled on past the context,
+    silently; gsm8k called each of its rows malformed, then said "0 usable rows ... add rows"."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(f'{{"question": "What is {i} + 1?", "answer": "#### {i + 1}"}}\n' for i in range(9)))
+    for task, data in (("add", ""), ("gsm8k", str(rows))):
+        for budget in (8192, 9000):
+            with pytest.raises(utils.ConfigError) as e:
+                TaskRollouts(train.Config(task=task, data=data, eval_size=2, max_new_tokens=budget), pol)
+            assert str(e.value) == (f"--task {task}: --max-new-tokens {budget} leaves no room for a prompt in "
+                                    "the model's 8,192-token context; lower it")
+    assert pol.context == 8192 and pol.positions is None
+    assert TaskRollouts(train.Config(task="add", eval_size=2, max_new_tokens=8000), pol).task.eval_problems()
 
 
 def test_chat_template_is_applied_and_im_end_ends_a_completion(pol):
