@@ -138,10 +138,14 @@ def load_lm(path: str, cfg, device: torch.device) -> nn.Module:
         if isinstance(e, ImportError) or "attn_implementation" in why:  # an unknown or uninstalled kernel
             raise utils.ConfigError(f"--attn {attn}: {why} (try --attn sdpa)") from None
         # the rest: a model that is not a causal LM, or weights missing or cut short (a copy, a full disk)
-        cached = cache_root() in Path(path).parents
-        fix = f"delete {path} (the cache's copy) and rerun" if cached else LOAD_HINT
-        raise utils.ConfigError(f"--model {cfg.model}: no causal LM loads from it ({why}); {fix}") from None
+        raise utils.ConfigError(f"--model {cfg.model}: no causal LM loads from it ({why}); "
+                                f"{load_fix(path)}") from None
     return whole(lm, info, cfg.model).to(device)
+
+
+def load_fix(path: str) -> str:
+    """What mends a model directory that does not load: the cache's own copies are rebuilt once deleted."""
+    return f"delete {path} (the cache's copy) and rerun" if cache_root() in Path(path).parents else LOAD_HINT
 
 
 def end_tokens(lm, tokenizer, model: str) -> set[int]:
@@ -189,7 +193,7 @@ class LLMPolicy(nn.Module):
             self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         except (OSError, ValueError) as e:
             raise utils.ConfigError(f"--model {cfg.model}: cannot load its tokenizer "
-                                    f"({str(e).splitlines()[0]}); {LOAD_HINT}") from None
+                                    f"({str(e).splitlines()[0]}); {load_fix(self.path)}") from None
         lm = load_lm(self.path, cfg, self.device)
         self.positions = learned_positions(lm)  # None: no end (before LoRA wraps an embedding, if named)
         self.context = self.positions or getattr(lm.config, "max_position_embeddings", None)  # None: unnamed

@@ -228,6 +228,9 @@ def test_a_model_directory_without_usable_weights_or_not_a_causal_lm_fails_in_on
     cut(cached / "model.safetensors")
     with pytest.raises(utils.ConfigError, match=rf"; delete {cached} \(the cache's copy\) and rerun$"):
         LLMPolicy(train.Config(model="tiny"))  # the cache reuses a directory that has its config.json
+    (cached / "tokenizer.json").unlink()  # its tokenizer said "check the model id, or pass a local directory"
+    with pytest.raises(utils.ConfigError, match=rf"its tokenizer \(.*\); delete {cached} \(the cache's copy\) and"):
+        LLMPolicy(train.Config(model="tiny"))
 
 
 def test_an_adapter_a_broken_chat_template_or_no_eos_token_fails_in_one_line_naming_the_fix(tiny, tmp_path):
