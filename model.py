@@ -148,6 +148,18 @@ def load_fix(path: str) -> str:
     return f"delete {path} (the cache's copy) and rerun" if cache_root() in Path(path).parents else LOAD_HINT
 
 
+def untie_adapted_head(model: nn.Module) -> nn.Module:
+    """A PEFT model whose head keeps its own copy of the base weight where LoRA adapts the tied input
+    embedding (SmolLM2's embed_tokens, GPT-2's wte): the adapter changes the lookup only, and merged into the
+    shared weight it changed the head too (the exported model's logits were off by 13)."""
+    lm = model.get_base_model()
+    head, embedding = lm.get_output_embeddings(), lm.get_input_embeddings()
+    if head is not None and hasattr(embedding, "base_layer") and head.weight is embedding.base_layer.weight:
+        head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+        lm.config.tie_word_embeddings = False  # else save_pretrained drops the head, and a load ties it again
+    return model
+
+
 def end_tokens(lm, tokenizer, model: str) -> set[int]:
     """The ids that end a completion: the tokenizer's eos and generation_config's (an int or a list)."""
     eos = lm.generation_config.eos_token_id
@@ -406,7 +418,7 @@ class LLMPolicy(nn.Module):
         if self.lora and not merged:
             return self.save_adapter(path)
         # merge_and_unload on a copy: the policy keeps its adapter (it may go on training or evaluating)
-        lm = copy.deepcopy(self.model).merge_and_unload() if self.lora else self.model
+        lm = untie_adapted_head(copy.deepcopy(self.model)).merge_and_unload() if self.lora else self.model
         with rundir.atomic_dir(Path(path)) as tmp:
             lm.save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)

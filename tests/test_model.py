@@ -714,6 +714,20 @@ def test_gpt2_completions_and_episodes_end_where_its_learned_positions_do(gpt2, 
     assert int(episodes.attn.sum(1).max()) <= 256 and episodes.truncated.all()
 
 
+def test_a_merged_export_with_gpt2s_tied_embedding_adapted_gives_the_policys_logits(gpt2, tmp_path):
+    """GPT-2's head is its wte: LoRA on wte adapts the lookup only, and merging into the shared weight
+    changed the head as well (tests/test_real_model.py: the same for SmolLM2)."""
+    from transformers import AutoModelForCausalLM
+
+    pol = policy(gpt2, lora_targets="c_attn,wte", lora_rank=4)
+    g = torch.Generator().manual_seed(1)
+    pol.load_trainable({n: torch.randn(t.shape, generator=g) * 0.1 for n, t in pol.trainable_state().items()})
+    ids = torch.tensor([pol.encode_prompt("12+7=")])
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(pol.export(str(tmp_path / "merged"), merged=True))
+        torch.testing.assert_close(merged(input_ids=ids).logits, pol.model(input_ids=ids).logits, rtol=0, atol=1e-5)
+
+
 def test_lora_target_errors_list_what_the_model_has(gpt2):
     with pytest.raises(utils.ConfigError, match=r"--lora-targets q_proj: this model's linear layers are "
                        r"c_attn,c_fc,c_proj \(or all-linear\); other layers LoRA can adapt when named: wpe,wte$"):

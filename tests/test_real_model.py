@@ -256,6 +256,23 @@ def test_chat_template_is_applied_and_im_end_ends_a_completion(pol):
     assert "<|im_end|>" not in pol.decode(s.ids) and pol.decode(s.ids).strip()  # a real answer, end token dropped
 
 
+def test_a_merged_export_of_an_adapted_tied_embedding_gives_the_trained_models_logits(converted, tmp_path):
+    """SmolLM2's head is its input embedding. LoRA on embed_tokens adapts the lookup only; merged, the head
+    shared the update too, and the exported model's logits were off by 13 from the policy that trained."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    pol = LLMPolicy(train.Config(model="smollm2-135m", lora_targets="embed_tokens,q_proj", lora_rank=4), "cpu")
+    randomise_adapter(pol, 0.05)
+    ids = torch.tensor([pol.encode_prompt("What is 2 + 3?")])
+    with torch.no_grad():
+        out = AutoModelForCausalLM.from_pretrained(pol.export(str(tmp_path / "merged"), merged=True))
+        ours, theirs = pol.model(input_ids=ids).logits, out(input_ids=ids).logits  # [1, T, 49152]
+        base = pol.model.get_base_model().lm_head.weight
+    assert (ours - theirs).abs().max() < 1e-4
+    assert base is pol.model.get_base_model().model.embed_tokens.base_layer.weight  # the policy stays tied
+
+
 def test_lora_finds_the_attention_and_mlp_projections(pol):
     layers = {n.rsplit(".", 3)[0] for n in pol.trained}
     assert {n.rsplit(".", 1)[-1] for n in layers} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
