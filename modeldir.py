@@ -151,6 +151,9 @@ def gguf_to_hf(file: Path) -> str:
                                 '(or pip install -e ".[demo]")') from None
     except utils.ConfigError:  # a ValueError too, but already the line to show
         raise
+    except NotImplementedError as e:  # a tensor type the gguf package cannot dequantise (F64, I32, Q1_0)
+        raise utils.ConfigError(f"--model {file}: cannot dequantise it ({e}); llama.cpp's llama-quantize "
+                                "rewrites it as a type transformers reads, e.g. Q8_0") from None
     except KeyError as e:  # a field the tokenizer's kind needs (a GPT-2 one's merges or scores) is absent
         raise utils.ConfigError(f"--model {file}: a GGUF without the field {e.args[0]!r} that transformers "
                                 f"reads; {WHOLE}") from None

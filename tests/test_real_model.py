@@ -119,6 +119,33 @@ def test_a_gguf_is_known_by_its_content_and_a_directory_of_them_names_the_file(c
     assert one_line_error(str(weights)).startswith(f"--model {weights}: a file, not a model directory or .gguf")
 
 
+def test_a_gguf_tensor_type_without_a_dequantiser_is_one_line(tmp_path, monkeypatch):
+    """SmolLM2's file with its final norm in F64 (a valid GGUF type, as I32 or Q1_0 are): the gguf package has
+    no dequantiser for it, and the NotImplementedError came out as a traceback."""
+    import gguf
+    import numpy as np
+
+    reader, writer = gguf.GGUFReader(GGUF), gguf.GGUFWriter(str(tmp_path / "f64.gguf"), "llama")
+    for field in reader.fields.values():
+        if field.name != "general.architecture" and not field.name.startswith("GGUF."):  # the writer's own
+            kind = field.types[0]
+            writer.add_key_value(field.name, field.contents(), kind,
+                                 sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        if t.name == "output_norm.weight":
+            writer.add_tensor(t.name, np.asarray(t.data, dtype=np.float64))
+        else:
+            writer.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    monkeypatch.setenv("NANORL_CACHE", str(tmp_path / "cache"))
+    assert one_line_error(str(tmp_path / "f64.gguf")) == (
+        f"--model {tmp_path / 'f64.gguf'}: cannot dequantise it (Dequantization for F64 is not yet implemented); "
+        "llama.cpp's llama-quantize rewrites it as a type transformers reads, e.g. Q8_0")
+
+
 def write_gguf(path: Path, kind: str, settings: dict, tensors: dict, tokens: list[str],
                arch: bool = True) -> Path:
     """A GGUF of only `kind` (general.type), the llama settings, tensors and (if any) the tokens given;
