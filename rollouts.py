@@ -230,10 +230,14 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
     Only the model's tokens have mask 1. An episode whose next turn would pass max_len ends, truncated."""
     eps = [_start(policy, env_factory, p, max_turns) for p in problems for _ in range(group_size)]
     wide = max(map(len, policy.tokenizer.get_vocab()))  # no token covers more characters than its entry has
-    max_len = min(max_len, policy.positions or max_len)  # learned positions (GPT-2's) end an episode too
-    if (longest := max(len(e.prompt) for e in eps)) >= max_len:
-        raise utils.ConfigError(f"a prompt has {longest} tokens, not fewer than max_len={max_len}; "
-                                "raise max_len (--max-len)")
+    # the model's context ends an episode too: GPT-2's learned positions, and a rotary model's (which ran past
+    # it here, while an async trainer's inbox refused those episodes)
+    context = policy.context or max_len
+    end, fix = (f"max_len={max_len}", "raise max_len (--max-len)") if max_len <= context else (
+        f"the model's {context}-token context", "shorten it")
+    if (longest := max(len(e.prompt) for e in eps)) >= min(max_len, context):
+        raise utils.ConfigError(f"a prompt has {longest} tokens, not fewer than {end}; {fix}")
+    max_len = min(max_len, context)
     with ThreadPoolExecutor(8) as pool:
         while live := [e for e in eps if not e.done]:  # each ends by max_turns at the latest
             room = [min(max_new_tokens, max_len - len(e.prompt) - len(e.ids)) for e in live]

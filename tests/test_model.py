@@ -687,7 +687,7 @@ def test_gpt2_completions_and_episodes_end_where_its_learned_positions_do(gpt2, 
     """Past GPT-2's n_positions (256 here) a forward raised IndexError: a long prompt plus --max-new-tokens
     crashed the run, and a multi-turn episode under --max-len 2048 too. Now completions stop at the last
     position, truncated, and rescore exactly; a prompt that fills every position is one line. Rotary
-    models (the tiny Llama) have no such end."""
+    models (the tiny Llama) have no learned positions (their context: the next test)."""
     pol = policy(gpt2)
     assert pol.positions == 256 and policy(tiny).positions is None
     prefixes = [[1] + [5] * 247, [1] + [6] * 100]  # 248 and 101 tokens: room for 8 more in one call
@@ -712,6 +712,24 @@ def test_gpt2_completions_and_episodes_end_where_its_learned_positions_do(gpt2, 
     torch.manual_seed(0)
     episodes = rollouts.EnvRollouts(cfg, pol).next(0)
     assert int(episodes.attn.sum(1).max()) <= 256 and episodes.truncated.all()
+
+
+def test_a_rotary_models_episodes_end_at_its_context_as_an_async_trainers_inbox_expects(tmp_path):
+    """Under --max-len 2048 a multi-turn episode of a rotary model ran past its context (315 tokens on a
+    300-token tiny Llama), silently, while an async trainer's inbox refused such episodes. Now they end at
+    the context, truncated; a prompt that fills it names the context, not --max-len."""
+    cfg = train.Config(task="countdown_multiturn", algo="grpo", batch=2, group_size=2, eval_size=1,
+                       max_new_tokens=40, max_turns=4)  # max_len 2048
+    dims = dict(layers=1, hidden=64, heads=1, intermediate=128)
+    pol = policy(build_tiny_model(str(tmp_path / "300"), max_len=300, **dims))
+    assert pol.model.config.max_position_embeddings == 300 and pol.positions is None
+    torch.manual_seed(0)
+    episodes = rollouts.EnvRollouts(cfg, pol).next(0)
+    assert int(episodes.attn.sum(1).max()) == 300 and episodes.truncated.all()
+    short = rollouts.EnvRollouts(cfg, policy(build_tiny_model(str(tmp_path / "64"), max_len=64, **dims)))
+    with pytest.raises(utils.ConfigError, match=r"^a prompt has \d+ tokens, not fewer than the model's 64-token "
+                       r"context; shorten it$"):
+        short.next(0)
 
 
 def test_a_merged_export_with_gpt2s_tied_embedding_adapted_gives_the_policys_logits(gpt2, tmp_path):
