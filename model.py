@@ -257,14 +257,15 @@ class LLMPolicy(nn.Module):
     @torch.inference_mode()
     def generate(self, prefixes: list[list[int]], max_new_tokens: int, gen_batch: int = 64,
                  greedy: bool = False) -> list[Sample]:
-        """One completion per prefix. Rows are sorted by length first so a chunk pads little. Where learned
-        positions end (self.positions) completions end too, truncated, as at the token budget."""
+        """One completion per prefix. Rows are sorted by length first so a chunk pads little. Where the
+        model's context ends (self.context: GPT-2's learned positions, a rotary model's too) completions end
+        too, truncated, as at the token budget."""
         if max_new_tokens < 1 or not all(prefixes):
             raise ValueError(f"generate needs max_new_tokens >= 1 (got {max_new_tokens}), non-empty prefixes")
-        if self.positions and (room := self.positions - max(map(len, prefixes))) < max_new_tokens:
+        if self.context and (room := self.context - max(map(len, prefixes))) < max_new_tokens:
             if room < 1:
-                raise utils.ConfigError(f"a prompt of {self.positions - room} tokens fills all "
-                                        f"{self.positions} learned positions of the model; shorten it")
+                raise utils.ConfigError(f"a prompt of {self.context - room} tokens fills all "
+                                        f"{self.context} positions of the model's context; shorten it")
             max_new_tokens = room
         order, out = sorted(range(len(prefixes)), key=lambda i: len(prefixes[i])), {}
         for s in range(0, len(order), gen_batch):

@@ -698,7 +698,7 @@ def test_gpt2_completions_and_episodes_end_where_its_learned_positions_do(gpt2, 
     batch = make_batch(prefixes, samples, [0.0, 0.0], pol.pad_id)
     mask = batch.mask > 0
     torch.testing.assert_close(pol.score(batch, slice(None))[0][mask], batch.logp[mask], rtol=0, atol=1e-5)
-    with pytest.raises(utils.ConfigError, match="^a prompt of 256 tokens fills all 256 learned positions"):
+    with pytest.raises(utils.ConfigError, match="^a prompt of 256 tokens fills all 256 positions of the model's context"):
         pol.generate([[5] * 256], 4)
     with pytest.raises(utils.ConfigError, match="^a prompt of 257 tokens fills all 256"):
         pol.generate([[5] * 257], 4)
@@ -716,8 +716,8 @@ def test_gpt2_completions_and_episodes_end_where_its_learned_positions_do(gpt2, 
 
 def test_a_rotary_models_episodes_end_at_its_context_as_an_async_trainers_inbox_expects(tmp_path):
     """Under --max-len 2048 a multi-turn episode of a rotary model ran past its context (315 tokens on a
-    300-token tiny Llama), silently, while an async trainer's inbox refused such episodes. Now they end at
-    the context, truncated; a prompt that fills it names the context, not --max-len."""
+    300-token tiny Llama), silently, while an async trainer's inbox refused such episodes; a completion too.
+    Now they end at the context, truncated; a prompt that fills it names the context, not --max-len."""
     cfg = train.Config(task="countdown_multiturn", algo="grpo", batch=2, group_size=2, eval_size=1,
                        max_new_tokens=40, max_turns=4)  # max_len 2048
     dims = dict(layers=1, hidden=64, heads=1, intermediate=128)
@@ -726,6 +726,8 @@ def test_a_rotary_models_episodes_end_at_its_context_as_an_async_trainers_inbox_
     torch.manual_seed(0)
     episodes = rollouts.EnvRollouts(cfg, pol).next(0)
     assert int(episodes.attn.sum(1).max()) == 300 and episodes.truncated.all()
+    (single,) = pol.generate([[1] + [5] * 249], 100)  # a single-turn completion ends there too (it ran to 350)
+    assert len(single.ids) == 50 and single.truncated or single.ids[-1] in pol.eos_ids
     short = rollouts.EnvRollouts(cfg, policy(build_tiny_model(str(tmp_path / "64"), max_len=64, **dims)))
     with pytest.raises(utils.ConfigError, match=r"^a prompt has \d+ tokens, not fewer than the model's 64-token "
                        r"context; shorten it$"):
