@@ -224,6 +224,12 @@ class LLMPolicy(nn.Module):
         self.eos_ids = end_tokens(lm, self.tokenizer, cfg.model)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids)
+        self.set_prompt_encoding(cfg)
+        self.eval()
+
+    def set_prompt_encoding(self, cfg) -> None:
+        """The chat template (--chat-template, when the tokenizer has one) or plain text after the bos,
+        checked now, not at the first rollout: a template that fails, or --thinking that it ignores."""
         self.use_template = cfg.chat_template and self.tokenizer.chat_template is not None
         template = str(self.tokenizer.chat_template) if self.use_template else ""
         if cfg.thinking and "enable_thinking" not in template:  # it would change nothing, silently
@@ -231,12 +237,11 @@ class LLMPolicy(nn.Module):
                                     "enable_thinking (Qwen3's does); drop --thinking")
         # the bos the tokenizer writes before a text, which encode(add_special_tokens=False) leaves out
         self.bos = [i for i in self.tokenizer("")["input_ids"] if i == self.tokenizer.bos_token_id]
-        try:  # a broken template fails here, not at the first rollout
+        try:
             self.encode_prompt("2+2=")
         except jinja2.TemplateError as e:
             raise utils.ConfigError(f"--model {cfg.model}: its chat template fails ({type(e).__name__}: "
                                     f"{e}); fix it or pass --no-chat-template") from None
-        self.eval()
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
