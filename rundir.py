@@ -163,9 +163,10 @@ class WandB:
             import wandb  # optional: only --log wandb needs it
         except ImportError:
             raise ConfigError("--log wandb needs the wandb package: pip install wandb") from None
-        # the id names the directory, as resumes of it find it again, and no other one (runs/a/eval-0000030)
+        # the id names the directory, as resumes of it find it again, and no other one (runs/a/eval-0000030);
+        # its name part cut at 64: a table's artifact, "run-<id>-samples", may not pass 128 characters
         where = hashlib.sha256(os.fsencode(out.resolve())).hexdigest()[:8]
-        ident = re.sub(r"[^\w-]", "_", f"{out.name}-{where}")
+        ident = re.sub(r"[^\w-]", "_", f"{out.name[:64]}-{where}")
         self.wandb, self.run = wandb, wandb.init(dir=str(out), name=out.name, config=dataclasses.asdict(cfg),
                                                   resume="allow", id=ident)
         self.run.define_metric("*", step_metric="step")

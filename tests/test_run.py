@@ -374,6 +374,22 @@ def test_wandb_keeps_the_rows_since_the_last_eval_at_a_stop_and_its_own_id_per_d
     assert tables == {"a": [(2, 3), (3, 1)], "b": [(2, 3)]}
 
 
+def test_wandb_takes_a_long_directory_name_its_samples_table_and_all(tmp_path, monkeypatch):
+    """The id was the whole name: past ~115 characters W&B refused the samples table's artifact name
+    ("run-<id>-samples", at most 128) and the run ended in a traceback, its report and summary unwritten."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / ("n" * 200)
+    log = rundir.Metrics(out, train.Config(log="wandb"))
+    log.samples(2, [{"kind": "eval", "text": "z"}])
+    ident = log.loggers[0].run.id
+    log.close()
+    assert ident.startswith("n" * 64 + "-") and len(ident) == 64 + 9
+    [file] = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    assert [(r["step"], r["samples/nrows"]) for kind, r in wandb_records(file)
+            if kind == "history" and "samples/nrows" in r] == [(2, 1)]
+
+
 def wandb_records(path: Path) -> list[tuple[str, dict]]:
     """The records of a finished W&B run. Its log can still be written after run.finish() returns (wandb's
     service writes it; seen for a process's second run), so this waits for the run's exit record."""
