@@ -146,6 +146,12 @@ class TensorBoard:
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
+    def logged(self, step: int, prefix: str) -> bool:
+        """Whether metrics.csv has a key starting with `prefix` at `step`: rank 0's answer, on every rank."""
+        mine = bool(self.out) and any(k.startswith(prefix) and any(s == step for s, _, _ in points)
+                                      for k, points in read_metrics(self.out / "metrics.csv").items())
+        return bool(utils.reduce_dict({"logged": mine})["logged"])
+
     def samples(self, step: int, rows: list[dict]) -> None:
         """samples.jsonl and the report show them; TensorBoard's text view would only repeat them."""
 
@@ -174,6 +180,12 @@ class WandB:
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log({"step": step, **values})
+
+    def logged(self, step: int, prefix: str) -> bool:
+        """Whether metrics.csv has a key starting with `prefix` at `step`: rank 0's answer, on every rank."""
+        mine = bool(self.out) and any(k.startswith(prefix) and any(s == step for s, _, _ in points)
+                                      for k, points in read_metrics(self.out / "metrics.csv").items())
+        return bool(utils.reduce_dict({"logged": mine})["logged"])
 
     def samples(self, step: int, rows: list[dict]) -> None:
         """A table per eval, with the training rows since the last (a table a step: 10,000 artifacts)."""
@@ -380,23 +392,49 @@ def holds_run(run: Path, eval_only: bool = False) -> bool:
 
 
 def load_checkpoint(ckpt: Path, policy: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
-    """Reads every file before changing anything: a damaged checkpoint leaves policy and opt as they were."""
+    """Reads and checks every file before changing anything: a damaged checkpoint leaves policy and opt as
+    they were. Adam's hyperparameters stay this run's (its --lr: a resume may change it), its moments load."""
     weights = load_file(str(ckpt / "weights.safetensors"))
     state = torch.load(ckpt / "state.pt", weights_only=True)
     meta = json.loads((ckpt / "meta.json").read_text())
-    if not (isinstance(meta, dict) and {"step", "wall_s", "source"} <= meta.keys() and isinstance(state, dict)
-            and {"optimizer", "torch_rng"} <= state.keys()):
-        raise KeyError("meta.json or state.pt lacks what a nanorl checkpoint holds")
     trained = {n: p.shape for n, p in policy.named_parameters() if p.requires_grad}
     if {n: w.shape for n, w in weights.items()} != trained:
         raise ConfigError(f"{ckpt}: its tensors do not match this policy (model, LoRA, --hidden or PPO "
                           f"critic unlike the run's); --resume {ckpt.parent} alone restores the run's own")
+    groups = check_restorable(meta, state, opt)
     policy.load_state_dict(weights, strict=False)
-    lr = opt.param_groups[0]["lr"]  # this run's --lr (a resume may change it): the saved one would stand
-    opt.load_state_dict(state["optimizer"])
-    opt.param_groups[0]["lr"] = lr
+    own = opt.state_dict()["param_groups"]
+    opt.load_state_dict({"state": state["optimizer"]["state"],
+                         "param_groups": [{**g, "params": ids} for g, ids in zip(own, groups)]})
     set_rng_states(state["torch_rng"])
     return meta
+
+
+def check_restorable(meta, state, opt: torch.optim.Optimizer) -> list[list]:
+    """The saved optimizer's parameter ids by group, once meta.json and state.pt are checked to hold what
+    load_checkpoint restores; else a KeyError (a foreign or crafted file: skipped, as a damaged one is), not
+    a half-loaded run or a traceback steps later. RNG states are tried on a generator of their own."""
+    def adam(moments: dict, shape) -> bool:  # one parameter's step, exp_avg and exp_avg_sq
+        return {"step", "exp_avg", "exp_avg_sq"} <= moments.keys() and all(
+            torch.is_tensor(t) and t.is_floating_point() and t.shape in (shape, ()) for t in moments.values())
+
+    cpu = torch.get_rng_state().numel()
+    try:
+        groups, rng = [g["params"] for g in state["optimizer"]["param_groups"]], state["torch_rng"]
+        shapes = {i: p.shape for ids, g in zip(groups, opt.param_groups) for i, p in zip(ids, g["params"])}
+        ok = (type(meta["step"]) is int and type(meta["wall_s"]) in (int, float)
+              and isinstance(meta["source"], dict)
+              and all(type(v) in (int, float) for v in meta.get("last_eval", {}).values())
+              and [len(ids) for ids in groups] == [len(g["params"]) for g in opt.param_groups]
+              and all(adam(moments, shapes[i]) for i, moments in state["optimizer"]["state"].items())
+              and rng.dtype == torch.uint8 and rng.dim() in (1, 2) and rng.shape[-1] >= cpu)
+        for row in rng.view(-1, rng.shape[-1]) if ok else ():
+            torch.Generator().set_state(row[:cpu].clone())  # a RuntimeError: no mt19937 state
+    except (TypeError, KeyError, AttributeError, RuntimeError):
+        ok = False
+    if not ok:
+        raise KeyError("meta.json or state.pt lacks what a nanorl checkpoint of this policy holds")
+    return groups
 
 
 def resume_checkpoint(run: Path, policy: torch.nn.Module, opt: torch.optim.Optimizer,

@@ -74,6 +74,42 @@ def test_resume_skips_a_checkpoint_without_what_nanorl_writes(tmp_path, capsys):
     assert f"skipping {tmp_path / 'ckpt-0000002'}: KeyError: 'meta.json or state.pt lacks" in err
 
 
+@pytest.mark.parametrize("part, craft", [
+    ("state", lambda s: {**s, "torch_rng": torch.zeros(5, dtype=torch.uint8)}),  # loaded all but the RNG
+    ("state", lambda s: {**s, "torch_rng": torch.zeros(1, 5056, dtype=torch.uint8)}),  # no mt19937 state
+    ("state", lambda s: {**s, "optimizer": {"state": {}, "param_groups": []}}),  # ValueError's traceback
+    ("state", lambda s: {**s, "optimizer": {**s["optimizer"], "state": {  # Adam's step failed on it, later
+        0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}}}}),
+    ("hyperparameters", lambda s: {**s, "optimizer": {**s["optimizer"], "param_groups": [  # this run's stand
+        {**s["optimizer"]["param_groups"][0], "betas": "x"}]}}),
+    ("meta", lambda m: {**m, "step": "2"}), ("meta", lambda m: {**m, "source": [1]}),  # tracebacks, later
+    ("meta", lambda m: {**m, "wall_s": None}), ("meta", lambda m: {**m, "last_eval": {"eval_return": "1"}})])
+def test_a_foreign_or_crafted_checkpoint_is_skipped_before_it_changes_the_policy_optimizer_or_rng(
+        tmp_path, capsys, part, craft):
+    """Each loaded, or half loaded, into a run that then crashed with a traceback (or, its RNG refused once
+    weights and optimizer were in, started over from them); the betas one is harmless now: never loaded."""
+    policy = MLPPolicy(4, 2)
+    opt = torch.optim.Adam(policy.parameters())
+    for p in policy.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()  # Adam's moments, to damage
+    rundir.save_checkpoint(tmp_path, 2, policy, opt, {"wall_s": 0.0, "source": {}, "last_eval": {}}, keep=3)
+    ckpt = tmp_path / "ckpt-0000002"
+    if part != "meta":
+        torch.save(craft(torch.load(ckpt / "state.pt", weights_only=True)), ckpt / "state.pt")
+    else:
+        (ckpt / "meta.json").write_text(json.dumps(craft(json.loads((ckpt / "meta.json").read_text()))))
+    fresh = MLPPolicy(4, 2)
+    before, fresh_opt, rng = dict(fresh.state_dict()), torch.optim.Adam(fresh.parameters()), torch.get_rng_state()
+    meta = rundir.resume_checkpoint(tmp_path, fresh, fresh_opt)
+    if part == "hyperparameters":  # it alone loads, without its betas
+        assert fresh_opt.param_groups[0]["betas"] == (0.9, 0.999) and meta["step"] == 2
+        return
+    assert meta is None and "skipping" in capsys.readouterr().err
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+    assert not fresh_opt.state and torch.equal(torch.get_rng_state(), rng)
+
+
 def test_only_rank_0_writes_a_checkpoint(tmp_path, monkeypatch):
     policy = MLPPolicy(4, 2)
     opt, meta = torch.optim.Adam(policy.parameters()), {"wall_s": 0.0, "source": {}}
