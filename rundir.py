@@ -74,6 +74,12 @@ class Metrics:
         for logger in self.loggers:
             logger.log(step, values)
 
+    def logged(self, step: int, prefix: str) -> bool:
+        """Whether metrics.csv has a key starting with `prefix` at `step`: rank 0's answer, on every rank."""
+        mine = bool(self.out) and any(k.startswith(prefix) and any(s == step for s, _, _ in points)
+                                      for k, points in read_metrics(self.out / "metrics.csv").items())
+        return bool(utils.reduce_dict({"logged": mine})["logged"])
+
     def samples(self, step: int, rows: list[dict]) -> None:
         """Past SAMPLES_MAX_BYTES samples.jsonl becomes samples.1.jsonl (replacing it): at most 2x that."""
         if self.out:

@@ -430,8 +430,9 @@ def train(cfg: Config) -> Path | None:
     teacher = load_teacher(cfg, policy) if cfg.teacher else None
     out = utils.from_rank0(rundir.where(cfg))  # under torchrun, rank 0 alone makes a new run's directory
     log, step, last_eval = rundir.Metrics(), 0, (meta or {}).get("last_eval", {})
-    def stop(step: int, log, evaluated: bool = False) -> bool:  # after a step; evaluated: its eval logged
-        state = dict(wall_s=log.wall(), source=source.state(), evaluated=evaluated, last_eval=last_eval)
+    def stop(step: int, log, evals: dict | None = None) -> bool:  # after a step; evals: start_run's, of it
+        last_eval.update(evals if step > 0 and evals else {})  # step 0's is no --target's, as in one run
+        state = dict(wall_s=log.wall(), source=source.state(), last_eval=dict(last_eval))
         rng = utils.rng_states()  # StopSignals may save them later. A failed save keeps the rest.
         signals.save = lambda: rundir.save_checkpoint(out, step, policy, opt, state, cfg.keep_ckpts, rng)
         if signals.agreed():
@@ -495,17 +496,17 @@ def resume(cfg: Config, policy, opt, source: BatchSource) -> dict | None:
 
 
 def start_run(cfg: Config, out: Path, policy, opt, source: BatchSource, meta: dict | None, stop):
-    """The run's log, then what precedes RL step 0 (evaluations, warm-start): (log, RL's first step)."""
+    """The run's log, then what precedes RL's first step (evaluations, warm-start): (log, that step)."""
     start = meta["step"] if meta else -cfg.sft_steps  # < 0: (in) the warm-start
     resumed_at = (start if meta else start - 1) if cfg.resume else None  # logs after its step are rewritten
     log = rundir.Metrics(out, cfg, meta["wall_s"] if meta else 0.0, resumed_at)  # rank 0 alone writes
     if cfg.sft_steps and not meta:
         evaluate(source, log, -cfg.sft_steps, out, "_before_sft")
     stopped = start < 0 and warm_start(policy, opt, source, cfg, log, start, stop)
-    if start <= 0 and not stopped and not (meta or {}).get("evaluated"):
-        logged = evaluate(source, log, 0, out)  # the starting point of the RL curve ({}: abandoned)
-        stop(0, log, bool(logged))  # one during it (or its abandonment) saves step 0: the warm-start is kept
-    return log, max(start, 0)
+    at = max(start, 0)  # its eval: step 0's, the RL curve's start, or the one a stop skipped or abandoned
+    if (at % cfg.eval_every == 0 or at == cfg.steps) and not stopped and not log.logged(at, "eval_"):
+        stop(at, log, evaluate(source, log, at, out))  # a stop in it ({}: abandoned) saves the step
+    return log, at
 
 
 def evaluate(source: BatchSource, log, step: int, out: Path, suffix: str = "") -> dict:
@@ -537,8 +538,7 @@ def finish(cfg: Config, policy, out: Path, wall_s: float) -> None:
 
 def evaluate_only(cfg: Config, policy, source: BatchSource, step: int) -> Path:
     """--eval-only: one eval of the loaded weights, logged at their step in a run directory of its own."""
-    run = rundir.where(cfg)  # --resume's, --out's or a new one
-    out = run / f"eval-{step:07d}" if cfg.resume and not cfg.out else Path(cfg.out or run)
+    out = Path(cfg.out) if cfg.out else rundir.where(cfg) / (f"eval-{step:07d}" if cfg.resume else "")
     with contextlib.closing(rundir.Metrics(out, cfg, resumed_at=step - 1)) as log:  # a rerun replaces it
         evaluate(source, log, step, out)
     finish(cfg, policy, out, 0.0)

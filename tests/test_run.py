@@ -593,7 +593,7 @@ def test_a_warm_start_alone_is_checkpointed_and_rl_resumes_from_it_as_one_run_wo
     full = train.train(utils.load_config(train.Config, [*flags, "--steps", "1", "--out", str(tmp_path / "full")]))
     out = train.train(utils.load_config(train.Config, [*flags, "--steps", "0", "--out", str(tmp_path / "sft")]))
     assert [c.name for c in rundir.checkpoints(out)] == ["ckpt-0000000"]
-    assert json.loads((out / "ckpt-0000000" / "meta.json").read_text())["evaluated"] is True
+    assert (0, "eval_accuracy") in rows(out)
     assert train.main(["--resume", str(out), "--steps", "1"]) == 0
     a, b = final_weights(full), final_weights(out)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -749,12 +749,42 @@ def test_a_stop_checkpoints_without_waiting_for_the_eval_it_skips_or_abandons(tm
         shutil.rmtree(killed / "ckpt-0000002")
         assert train.main(["--resume", str(killed), "--no-progress"]) == 0
     assert train.main(["--resume", str(out), "--no-progress"]) == 0
-    assert [s for s, k in rows(out) if k == "eval_return"] == [0, 4]
+    assert [s for s, k in rows(out) if k == "eval_return"] == [0, 2, 4]  # the resume runs step 2's
     assert [s for s, k in rows(out) if k == "loss"] == [1, 2, 3, 4]
     if during == "step":  # it holds the data position and RNG of step 1's end: step 2 runs again alike
         assert [s for s, k in rows(killed) if k == "loss"] == [1, 2, 3, 4]
         a, b = final_weights(out), final_weights(killed)
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("abandoned", [2, 4])
+def test_a_resume_runs_the_eval_a_stop_abandoned_and_logs_what_one_run_logs(tmp_path, monkeypatch, abandoned):
+    """A stop abandons the eval in progress; the resume went on without it: that step's eval_return was
+    never logged, and when it was the last step's, the run (at its --steps) ended without its final eval."""
+    from rollouts import ControlRollouts
+
+    flags = cartpole(tmp_path / "full", "--steps", "4", "--target", "0")[2:]
+    assert train.main(flags) == 0
+    real_eval, evals = ControlRollouts.evaluate, []
+
+    def sigterm_in_eval(self):  # the evals of steps 0, 2 and 4
+        evals.append(2 * len(evals))
+        if evals[-1] == abandoned:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler raises in this frame: the eval is abandoned
+        return real_eval(self)
+
+    out = tmp_path / "stopped"
+    monkeypatch.setattr(ControlRollouts, "evaluate", sigterm_in_eval)
+    assert train.main([*flags, "--out", str(out)]) == 130
+    assert (abandoned, "eval_return") not in rows(out)
+    monkeypatch.setattr(ControlRollouts, "evaluate", real_eval)
+    assert train.main(["--resume", str(out), "--no-progress"]) == 0
+    logged, full = ({k: [(s, v) for s, _, v in pts] for k, pts in rundir.read_metrics(run / "metrics.csv").items()}
+                    for run in (out, tmp_path / "full"))
+    assert logged == full  # every step's numbers once, in order, the eval at `abandoned` included
+    assert (out / "samples.jsonl").read_text() == (tmp_path / "full" / "samples.jsonl").read_text()
+    meta = json.loads((rundir.checkpoints(out)[-1] / "meta.json").read_text())
+    assert meta["step"] == 4 and meta["last_eval"] == {"eval_return": full["eval_return"][-1][1]}
 
 
 def test_stop_signals_abandon_only_the_code_named_and_only_in_one_process(monkeypatch):
