@@ -890,6 +890,26 @@ def test_a_write_the_disk_refuses_is_one_line_and_resume_goes_on(tmp_path, two_s
     assert [s for s, k in rows(out) if k == "loss"] == [1, 2, 3, 4]  # step 3 logged again, once
 
 
+def test_a_write_refused_at_a_resumes_config_yaml_leaves_the_runs_own_whole(tmp_path):
+    """config.yaml was rewritten in place: a write the disk refused (here past RLIMIT_FSIZE, 1100 bytes of
+    its 1.2 kB) left it cut short, and the next --resume read a damaged config, or silently the defaults
+    of the keys it lost."""
+    out = tmp_path / "run"
+    assert run(cartpole(out, "--steps", "1", "--target", "0", "--lr", "0.004")).returncode == 0
+    config = (out / "config.yaml").read_bytes()
+    assert len(config) > 1100 > max((out / name).stat().st_size for name in ("metrics.csv", "samples.jsonl"))
+
+    def file_size_limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1100, resource.RLIM_INFINITY))
+
+    refused = run([sys.executable, "train.py", "--resume", str(out), "--steps", "2", "--no-progress"],
+                  preexec_fn=file_size_limit)
+    assert refused.returncode == 1 and refused.stderr.splitlines()[-1].startswith("error: a write failed")
+    assert (out / "config.yaml").read_bytes() == config and list(out.glob("*.tmp")) == []
+    assert run([sys.executable, "train.py", "--resume", str(out), "--steps", "2", "--no-progress"]).returncode == 0
+    assert yaml.safe_load((out / "config.yaml").read_text())["lr"] == 0.004
+
+
 def test_a_run_directory_takes_one_run_at_a_time_and_a_killed_runs_hold_dies_with_it(tmp_path, capsys):
     """Two runs in one directory (a job requeued while the old one still runs) interleaved their steps in
     metrics.csv and overwrote each other's checkpoints. The live run holds RUN/.lock; a SIGKILL frees it."""
