@@ -116,6 +116,23 @@ def test_a_sample_that_reads_as_html_is_shown_as_text_and_the_page_still_draws(r
     assert drawn == len(rundir.read_metrics(run / "metrics.csv")) and page.title() != "pwned"
 
 
+def test_a_foreign_runs_sample_fields_and_an_empty_config_are_shown_as_text_and_the_page_draws(run, browser, tmp_path):
+    """A sample's step, version and staleness went into the page unescaped: a run directory from elsewhere
+    (or a hand-edited samples.jsonl) ran its script when report.py rebuilt it. An empty config.yaml (a
+    write cut short) stopped the page's script: no curve, no sample row."""
+    copy = shutil.copytree(run, tmp_path / "run")
+    html = "<img src=x onerror=\"document.title='pwned'\">"
+    with open(copy / "samples.jsonl", "a") as f:
+        f.write(json.dumps({"step": html, "kind": "train", "prompt": "p", "version": html, "staleness": 1}) + "\n")
+    (copy / "config.yaml").write_text("")
+    page = opened(browser, report.write_report(copy))
+    page.fill("#f-text", "p")
+    page.select_option("#f-kind", "train")
+    assert [html, f"{html} / 1"] in [[row[0], row[-1]] for row in shown(page)]
+    assert page.title() != "pwned" and not page.errors and page.locator("#sample-table img").count() == 0
+    assert page.locator(".chart polyline").count() == len(rundir.read_metrics(run / "metrics.csv"))
+
+
 def test_a_long_curve_is_thinned_to_evenly_spaced_steps_and_keeps_its_last():
     points = [[s, float(s)] for s in range(1001)]  # ceil(1001 / 400) = 3: steps 0, 3, ..., 999, then 1000
     assert report.thin(points) == points[::3] + [points[-1]] and len(report.thin(points)) == 335
