@@ -447,14 +447,23 @@ def resume_checkpoint(run: Path, policy: torch.nn.Module, opt: torch.optim.Optim
                       required: bool = False) -> dict | None:
     """The newest checkpoint of a run that loads (None: none does), or the one named, which must load, as
     must one when `required` (--eval-only): else the untrained model would stand in. Names each skipped."""
-    named = run.name.startswith("ckpt-")
+    named, others = run.name.startswith("ckpt-"), []  # others: checkpoints of another policy, newest first
     for ckpt in [run] if named else reversed(checkpoints(run)):
         try:
-            return load_checkpoint(ckpt, policy, opt)
+            meta = load_checkpoint(ckpt, policy, opt)
+        except ConfigError as e:  # copied in from another run, or flags that change the policy (all are then)
+            others.append((ckpt, e))
+            continue
         # a copy or a full disk cut it short; torch.load raises the last 3 on an empty or a foreign state.pt
         except (SafetensorError, json.JSONDecodeError, KeyError, OSError, RuntimeError, EOFError,
                 pickle.UnpicklingError) as e:
             stderr(f"skipping {ckpt}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'empty'}")
+            continue
+        for other, _ in others:  # an older one is this policy's: those are another run's
+            stderr(f"skipping {other}: its tensors are another policy's (copied from another run?)")
+        return meta
+    if others:
+        raise others[0][1]
     if named or required:  # (an --eval-only's directory, RUN/eval-STEP, holds none)
         why = "no checkpoint of it loads (above)" if named or checkpoints(run) else "it holds no checkpoint"
         raise ConfigError(f"--resume {run}: {why}; resume another run or ckpt-*")

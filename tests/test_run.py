@@ -110,6 +110,22 @@ def test_a_foreign_or_crafted_checkpoint_is_skipped_before_it_changes_the_policy
     assert not fresh_opt.state and torch.equal(torch.get_rng_state(), rng)
 
 
+def test_a_newest_checkpoint_of_another_policy_is_skipped_for_the_runs_own_unless_none_is(tmp_path, capsys):
+    """A checkpoint copied in from another run (--hidden 32) stopped `--resume RUN` with an error whose fix
+    was `--resume RUN` alone, though the run's own checkpoints were there; with none, it still stops."""
+    policy, other = MLPPolicy(4, 2), MLPPolicy(4, 2, hidden=32)
+    opt = torch.optim.Adam(policy.parameters())
+    rundir.save_checkpoint(tmp_path, 2, policy, opt, {"wall_s": 0.0, "source": {"position": 2}}, keep=3)
+    meta = {"wall_s": 0.0, "source": {"position": 9}}
+    rundir.save_checkpoint(tmp_path, 9, other, torch.optim.Adam(other.parameters()), meta, keep=3)
+    assert rundir.resume_checkpoint(tmp_path, policy, opt)["source"] == {"position": 2}
+    assert capsys.readouterr().err.splitlines() == [
+        f"skipping {tmp_path / 'ckpt-0000009'}: its tensors are another policy's (copied from another run?)"]
+    shutil.rmtree(tmp_path / "ckpt-0000002")
+    with pytest.raises(utils.ConfigError, match="ckpt-0000009: its tensors do not match this policy"):
+        rundir.resume_checkpoint(tmp_path, policy, opt)
+
+
 def test_only_rank_0_writes_a_checkpoint(tmp_path, monkeypatch):
     policy = MLPPolicy(4, 2)
     opt, meta = torch.optim.Adam(policy.parameters()), {"wall_s": 0.0, "source": {}}
