@@ -81,7 +81,7 @@ def summary(run: Path, wall_s: float, export: str) -> str:
     series = rundir.read_metrics(run / "metrics.csv")
     lines = [f"run saved to {run} ({wall_s:.1f} s of training)"]
     for key in [k for k in HEADLINE if k in series]:
-        best, final = max(series[key], key=lambda p: p[2]), series[key][-1]
+        best, final = max(series[key], key=lambda p: -math.inf if math.isnan(p[2]) else p[2]), series[key][-1]
         lines.append(f"  {key}: best {best[2]:.4g} (step {best[0]}), final {final[2]:.4g} (step {final[0]})")
     ckpts = rundir.checkpoints(run)
     lines += [f"  report: {run / 'report.html'}", f"  checkpoints: {ckpts[-1] if ckpts else 'none'}"]

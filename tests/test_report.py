@@ -153,6 +153,14 @@ def test_the_summary_names_the_best_and_final_evals_the_newest_checkpoint_and_th
     assert report.summary(tmp_path, 0.0, "").splitlines()[-1] == "  checkpoints: none"  # and no export line
 
 
+def test_the_summarys_best_eval_is_never_a_nan_one(tmp_path):
+    """max() keeps a NaN it meets first (an eval whose every sample a downed judge dropped): the summary
+    named "best nan (step 0)" over the run's real best."""
+    (tmp_path / "metrics.csv").write_text("step,wall_s,key,value\n0,0.1,eval_accuracy,nan\n"
+                                          "2,0.2,eval_accuracy,0.5\n4,0.3,eval_accuracy,0.25\n")
+    assert "eval_accuracy: best 0.5 (step 2), final 0.25 (step 4)" in report.summary(tmp_path, 1.0, "")
+
+
 def test_rebuild_command_writes_the_same_page(run, tmp_path):
     before = (run / "report.html").read_text()
     assert report.main([str(run)]) == 0 and (run / "report.html").read_text() == before
