@@ -429,7 +429,7 @@ def train(cfg: Config) -> Path | None:
         return evaluate_only(cfg, policy, source, meta["step"] if meta else 0)
     teacher = load_teacher(cfg, policy) if cfg.teacher else None
     out = utils.from_rank0(rundir.where(cfg))  # under torchrun, rank 0 alone makes a new run's directory
-    log, step, last_eval = rundir.Metrics(), 0, (meta or {}).get("last_eval", {})
+    log, step, last_eval = rundir.Metrics(), (meta or {"step": 0})["step"], (meta or {}).get("last_eval", {})
     def stop(step: int, log, evals: dict | None = None) -> bool:  # after a step; evals: start_run's, of it
         last_eval.update(evals if step > 0 and evals else {})  # step 0's is no --target's, as in one run
         state = dict(wall_s=log.wall(), source=source.state(), last_eval=dict(last_eval))

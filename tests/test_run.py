@@ -921,6 +921,8 @@ def test_a_write_refused_at_a_resumes_config_yaml_leaves_the_runs_own_whole(tmp_
     refused = run([sys.executable, "train.py", "--resume", str(out), "--steps", "2", "--no-progress"],
                   preexec_fn=file_size_limit)
     assert refused.returncode == 1 and refused.stderr.splitlines()[-1].startswith("error: a write failed")
+    # the resume had not begun step 2; the message named step 1, which the run had trained and saved
+    assert refused.stderr.splitlines()[-2] == f"stopped during step 2 (not saved); checkpoints so far: --resume {out}"
     assert (out / "config.yaml").read_bytes() == config and list(out.glob("*.tmp")) == []
     assert run([sys.executable, "train.py", "--resume", str(out), "--steps", "2", "--no-progress"]).returncode == 0
     assert yaml.safe_load((out / "config.yaml").read_text())["lr"] == 0.004
