@@ -439,7 +439,6 @@ def train(cfg: Config) -> Path | None:
             signals.save()
             utils.stderr(f"interrupted: checkpoint saved; continue with --resume {out}")
         return signals.stopping
-
     signals = utils.StopSignals(type(source).evaluate, type(source).next)  # before the warm-start, too
     try:
         log, step = start_run(cfg, out, policy, opt, source, meta, stop)
