@@ -152,12 +152,6 @@ class TensorBoard:
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
-    def logged(self, step: int, prefix: str) -> bool:
-        """Whether metrics.csv has a key starting with `prefix` at `step`: rank 0's answer, on every rank."""
-        mine = bool(self.out) and any(k.startswith(prefix) and any(s == step for s, _, _ in points)
-                                      for k, points in read_metrics(self.out / "metrics.csv").items())
-        return bool(utils.reduce_dict({"logged": mine})["logged"])
-
     def samples(self, step: int, rows: list[dict]) -> None:
         """samples.jsonl and the report show them; TensorBoard's text view would only repeat them."""
 
@@ -186,12 +180,6 @@ class WandB:
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log({"step": step, **values})
-
-    def logged(self, step: int, prefix: str) -> bool:
-        """Whether metrics.csv has a key starting with `prefix` at `step`: rank 0's answer, on every rank."""
-        mine = bool(self.out) and any(k.startswith(prefix) and any(s == step for s, _, _ in points)
-                                      for k, points in read_metrics(self.out / "metrics.csv").items())
-        return bool(utils.reduce_dict({"logged": mine})["logged"])
 
     def samples(self, step: int, rows: list[dict]) -> None:
         """A table per eval, with the training rows since the last (a table a step: 10,000 artifacts)."""
