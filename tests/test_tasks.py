@@ -513,6 +513,15 @@ def test_data_lines_are_read_as_jsonl_bytes(tmp_path):
     assert any(p.prompt.startswith("Two\u2028lines: 5 + 5?\n") for p in problems)
 
 
+def test_a_bom_alone_on_the_first_line_is_no_malformed_row(tmp_path):
+    """An editor that writes a BOM and then a newline (the file's first row on line 2): the BOM line was
+    'invalid JSON' at line 1, which --bad-rows error made a stop."""
+    lines = [json.dumps(r).encode() for r in plus_one_rows(4)]
+    (path := tmp_path / "rows.jsonl").write_bytes(b"\xef\xbb\xbf\n" + b"\n".join(lines) + b"\n")
+    task = make_task("gsm8k", seed=0, eval_size=1, data=str(path), bad_rows="error")
+    assert task.skipped == [] and sorted(task.where.values()) == [f"{path}:{n}" for n in (2, 3, 4, 5)]
+
+
 def test_malformed_rows_are_rejected_with_file_line_and_fix():
     match = r"gsm8k_mixed.jsonl:3: malformed row \(invalid JSON.*--bad-rows skip"
     with pytest.raises(ValueError, match=match):
