@@ -545,4 +545,10 @@ CONTROL = {"cartpole": ControlRollouts}
 
 def sources() -> dict[str, type[BatchSource]]:
     """--task name -> its source; read at call time, so a task or env registered after import counts."""
+    for where, (registry, base) in {"tasks.TASKS": (tasks.TASKS, tasks.Task),
+                                    "envs.TEXT_ENVS": (TEXT_ENVS, TextEnv)}.items():
+        for name, entry in registry.items():  # a slip in an edit: one line naming it, not a traceback
+            if not (isinstance(entry, type) and issubclass(entry, base)):
+                raise utils.ConfigError(f"{where}[{name!r}] is {entry!r:.80}, not a {base.__name__} "
+                                        "subclass: register the class itself, not an instance or a function")
     return {**CONTROL, **dict.fromkeys(tasks.TASKS, TaskRollouts), **dict.fromkeys(TEXT_ENVS, EnvRollouts)}

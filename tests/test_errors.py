@@ -694,3 +694,16 @@ def test_a_data_row_past_the_models_context_is_a_malformed_row_named_by_file_and
     argv = [*flags, "--data", str(data), "--bad-rows", "error", "--no-progress", "--out", str(tmp_path / "r")]
     assert one_line_error(capsys, argv) == (f"error: --task gsm8k: {data}:4: malformed row ({why}); fix or "
                                             "delete that line, or pass --bad-rows skip to drop such rows")
+
+
+@pytest.mark.parametrize("registry, entry, says", [
+    (tasks.TASKS, lambda: tasks.Add(), "tasks.TASKS['mine'] is <tasks.Add object at"),  # an instance
+    (tasks.TASKS, lambda: tasks.int_correct, "tasks.TASKS['mine'] is <function int_correct at"),
+    (envs.TEXT_ENVS, lambda: tasks.Add, "envs.TEXT_ENVS['mine'] is <class 'tasks.Add'>, not a TextEnv subclass"),
+])
+def test_a_registry_entry_that_is_no_task_class_is_named_in_one_line(capsys, monkeypatch, registry, entry, says):
+    """A user's edit of tasks.py (or envs.py) that registers an instance or a function: it was a traceback
+    (issubclass() arg 1 must be a class; 'function' object has no attribute 'max_new_tokens')."""
+    monkeypatch.setitem(registry, "mine", entry())
+    err = one_line_error(capsys, ["--task", "mine", "--steps", "0", "--no-progress"])
+    assert says in err and err.endswith("register the class itself, not an instance or a function"), err
