@@ -112,7 +112,9 @@ def coerce(field: dataclasses.Field, value, source: str):
             typed = field.type(value)
             if kind == "float" and not math.isfinite(typed):
                 kind = "a finite float"
-            elif kind != "int" or typed == float(value):
+            elif kind == "int" and not -2**63 <= typed < 2**63:  # torch's seeds and sizes are int64
+                kind = "an int within +-2**63"
+            elif kind != "int" or not isinstance(value, float) or value.is_integer():  # YAML's 3.0, not 3.5
                 return typed
     except (TypeError, ValueError, OverflowError):  # Overflow: int(inf)
         pass
@@ -192,7 +194,7 @@ def load_config(cls, argv: list[str], choices: dict | None = None, base: Path | 
             raise ConfigError(f"{source}: expected a mapping of config keys")
         for key, value in preset.items():
             if key not in fields:
-                raise ConfigError(f"{source}: unknown key '{key}'{closest(key, fields)}")
+                raise ConfigError(f"{source}: unknown key '{key}'{closest(str(key), fields)}")
             values[key] = coerce(fields[key], value, source)
     for name, f in fields.items():
         if (raw := getattr(args, name)) is not None:  # coerce reads a flag's text as int("3"), float("5e-3")

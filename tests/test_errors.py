@@ -69,6 +69,7 @@ def one_line_error(capsys, argv) -> str:
     (["--lr", "nan"], "'lr' must be a finite float, got 'nan'"),  # NaN passes every range check
     (LLM + ["--temperature", "nan"], "'temperature' must be a finite float"),
     (["--dist-timeout", "inf"], "'dist_timeout' must be a finite float"),
+    (["--seed", str(2**64)], "--seed: 'seed' must be an int within +-2**63, got '18446744073709551616'"),  # torch's
     (["--hidden", "-1"], "need --hidden >= 1 (got -1)"),
     (LLM + ["--lora-rank", "0"], "need --lora-rank >= 1 (got 0)"),
     (LLM + ["--kl-coef", "-0.1"], "need --kl-coef >= 0 (got -0.1)"),

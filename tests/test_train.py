@@ -79,6 +79,29 @@ def test_unknown_yaml_key_names_the_closest_valid_key_and_none_when_none_is_clos
     assert str(e.value) == f"{tmp_path / 'bad.yaml'}: unknown key 'xyzzy'"
 
 
+@pytest.mark.parametrize("key", ["1", "null", "yes"])  # YAML reads them as 1, None, True: no text
+def test_a_yaml_key_that_is_no_text_is_an_unknown_key(tmp_path, key):
+    (tmp_path / "bad.yaml").write_text(f"{key}: 2\n")  # difflib failed on it: 'int' object is not iterable
+    with pytest.raises(utils.ConfigError, match=r"bad.yaml: unknown key '(1|None|True)'"):
+        cfg_from(["--config", str(tmp_path / "bad.yaml")])
+
+
+def test_an_int_is_taken_whole_up_to_int64_and_refused_past_it(tmp_path):
+    """2**63 - 1 (past a float's 53 bits) was 'must be int', compared with its float; past int64 a --seed or
+    --batch was a traceback (Overflow when unpacking long long; numpy's Maximum allowed dimension exceeded)."""
+    (tmp_path / "p.yaml").write_text(f"steps: 3.0\nbatch: {2**53 + 1}\n")
+    cfg = cfg_from(["--config", str(tmp_path / "p.yaml"), "--seed", str(2**63 - 1)])
+    assert (cfg.steps, cfg.batch, cfg.seed) == (3, 2**53 + 1, 2**63 - 1)
+    for argv, got in ((["--seed", str(2**63)], "'9223372036854775808'"), (["--batch", str(10**20)], f"'{10**20}'")):
+        with pytest.raises(utils.ConfigError, match=f"must be an int within \\+-2\\*\\*63, got {got}"):
+            cfg_from(argv)
+    for line, says in (("steps: 3.5", "'steps' must be int, got 3.5"),  # YAML floats: not whole, or past
+                       ("batch: 1.0e+20", "'batch' must be an int within")):
+        (tmp_path / "p.yaml").write_text(line)
+        with pytest.raises(utils.ConfigError, match=says):
+            cfg_from(["--config", str(tmp_path / "p.yaml")])
+
+
 def test_unknown_flag_names_the_closest_valid_flag():
     with pytest.raises(utils.ConfigError, match="unknown flag --group-sise.*'--group-size'"):
         cfg_from(["--group-sise", "4"])
