@@ -170,7 +170,7 @@ def validate(cfg: Config) -> None:
                              "max_len hidden lora_rank lora_alpha dist_timeout tis_cap mis_high",
                              lambda v: v >= 1, "{} >= 1"),
                             ("gamma eps_low mis_low", lambda v: 0 < v <= 1, "0 < {} <= 1"),
-                            ("lam", lambda v: 0 <= v <= 1, "0 <= {} <= 1"),
+                            ("lam prompt_reweight", lambda v: 0 <= v <= 1, "0 <= {} <= 1"),
                             ("lr sft_lr worker_patience eps_high", lambda v: v > 0, "{} > 0"),
                             ("dual_clip", lambda v: v == 0 or v > 1, "{} 0 (off) or > 1")):
         for name in names.split():
@@ -200,11 +200,8 @@ def validate(cfg: Config) -> None:
 def validate_modes(cfg: Config) -> None:
     """Options that only some kinds of task, or only disaggregated training (serve.py), have."""
     err, single = utils.ConfigError, sources()[cfg.task] is TaskRollouts
-    if not 0 <= cfg.prompt_reweight <= 1 or (cfg.prompt_reweight and not single):
-        raise err(f"--prompt-reweight {cfg.prompt_reweight}: a share in [0, 1], single-turn LLM tasks only")
-    if cfg.overlong_buffer and (not single or not 0 < cfg.overlong_buffer <= cfg.max_new_tokens):
-        raise err(f"--overlong-buffer is for single-turn LLM tasks, in 1..--max-new-tokens "
-                  f"(got {cfg.overlong_buffer})")
+    if not 0 <= cfg.overlong_buffer <= cfg.max_new_tokens:
+        raise err(f"need --overlong-buffer 0 (off) or in 1..--max-new-tokens (got {cfg.overlong_buffer})")
     if (cfg.algo == "opd") != bool(cfg.teacher):  # CartPole refuses --teacher below, as other LLM options
         raise err("--algo opd and --teacher MODEL go together, and only on LLM tasks")
     if cfg.task == "python_tool":  # model code runs only where the sandbox isolates it, or weakly by name
@@ -217,10 +214,13 @@ def validate_modes(cfg: Config) -> None:
                       "pick another --task")
     if why := tasks.data_problem(cfg.task, cfg.data, cfg.bad_rows):  # before a model loads (minutes)
         raise err(f"--task {cfg.task}: {why}")
-    tunes = (("kl_estimator kl_in_reward", cfg.kl_coef, "--kl-coef > 0 (e.g. 0.01)"),
+    tunes = (("prompt_reweight overlong_buffer", single, "a single-turn LLM --task (arith, gsm8k, ...)"),
+             ("kl_estimator kl_in_reward", cfg.kl_coef, "--kl-coef > 0 (e.g. 0.01)"),
              ("tis_cap", cfg.tis != "off", "--tis token or sequence"),
              ("mis_low mis_high", cfg.mis != "off", "--mis token or sequence"),
-             ("vf_clip critic_max_grad_norm", cfg.algo == "ppo", "--algo ppo (the only critic)"),
+             ("vf_coef vf_clip lam critic_max_grad_norm", cfg.algo == "ppo", "--algo ppo (the only critic)"),
+             ("dr_grpo", cfg.algo == "grpo", "--algo grpo (RLOO never divides by its groups' std)"),
+             ("lora_rank lora_alpha lora_targets", cfg.lora, "--lora (full fine-tuning has no adapter)"),
              ("loss_agg_constant", cfg.loss_agg == "constant", "--loss-agg constant"),
              ("dynamic_sampling", cfg.algo in GROUPED and single, "a grouped --algo on a single-turn task"),
              ("max_gen_batches", cfg.dynamic_sampling, "--dynamic-sampling"),
@@ -559,7 +559,7 @@ def parse(argv: list[str]) -> Config:
         raise utils.ConfigError(f"--out {cfg.out}: a resumed run goes on in {rundir.where(cfg)}; drop --out")
     if (cfg.task in CONTROL) != (old.task in CONTROL):  # an MLP's checkpoint never loads into an LM, nor back
         raise utils.ConfigError(f"--task {cfg.task}: the run trained {old.task}, another policy; drop --task")
-    for name in "task data model lora lora_rank lora_targets algo loss teacher opd_reward_coef".split():
+    for name in "task data model lora lora_alpha lora_targets algo loss teacher opd_reward_coef".split():
         if getattr(cfg, name) != getattr(old, name):
             utils.stderr(f"warning: {name} {getattr(cfg, name)!r} replaces the run's {getattr(old, name)!r}")
     if cfg.sft_steps != old.sft_steps and not cfg.eval_only:  # its warm-start is history, as its steps are

@@ -383,9 +383,19 @@ def test_a_start_that_failed_before_logging_a_step_leaves_its_directory_to_the_f
     (LLM + ["--eval-only", "--role", "trainer"], "--eval-only runs in one process: drop torchrun and --role"),
     (["--log", "tensorbord"], "--log tensorbord: choose from tensorboard, wandb (metrics.csv is always"),
     (["--log", "wandb,,csv"], "--log wandb,,csv: choose from"),  # one unknown name among known ones
-    (LLM + ["--prompt-reweight", "1.5"], "--prompt-reweight 1.5: a share in [0, 1], single-turn LLM tasks"),
-    (LLM + ["--prompt-reweight", "-0.1"], "--prompt-reweight -0.1: a share in [0, 1]"),
-    (["--task", "countdown_multiturn", "--prompt-reweight", "0.5"], "single-turn LLM tasks only"),
+    (LLM + ["--prompt-reweight", "1.5"], "need 0 <= --prompt-reweight <= 1 (got 1.5)"),
+    (LLM + ["--prompt-reweight", "-0.1"], "need 0 <= --prompt-reweight <= 1 (got -0.1)"),
+    (["--task", "countdown_multiturn", "--prompt-reweight", "0.5"],
+     "--prompt-reweight needs a single-turn LLM --task (arith, gsm8k, ...); add that or drop it"),
+    (["--task", "countdown_multiturn", "--overlong-buffer", "4"], "--overlong-buffer needs a single-turn LLM --task"),
+    (LLM + ["--overlong-buffer", "-1"], "need --overlong-buffer 0 (off) or in 1..--max-new-tokens (got -1)"),
+    # each of these went unused: only PPO's GAE reads --lam, only its critic --vf-coef, only GRPO --dr-grpo,
+    # and full fine-tuning (--no-lora) has no adapter to shape
+    (["--algo", "grpo", "--lam", "0.5"], "--lam needs --algo ppo (the only critic); add that or drop it"),
+    (LLM + ["--vf-coef", "2"], "--vf-coef needs --algo ppo (the only critic)"),
+    (LLM + ["--algo", "rloo", "--dr-grpo"], "--dr-grpo needs --algo grpo (RLOO never divides by its groups' std)"),
+    (LLM + ["--no-lora", "--lora-rank", "8"], "--lora-rank needs --lora (full fine-tuning has no adapter); add"),
+    (LLM + ["--no-lora", "--lora-targets", "q_proj"], "--lora-targets needs --lora"),
     (["--config", "configs/no_such.yaml"],
      "--config configs/no_such.yaml: no such file, nor a preset of that name"),
     # validate() leaves them to the policy, which refuses them before loading a model
@@ -647,6 +657,19 @@ def test_a_resume_that_swaps_the_teacher_warns_as_one_that_swaps_the_model(capsy
     assert cfg.teacher == "/teachers/t2" and capsys.readouterr().err.splitlines() == [
         "warning: teacher '/teachers/t2' replaces the run's 'tiny'",
         "warning: opd_reward_coef 0.5 replaces the run's 0.0"]
+
+
+def test_a_resume_that_rescales_the_adapter_warns_as_one_that_swaps_the_model(capsys, tmp_path):
+    """LoRA's update is scaled by alpha / rank: a resume with another --lora-alpha loads the checkpoint (the
+    tensors' shapes are alike) and changed what the trained adapter does without a word."""
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = train.Config(task="arith", model="tiny", algo="grpo", lora=True, sft_steps=0, group_size=8)
+    (run / "config.yaml").write_text(utils.dump_config(saved))
+    capsys.readouterr()
+    cfg = train.parse(["--resume", str(run), "--lora-alpha", "64"])
+    assert cfg.lora_alpha == 64
+    assert capsys.readouterr().err.splitlines() == ["warning: lora_alpha 64 replaces the run's 32"]
 
 
 def test_a_model_whose_files_lack_its_weights_is_refused_not_filled_at_random(capsys, tmp_path):
