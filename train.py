@@ -169,9 +169,9 @@ def validate(cfg: Config) -> None:
                              "inner_epochs minibatches ckpt_every keep_ckpts max_turns max_gen_batches "
                              "max_len hidden lora_rank lora_alpha dist_timeout tis_cap mis_high",
                              lambda v: v >= 1, "{} >= 1"),
-                            ("gamma eps_low mis_low", lambda v: 0 < v <= 1, "0 < {} <= 1"),
+                            ("gamma eps_low mis_low lr sft_lr", lambda v: 0 < v <= 1, "0 < {} <= 1"),
                             ("lam prompt_reweight", lambda v: 0 <= v <= 1, "0 <= {} <= 1"),
-                            ("lr sft_lr worker_patience eps_high", lambda v: v > 0, "{} > 0"),
+                            ("worker_patience eps_high", lambda v: v > 0, "{} > 0"),
                             ("dual_clip", lambda v: v == 0 or v > 1, "{} 0 (off) or > 1")):
         for name in names.split():
             if not ok(value := getattr(cfg, name)):

@@ -76,7 +76,11 @@ def one_line_error(capsys, argv) -> str:
     (["--max-grad-norm", "-1"], "need --max-grad-norm >= 0 (got -1.0)"),  # 0 is off
     (["--dist-timeout", "0"], "need --dist-timeout >= 1 (got 0.0)"),
     (["--dual-clip", "-1"], "need --dual-clip 0 (off) or > 1 (got -1.0)"),
-    (["--lr", "-1"], "need --lr > 0 (got -1.0)"),  # the message listed five ranges, none named as broken
+    (["--lr", "-1"], "need 0 < --lr <= 1 (got -1.0)"),  # the message listed five ranges, none named as broken
+    # Adam moves each weight by about lr a step: past ~3e37 its step size overflowed float32 (a traceback in
+    # step 1, after the run's directory and first eval), and any lr past 1 is a typo, not a schedule
+    (["--lr", "1e38"], "need 0 < --lr <= 1 (got 1e+38)"),
+    (LLM + ["--sft-steps", "2", "--sft-lr", "5"], "need 0 < --sft-lr <= 1 (got 5.0)"),
     (LLM + ["--mis-high", "0.5"], "need --mis-high >= 1 (got 0.5)"),
     (["--target", "-1"], "need --target >= 0 (got -1.0)"),
     (LLM + ["--dtype", "fp16"], "unknown --dtype 'fp16'; did you mean 'bf16'? (choices: fp32, bf16)"),  # at load
