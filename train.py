@@ -552,8 +552,7 @@ def parse(argv: list[str]) -> Config:
     saved = rundir.where(given) / "config.yaml"
     if not saved.exists():
         raise utils.ConfigError(f"--resume {given.resume}: no config.yaml in {saved.parent}: not a run")
-    old, cfg = (utils.load_config(Config, flags, choices(), base=saved, defaults=task_defaults)
-                for flags in ([], argv))
+    old, cfg = (utils.load_config(Config, f, choices(), saved, task_defaults) for f in ([], argv))
     own = cfg.out in ("", old.out) or Path(cfg.out).resolve() == rundir.where(cfg).resolve()  # names the run
     if not (own or cfg.eval_only):  # only an eval may go elsewhere (a read-only run's must)
         raise utils.ConfigError(f"--out {cfg.out}: a resumed run goes on in {rundir.where(cfg)}; drop --out")
@@ -567,7 +566,8 @@ def parse(argv: list[str]) -> Config:
     # The run's --export is written at its end: a resume inherits it while unwritten (an --eval-only never)
     if cfg.export == old.export and (cfg.eval_only or rundir.export_blocker(Path(cfg.export))):
         cfg = dataclasses.replace(cfg, export=given.export, export_merged=given.export_merged)
-    return dataclasses.replace(cfg, out="" if own else cfg.out)  # "": the run's own, or RUN/eval-STEP (eval)
+    sync = {k: vars(given)[k] for k in ("role", "workers", "trainer_url") if cfg.eval_only}  # one process
+    return dataclasses.replace(cfg, out="" if own else cfg.out, **sync)  # "": the run's own, or RUN/eval-STEP
 
 
 def main(argv: list[str]) -> int:

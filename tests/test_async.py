@@ -688,3 +688,16 @@ def test_a_trainer_whose_own_workers_all_died_saves_its_finished_steps_and_stops
         f"their output above; ckpt-{trained[-1]:07d} is saved: once fixed, --resume {run}")
     assert trained == list(range(1, trained[-1] + 1)) and 2 <= trained[-1] < 5
     assert [c.name for c in rundir.checkpoints(run)] == [f"ckpt-{trained[-1]:07d}"]  # the last finished step
+
+
+def test_an_async_runs_checkpoint_is_evaluated_with_eval_only_alone(tiny, tmp_path, capsys):
+    """`--resume RUN --eval-only` of a --role trainer run was refused ("drop torchrun and --role"), then for
+    its --workers, then its --trainer-url: three flags to undo settings an eval in one process never uses."""
+    run = tmp_path / "run"
+    assert train.main(flags(tiny, run, "--role", "trainer", "--workers", "1", "--steps", "2")) == 0
+    capsys.readouterr()
+    assert train.main(["--resume", str(run), "--eval-only", "--no-progress"]) == 0
+    assert "error" not in capsys.readouterr().err
+    evals = rundir.read_metrics(run / "eval-0000002" / "metrics.csv")["eval_accuracy"]
+    assert [s for s, _, _ in evals] == [2]  # the async run's step-2 checkpoint, evaluated in one process
+    assert train.main(["--resume", str(run), "--eval-only", "--role", "trainer"]) == 2  # given: still refused
