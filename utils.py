@@ -72,6 +72,14 @@ def preset_file(source) -> Path:
         return path
 
 
+def presets() -> list[str]:
+    """The file names of this install's presets (--config NAME), beside the one every install has."""
+    try:  # a wheel's RECORD lists files, not directories
+        return sorted(p.name for p in data_file("configs/cartpole_reinforce.yaml").parent.glob("*.yaml"))
+    except ConfigError:
+        return []
+
+
 def hub_out_of_reach() -> bool:
     """Whether the Hugging Face hub takes no connection (no DNS, a firewall), where its client retries each
     file it asks for ~28 s before it reads its cache: minutes for a model. HF_HUB_OFFLINE=1 reads the cache
@@ -186,8 +194,8 @@ def load_config(cls, argv: list[str], choices: dict | None = None, base: Path | 
         try:
             preset = yaml.load(preset_file(source).read_text(), UniqueKeys) or {}
         except FileNotFoundError:
-            raise ConfigError(f"--config {source}: no such file, nor a preset of that name; presets live in "
-                              "configs/") from None
+            raise ConfigError(f"--config {source}: no such file, nor a preset of that name (presets live in "
+                              f"configs/){closest(Path(source).name, presets())}") from None
         except (OSError, ValueError, yaml.YAMLError) as e:  # a directory, binary bytes, broken YAML
             raise ConfigError(f"{source}: cannot read it as YAML ({' '.join(str(e).split())})") from None
         if not isinstance(preset, dict):

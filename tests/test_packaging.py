@@ -42,9 +42,9 @@ def test_a_wheel_installed_elsewhere_trains_reports_and_finds_its_data_from_anot
                   "--no-progress", "--out", "r")
     assert trained.returncode == 0, trained.stderr
     assert "algo: ppo" in (elsewhere / "r" / "config.yaml").read_text()
-    missing = run("-m", "train", "--config", "cartpole_none.yaml")
-    assert missing.stderr == ("error: --config cartpole_none.yaml: no such file, nor a preset of that name; "
-                              "presets live in configs/\n")
+    missing = run("-m", "train", "--config", "cartpole_ppo")  # the name without .yaml: the wheel's is named
+    assert missing.stderr == ("error: --config cartpole_ppo: no such file, nor a preset of that name (presets live "
+                              "in configs/); did you mean 'cartpole_ppo.yaml'?\n")
     (elsewhere / "r" / "report.html").unlink()
     assert run("-m", "report", "r").stdout.strip() == "r/report.html"
     assert "eval_return" in (elsewhere / "r" / "report.html").read_text()

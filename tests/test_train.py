@@ -102,6 +102,14 @@ def test_an_int_is_taken_whole_up_to_int64_and_refused_past_it(tmp_path):
             cfg_from(["--config", str(tmp_path / "p.yaml")])
 
 
+@pytest.mark.parametrize("name", ["arith_tiny_cpu", "configs/arith_tiny_cpu", "arith_tiny_cpu.yml"])
+def test_a_preset_named_without_its_yaml_suffix_is_named_whole(name):
+    with pytest.raises(utils.ConfigError) as e:  # it said "nor a preset of that name", and no name
+        cfg_from(["--config", name])
+    assert str(e.value) == (f"--config {name}: no such file, nor a preset of that name (presets live in configs/); "
+                            "did you mean 'arith_tiny_cpu.yaml'?")
+
+
 def test_unknown_flag_names_the_closest_valid_flag():
     with pytest.raises(utils.ConfigError, match="unknown flag --group-sise.*'--group-size'"):
         cfg_from(["--group-sise", "4"])
