@@ -53,7 +53,8 @@ class Metrics:
             set_aside(out, resumed_at)
             for name in LOGS:
                 truncate_log(out / name, keep)
-        atomic_write(out / "config.yaml", dump_config(cfg).encode())  # a refused write keeps the run's own
+        saved = cfg if cfg.eval_only else dataclasses.replace(cfg, resume="")  # as a --config: a new run
+        atomic_write(out / "config.yaml", dump_config(saved).encode())  # a refused write keeps the run's own
         self.csv_file = open(out / "metrics.csv", "a", newline="")
         # "\n", not csv's "\r\n": truncate_log rewrites a resumed run's lines with "\n": one ending a file
         self.writer = csv.writer(self.csv_file, lineterminator="\n")

@@ -735,3 +735,14 @@ def test_a_registry_entry_that_is_no_task_class_is_named_in_one_line(capsys, mon
     monkeypatch.setitem(registry, "mine", entry())
     err = one_line_error(capsys, ["--task", "mine", "--steps", "0", "--no-progress"])
     assert says in err and err.endswith("register the class itself, not an instance or a function"), err
+
+
+def test_a_resumed_runs_config_yaml_taken_as_a_preset_starts_a_new_run(capsys, tmp_path):
+    """config.yaml kept the --resume that last continued the run: `--config RUN/config.yaml --out NEW` was
+    refused ("a resumed run goes on in RUN; drop --out"), and without --out it trained RUN on instead."""
+    run, quick = tmp_path / "run", ["--eval-episodes", "1", "--no-progress"]
+    assert train.main(["--out", str(run), "--steps", "1", *quick]) == 0
+    assert train.main(["--resume", str(run), "--steps", "2", *quick]) == 0
+    assert train.main(["--config", str(run / "config.yaml"), "--out", str(tmp_path / "new"), "--steps", "1"]) == 0
+    assert [c.name for c in rundir.checkpoints(tmp_path / "new")] == ["ckpt-0000001"]
+    assert [c.name for c in rundir.checkpoints(run)] == ["ckpt-0000001", "ckpt-0000002"]  # untouched
