@@ -471,7 +471,7 @@ class DatasetTask(Task):
 
     def _rows(self, data: str | None) -> Iterator[tuple[str, Any]]:  # (where, row): file lines or hub records
         if data is not None:  # _problem parses each line: invalid JSON or UTF-8 is one more malformed row
-            lines = Path(data).read_bytes().removeprefix(b"\xef\xbb\xbf").splitlines()  # bytes: \n, \r end lines
+            lines = Path(data).read_bytes().removeprefix(b"\xef\xbb\xbf").splitlines()  # bytes: U+2028 stays
             return ((f"{data}:{n}", line) for n, line in enumerate(lines, 1) if line.strip())
         path, config, split = self.hub
         try:
