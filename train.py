@@ -221,6 +221,7 @@ def validate_modes(cfg: Config) -> None:
              ("vf_coef vf_clip lam critic_max_grad_norm", cfg.algo == "ppo", "--algo ppo (the only critic)"),
              ("dr_grpo", cfg.algo == "grpo", "--algo grpo (RLOO never divides by its groups' std)"),
              ("lora_rank lora_alpha lora_targets", cfg.lora, "--lora (full fine-tuning has no adapter)"),
+             ("dual_clip", cfg.loss != "cispo", "--loss ppo or gspo (cispo's loss is unclipped)"),
              ("loss_agg_constant", cfg.loss_agg == "constant", "--loss-agg constant"),
              ("dynamic_sampling", cfg.algo in GROUPED and single, "a grouped --algo on a single-turn task"),
              ("max_gen_batches", cfg.dynamic_sampling, "--dynamic-sampling"),

@@ -59,6 +59,7 @@ def one_line_error(capsys, argv) -> str:
     (LLM + ["--max-gen-batches", "5"], "--max-gen-batches needs --dynamic-sampling"),
     (LLM + ["--opd-reward-coef", "0.5"], "--opd-reward-coef needs --algo opd"),
     (LLM + ["--sft-lr", "0.01"], "--sft-lr needs --sft-steps N (a warm-start)"),  # LLM has --sft-steps 0
+    (LLM + ["--loss", "cispo", "--dual-clip", "3"], "--dual-clip needs --loss ppo or gspo"),  # was unused
     (LLM + ["--hidden", "256"], "--hidden is for cartpole tasks, not arith"),  # the tiny model's size is not it
     # a single-turn task has no episodes to end or code to run: these went unused, as --sandbox on CartPole
     (LLM + ["--max-turns", "2"], "--max-turns is for multi-turn tasks, not arith: drop it or pick another --task"),
