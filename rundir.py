@@ -261,8 +261,9 @@ def plot(out: Path, keys: tuple[str, ...]) -> "Figure":
         axes[1].axvspan(0, sft[-1][1], color="grey", alpha=0.15, label="supervised warm-start")
     for ax, label in zip(axes, ("step", "wall seconds")):
         ax.set_xlabel(label)
-        ax.legend()
         ax.grid(alpha=0.3)
+        if ax.has_data():  # a run stopped before its first point: a legend of nothing warned
+            ax.legend()
     fig.tight_layout()
     fig.savefig(out / "curve.png", dpi=100)
     return fig

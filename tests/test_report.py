@@ -302,6 +302,15 @@ def test_a_live_runs_report_rewrites_take_at_most_their_share_of_its_time(monkey
     assert calls[-1] == ("b", 85.0)
 
 
+def test_a_curve_with_nothing_to_plot_is_drawn_without_a_warning(tmp_path, recwarn):
+    """A run stopped before it logged a point: matplotlib's "No artists with labels found to put in legend"
+    reached the user as a warning at the end of the run."""
+    (tmp_path / "metrics.csv").write_text("step,wall_s,key,value\n")
+    fig = rundir.plot(tmp_path, keys=("eval_return",))
+    assert [str(w.message) for w in recwarn] == [] and [ax.get_legend() for ax in fig.axes] == [None, None]
+    assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_curve_png_plots_each_key_by_step_and_wall_time_from_before_the_warm_start_which_it_shades(tmp_path):
     """curve.png: by step (left) and by wall seconds (right), each key from its eval before the warm-start
     (step -sft_steps) on; the warm-start's span shaded in both; keys the run did not log are left out."""
