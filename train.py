@@ -378,8 +378,8 @@ def update(policy, opt, batch: Batch, cfg: Config) -> dict:
     for _ in range(cfg.inner_epochs):
         order = torch.randperm(n) if cfg.minibatches > 1 else torch.arange(n)
         for mb in order.chunk(cfg.minibatches):
-            # A minibatch weighs its share of all ranks' tokens (token_mean) or rows (seq_mean, constant)
-            share = utils.all_sum(unit[mb].sum()) / utils.all_sum(unit.sum()) if cfg.minibatches > 1 else 1.0
+            # Its share of all ranks' tokens (token_mean) or rows (the others); none: weights 0 (no NaN)
+            share = utils.all_sum(unit[mb].sum()).clamp(min=1) / utils.all_sum(unit.sum())  # one minibatch: 1
             tokens = utils.all_sum(batch.loss_mask[mb].sum())  # logged stats are token means
             opt.zero_grad(set_to_none=True)
             total = torch.zeros(())
@@ -401,9 +401,9 @@ def update(policy, opt, batch: Batch, cfg: Config) -> dict:
                 skipped += 1
             for k, v in {"loss": total, **norms}.items():
                 stats[k] += v.item()
-            updates += 1
+            updates += bool(tokens)  # a minibatch without tokens is in no mean: it did not train
     stats.update(utils.reduce_dict(means))  # summed over ranks
-    return {**{k: v / updates for k, v in stats.items()}, "skipped": skipped, **batch.metrics}
+    return {**{k: v / max(updates, 1) for k, v in stats.items()}, "skipped": skipped, **batch.metrics}
 
 
 def micro_loss(policy, batch: Batch, rows: torch.Tensor, share, fresh: bool, cfg: Config):

@@ -216,6 +216,28 @@ def test_minibatch_gradients_are_weighted_by_their_share_of_the_batch(agg):
     assert "critic_grad_norm" not in stats[0]
 
 
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean", "constant"])
+def test_a_minibatch_without_tokens_trains_nothing_and_leaves_the_logged_means_to_the_one_that_trained(agg):
+    """Minibatch 1 holds only masked-out rows (a dropped group, --mask-truncated): its share was 0, its weights
+    0 / 0, and the step logged loss and grad_norm NaN, ratio 0.5 and half the entropy. Minibatch 2 holds all
+    the tokens (share 1): its one SGD step is the whole batch's gradient, its stats the whole batch's."""
+    cfg = cfg_from("--algo", "reinforce", "--max-grad-norm", "1e9", "--loss-agg", agg, "--minibatches", "2")
+
+    def empty_first_minibatch(policy, batch):
+        torch.manual_seed(7)
+        batch.mask[torch.randperm(len(batch)).chunk(2)[0]] = 0  # the rows update() draws first, below
+        torch.manual_seed(7)
+
+    split, stats, batch = sgd_delta(cfg, empty_first_minibatch)
+    whole, one, _ = sgd_delta(dataclasses.replace(cfg, minibatches=1), empty_first_minibatch)
+    assert stats["skipped"] == 1 and stats["ratio"] == pytest.approx(1.0, abs=1e-6)
+    assert stats["loss"] == pytest.approx(-(batch.weights * batch.adv).sum().item(), rel=1e-5)  # ratio 1
+    for k in ("loss", "grad_norm", "entropy", "approx_kl"):
+        assert stats[k] == pytest.approx(one[k], rel=1e-5, abs=1e-7), k
+    for a, b in zip(split, whole):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
 @pytest.mark.parametrize("kept", [0, 1])
 def test_a_step_with_0_or_1_tokens_left_logs_their_token_means_and_skips_only_the_empty_one(kept):
     cfg = cfg_from("--algo", "reinforce", "--mask-truncated")
