@@ -324,15 +324,15 @@ def old_scores(policy, batch: Batch, cfg: Config, weights) -> tuple[torch.Tensor
 def rollout_metrics(batch: Batch, rewards: torch.Tensor, cfg: Config) -> dict:
     """The batch as sampled, logged every step; reward (= reward_mean) is before any --kl-in-reward."""
     score, length = (rewards * batch.mask).sum(1, dtype=torch.float64), batch.mask.sum(1)  # [N] return, steps
-    scored = score[length > 0]  # a row masked out (a sample no judge scored) has no reward: not a 0
-    mean, adv_mean = scored.mean(), masked_mean(batch.adv, batch.mask)  # (none scored: NaN, no warning)
-    out = {"reward": mean, "reward_mean": mean, "reward_std": (scored - mean).square().mean().sqrt(),
+    kept = length > 0  # a row masked out (a sample no judge scored) has no reward, length nor spread: not 0
+    mean, adv_mean = score[kept].mean(), masked_mean(batch.adv, batch.mask)  # (none scored: NaN, no warning)
+    out = {"reward": mean, "reward_mean": mean, "reward_std": (score[kept] - mean).square().mean().sqrt(),
            "adv_mean": adv_mean, "adv_std": masked_mean((batch.adv - adv_mean) ** 2, batch.mask).sqrt(),
-           "length_mean": length.mean(), "length_max": length.max(),
+           "length_mean": length[kept].mean(), "length_max": length.max(),
            "truncated_frac": batch.truncated.float().mean(), "steps_env": length.sum() * utils.world(),
            **{k: v.nanmean() for k, v in batch.stats.items()}}  # NaN: a judge gave no score
     if cfg.group_size > 1:  # a group whose rewards all agree gives GRPO/RLOO nothing to learn from
-        out["frac_zero_std"] = (group_baseline(score, batch.group)[1] < EPS).float().mean()
+        out["frac_zero_std"] = (group_baseline(score, batch.group)[1][kept] < EPS).float().mean()
     return {k: float(v) for k, v in out.items()}
 
 

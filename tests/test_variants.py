@@ -142,6 +142,23 @@ def test_rollout_metrics_average_the_reward_over_scored_rows_never_counting_a_dr
     assert math.isnan(train.rollout_metrics(batch, rewards, cfg)["reward"])
 
 
+def test_rollout_metrics_leave_a_dropped_group_out_of_frac_zero_std_and_length_mean():
+    """A dropped group's rows have mask 0: its 'rewards' 0, 0 agreed (frac_zero_std 5/8, not 4/7) and its
+    'lengths' 0 pulled length_mean down, so an outage looked like collapse. Scores as above, group 1 (0, 1)
+    dropped: 4 of the 7 scored groups agree."""
+    cfg = cfg_from("--algo", "reinforce", "--group-size", "2")
+    policy, batch = cartpole(cfg)
+    score = torch.tensor([1.0, 1.0, 0.0, 1.0, 2.0, 2.0, 3.0, 0.0]).repeat(2)
+    rewards = torch.zeros_like(batch.mask)
+    rewards[torch.arange(cfg.batch), batch.mask.sum(1).long() - 1] = score
+    lengths = batch.mask.sum(1)
+    batch.group, batch.mask[2:4] = torch.arange(cfg.batch) // 2, 0.0
+    out = train.rollout_metrics(train.prepare(policy, batch, cfg), rewards, cfg)
+    assert out["frac_zero_std"] == pytest.approx(4 / 7)
+    assert out["length_mean"] == pytest.approx((lengths.sum() - lengths[2:4].sum()).item() / 14)
+    assert out["length_max"] == lengths[[0, 1, *range(4, 16)]].max().item()
+
+
 # ---------------------------------------------------------------- the loss's terms, the update's arithmetic
 def kl_reference(policy, batch):  # k1 = logp - ref: ref is the sampler's log-prob + 0.5, no gradient
     policy.ref_logp = lambda b, rows: b.logp[rows] + 0.5
