@@ -327,8 +327,8 @@ def rollout_metrics(batch: Batch, rewards: torch.Tensor, cfg: Config) -> dict:
     kept = length > 0  # a row masked out (a sample no judge scored) has no reward, length nor spread: not 0
     mean, adv_mean = score[kept].mean(), masked_mean(batch.adv, batch.mask)  # (none scored: NaN, no warning)
     out = {"reward": mean, "reward_mean": mean, "reward_std": (score[kept] - mean).square().mean().sqrt(),
-           "adv_mean": adv_mean, "adv_std": masked_mean((batch.adv - adv_mean) ** 2, batch.mask).sqrt(),
-           "length_mean": length[kept].mean(), "length_max": length.max(),
+           "adv_mean": adv_mean, "length_mean": length[kept].mean(), "length_max": length.max(),
+           "adv_std": masked_mean((batch.adv.double() - adv_mean) ** 2, batch.mask).sqrt(),
            "truncated_frac": batch.truncated.float().mean(), "steps_env": length.sum() * utils.world(),
            **{k: v.nanmean() for k, v in batch.stats.items()}}  # NaN: a judge gave no score
     if cfg.group_size > 1:  # a group whose rewards all agree gives GRPO/RLOO nothing to learn from

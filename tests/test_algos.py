@@ -110,6 +110,16 @@ def test_reinforce_baseline_subtracts_one_constant_for_the_batch():
     assert torch.allclose(algos.reinforce_baseline(b, CFG), t([[1.5 - mean, 1 - mean, 0], [1 - mean, 0, 0]]))
 
 
+def test_reinforce_baseline_of_returns_whose_sum_passes_float32_stays_finite():
+    """Returns 3e36 and 1e36 (float32 holds both) on 100 tokens each: their float32 sum, 4e38, was inf, the
+    baseline inf and every advantage -inf (a NaN loss: each step skipped). The mean is 2e36: +-1e36."""
+    rewards, mask = torch.zeros(2, 100), torch.ones(2, 100)
+    rewards[:, -1] = t([3e36, 1e36])
+    adv = algos.reinforce_baseline(SimpleNamespace(rewards=rewards, mask=mask), SimpleNamespace(gamma=1.0))
+    assert torch.allclose(adv, t([[1e36], [-1e36]]).expand(2, 100), rtol=1e-6)
+    assert algos.masked_mean(t([3e38, 3e38]), t([1, 1])).item() == t(3e38).item()  # float32 in, float32 out
+
+
 def test_reinforce_pp_whitens_over_all_tokens_of_the_batch():
     b = SimpleNamespace(rewards=t([[0, 2], [0, 0]]), mask=t([[1, 1], [1, 1]]))
     # returns (gamma .5): [1, 2], [0, 0]; mean .75, std sqrt(((.25)^2+(1.25)^2+2*(.75)^2)/4)

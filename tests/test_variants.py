@@ -159,6 +159,19 @@ def test_rollout_metrics_leave_a_dropped_group_out_of_frac_zero_std_and_length_m
     assert out["length_max"] == lengths[[0, 1, *range(4, 16)]].max().item()
 
 
+def test_rollout_metrics_adv_std_of_advantages_squaring_past_float32_is_finite():
+    """REINFORCE's advantages are raw returns: +-1e20 (float32 holds them) squared past its range, so adv_std
+    was inf. Two steps a row, 1e20 then -1e20: mean 0, std 1e20."""
+    cfg = cfg_from("--algo", "reinforce")
+    policy, batch = cartpole(cfg)
+    batch = train.prepare(policy, batch, cfg)
+    batch.mask[:, 2:] = 0.0
+    batch.adv = torch.zeros_like(batch.mask)
+    batch.adv[:, :2] = torch.tensor([1e20, -1e20])
+    out = train.rollout_metrics(batch, batch.rewards, cfg)
+    assert out["adv_mean"] == 0.0 and out["adv_std"] == pytest.approx(1e20)
+
+
 # ---------------------------------------------------------------- the loss's terms, the update's arithmetic
 def kl_reference(policy, batch):  # k1 = logp - ref: ref is the sampler's log-prob + 0.5, no gradient
     policy.ref_logp = lambda b, rows: b.logp[rows] + 0.5
