@@ -11,11 +11,11 @@ import utils
 EPS = 1e-6
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over the whole batch: under torchrun the sums span every rank (a collective). Summed in float64:
-    returns of 1e34 (float32 holds each) summed past float32's range, and REINFORCE's baseline was inf."""
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, of_none: float = 0.0) -> torch.Tensor:
+    """Mean over the whole batch: under torchrun the sums span every rank (a collective); `of_none` where the
+    mask has no entry. Summed in float64: returns of 1e34 (float32 holds each) summed past its range."""
     total = utils.all_sum(torch.stack([(x * mask).sum(dtype=torch.float64), mask.sum(dtype=torch.float64)]))
-    return (total[0] / total[1].clamp(min=1)).to(x.dtype)
+    return torch.where(total[1] > 0, total[0] / total[1].clamp(min=1), of_none).to(x.dtype)
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,11 @@ def test_masked_mean_of_one_entry_is_that_entry_and_of_none_is_zero():
     assert algos.masked_mean(t([5.0, 7.0]), t([0, 1])).item() == 7.0
     assert algos.masked_mean(t([5.0, 7.0]), t([0, 0])).item() == 0.0  # an empty batch: 0, not nan
 
+def test_masked_mean_of_none_is_what_the_caller_names():  # a metric of rows none of which counts: NaN
+    assert math.isnan(algos.masked_mean(t([5.0, 7.0]), t([0, 0]), of_none=math.nan).item())
+    assert algos.masked_mean(t([5.0, 7.0]), t([1, 0]), of_none=math.nan).item() == 5.0
+
+
 def test_masked_whiten_has_zero_mean_unit_std_and_zeros_outside_mask():
     x, m = t([[1.0, 2.0, 3.0, 50.0]]), t([[1, 1, 1, 0]])
     w = algos.masked_whiten(x, m)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -154,6 +155,16 @@ def eval_with_oracle(task: str = "arith", size: int = 10) -> dict:
     return source.evaluate()
 
 
+def metrics_with_one_rank_all_dropped() -> dict:
+    """Rank 0's two rows (one group) scored 1 and 3, 2 and 4 tokens long; rank 1's two masked out (a group
+    no judge scored); reduced over ranks as prepare() does."""
+    mask = torch.tensor([[1.0, 1, 0, 0], [1, 1, 1, 1]]) * (utils.rank() == 0)
+    rewards = torch.tensor([[0.0, 1, 0, 0], [0, 0, 0, 3]])
+    batch = SimpleNamespace(mask=mask, adv=torch.zeros(2, 4), truncated=torch.zeros(2, dtype=torch.bool),
+                            stats={}, group=torch.tensor([0, 0]))
+    return utils.reduce_dict(train.rollout_metrics(batch, rewards, SimpleNamespace(group_size=2)), mean=True)
+
+
 # ---------------------------------------------------------------- the torchrun worker
 def worker(out: Path) -> None:
     utils.init_distributed(timeout_s=60)
@@ -176,6 +187,7 @@ def worker(out: Path) -> None:
     report["eval_one"] = {task: eval_with_oracle(task, size=1) for task in ("arith", "add")}  # rank 1: none
     report["dynamic"] = dynamic_sampling_draws()
     report["replayed"] = replayed_after_a_resume()
+    report["dropped"] = metrics_with_one_rank_all_dropped()
     torch.manual_seed(100 + r)  # deliberately different weights per rank before the broadcast
     policy = MLPPolicy(4, 2)
     utils.broadcast_weights(policy)
@@ -269,6 +281,15 @@ def test_an_eval_smaller_than_the_world_reduces_the_same_keys_on_a_rank_without_
     expected = {"arith": right, "add": {**right, "eval_accuracy_lenient": 1.0}}
     assert {task: eval_with_oracle(task, size=1) for task in expected} == expected
     assert r0["eval_one"] == expected and r1["eval_one"] == expected
+
+
+def test_reward_metrics_average_every_ranks_scored_rows_though_one_rank_has_none(ranks):
+    """Each rank averaged its own scored rows and the ranks averaged those: a rank whose rows a downed judge
+    all dropped logged NaN, and so did the step. Over all scored rows: scores 1, 3 and lengths 2, 4."""
+    _, reports = ranks
+    for report in reports:
+        d = report["dropped"]
+        assert (d["reward"], d["reward_std"], d["length_mean"], d["frac_zero_std"]) == (2.0, 1.0, 3.0, 0.0)
 
 
 def test_ranks_start_from_rank_zero_weights(ranks):
