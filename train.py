@@ -324,13 +324,13 @@ def old_scores(policy, batch: Batch, cfg: Config, weights) -> tuple[torch.Tensor
 def rollout_metrics(batch: Batch, rewards: torch.Tensor, cfg: Config) -> dict:
     """The batch as sampled, logged every step; reward (= reward_mean) is before any --kl-in-reward."""
     score, length = (rewards * batch.mask).sum(1, dtype=torch.float64), batch.mask.sum(1)  # [N] return, steps
-    scored = lambda x: masked_mean(x, (length > 0).float(), of_none=math.nan)  # every rank's scored rows
+    scored = lambda x: masked_mean(x, (length > 0).float(), math.nan)  # every rank's scored rows (stats: NaN)
     mean, adv_mean = scored(score), masked_mean(batch.adv, batch.mask)  # an unscored row: no reward, not 0
     out = {"reward": mean, "reward_mean": mean, "reward_std": scored((score - mean).square()).sqrt(),
            "adv_mean": adv_mean, "length_mean": scored(length), "length_max": length.max(),
            "adv_std": masked_mean((batch.adv.double() - adv_mean) ** 2, batch.mask).sqrt(),
            "truncated_frac": batch.truncated.float().mean(), "steps_env": length.sum() * utils.world(),
-           **{k: v.nanmean() for k, v in batch.stats.items()}}  # NaN: a judge gave no score
+           **{k: masked_mean(v.nan_to_num(), (~v.isnan()).float(), math.nan) for k, v in batch.stats.items()}}
     if cfg.group_size > 1:  # a group whose rewards all agree gives GRPO/RLOO nothing to learn from
         out["frac_zero_std"] = scored((group_baseline(score, batch.group)[1] < EPS).float())
     return {k: float(v) for k, v in out.items()}
@@ -363,7 +363,7 @@ def prepare(policy, batch: Batch, cfg: Config, weights=contextlib.nullcontext, t
         batch.loss_mask, metrics = keep * kept, {**metrics, **s}
     batch.weights = loss_weights(batch.loss_mask, cfg.loss_agg,
                                  constant=cfg.loss_agg_constant or cfg.max_new_tokens)
-    # Averaged over ranks (equal rows each): exact for plain means; a max, a NaN-skipping mean: ranks' average
+    # Averaged over ranks (equal rows each): exact for means and fractions; a max: the ranks' average
     batch.metrics = utils.reduce_dict({**rollout_metrics(batch, rewards, cfg), **metrics}, mean=True)
     return batch
 

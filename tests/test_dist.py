@@ -7,6 +7,7 @@ The module is also the torchrun worker for the checks that need live ranks:
 import ctypes
 import errno
 import json
+import math
 import os
 import re
 import signal
@@ -157,11 +158,12 @@ def eval_with_oracle(task: str = "arith", size: int = 10) -> dict:
 
 def metrics_with_one_rank_all_dropped() -> dict:
     """Rank 0's two rows (one group) scored 1 and 3, 2 and 4 tokens long; rank 1's two masked out (a group
-    no judge scored); reduced over ranks as prepare() does."""
+    no judge scored: its reward fn's values NaN); reduced over ranks as prepare() does."""
     mask = torch.tensor([[1.0, 1, 0, 0], [1, 1, 1, 1]]) * (utils.rank() == 0)
     rewards = torch.tensor([[0.0, 1, 0, 0], [0, 0, 0, 3]])
+    judged = torch.tensor([1.0, 0.0] if utils.rank() == 0 else [math.nan, math.nan])  # a reward fn's values
     batch = SimpleNamespace(mask=mask, adv=torch.zeros(2, 4), truncated=torch.zeros(2, dtype=torch.bool),
-                            stats={}, group=torch.tensor([0, 0]))
+                            stats={"reward_judge": judged}, group=torch.tensor([0, 0]))
     return utils.reduce_dict(train.rollout_metrics(batch, rewards, SimpleNamespace(group_size=2)), mean=True)
 
 
@@ -285,11 +287,12 @@ def test_an_eval_smaller_than_the_world_reduces_the_same_keys_on_a_rank_without_
 
 def test_reward_metrics_average_every_ranks_scored_rows_though_one_rank_has_none(ranks):
     """Each rank averaged its own scored rows and the ranks averaged those: a rank whose rows a downed judge
-    all dropped logged NaN, and so did the step. Over all scored rows: scores 1, 3 and lengths 2, 4."""
+    all dropped logged NaN, and so did the step. Over all scored rows: scores 1, 3, lengths 2, 4, parts 1, 0."""
     _, reports = ranks
     for report in reports:
         d = report["dropped"]
         assert (d["reward"], d["reward_std"], d["length_mean"], d["frac_zero_std"]) == (2.0, 1.0, 3.0, 0.0)
+        assert d["reward_judge"] == 0.5
 
 
 def test_ranks_start_from_rank_zero_weights(ranks):
