@@ -18,7 +18,6 @@ import argparse
 import hashlib
 import json
 import os
-import re
 import socket
 import statistics
 import subprocess

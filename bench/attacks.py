@@ -6,7 +6,6 @@ attack | expected | observed | pass. Not part of the test suite (about 3 minutes
     python bench/attacks.py
 """
 import argparse
-import json
 import os
 import pickle
 import re
