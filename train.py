@@ -228,16 +228,15 @@ def validate_modes(cfg: Config) -> None:
              ("opd_reward_coef", cfg.algo == "opd", "--algo opd"),
              ("sft_lr", cfg.sft_steps, "--sft-steps N (a warm-start)"),
              ("export_merged", cfg.export, "--export DIR"),
-             ("workers", cfg.role == "trainer", "--role trainer (resuming async in sync: --workers 0)"),
-             ("trainer_url", cfg.role != "sync", "--role trainer or rollout (sync resume: --trainer-url '')"),
+             ("role", cfg.algo != "ppo", "a critic-free --algo (grpo, rloo, ...): workers lack PPO's critic"),
+             ("workers", cfg.role == "trainer", "--role trainer"),
+             ("trainer_url max_staleness worker_patience", cfg.role != "sync", "--role trainer or rollout"),
              ("vllm", cfg.role == "rollout" and cfg.lora, "--role rollout and --lora (syncs send adapters)"))
     for names, on, needs in tunes:  # an option tuning another that is off would do nothing
         for name in names.split():
-            if not on and getattr(cfg, name) != getattr(Config, name):
-                raise err(f"--{name.replace('_', '-')} needs {needs}; add that or drop it")
-    if cfg.role != "sync" and cfg.algo == "ppo":
-        raise err("--algo ppo trains a critic the workers cannot score with; use --role sync, or a "
-                  "critic-free --algo (grpo, rloo, reinforce_pp) with workers")
+            if not on and getattr(cfg, name) != (default := getattr(Config, name)):  # resumed: config.yaml's
+                undo = f"pass {utils.as_flag(name, default)}" if cfg.resume else "drop it"
+                raise err(f"--{name.replace('_', '-')} needs {needs}; add that or {undo}")
     if cfg.role == "rollout" and not cfg.trainer_url:
         raise err("--role rollout needs --trainer-url http://HOST:PORT (the trainer prints it at start)")
     if cfg.role != "sync":  # before a model loads: the url's form, and a trainer's token for where it listens
@@ -567,7 +566,8 @@ def parse(argv: list[str]) -> Config:
     # The run's --export is written at its end: a resume inherits it while unwritten (an --eval-only never)
     if cfg.export == old.export and (cfg.eval_only or rundir.export_blocker(Path(cfg.export))):
         cfg = dataclasses.replace(cfg, export=given.export, export_merged=given.export_merged)
-    sync = {k: vars(given)[k] for k in ("role", "workers", "trainer_url") if cfg.eval_only}  # one process
+    serving = ("role", "workers", "trainer_url", "max_staleness", "worker_patience")  # a role's own flags
+    sync = {k: vars(given)[k] for k in serving if cfg.eval_only or cfg.role != old.role}  # eval: one process
     return dataclasses.replace(cfg, out="" if own else cfg.out, **sync)  # "": the run's own, or RUN/eval-STEP
 
 

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import shlex
 import signal
 import socket
 import sys
@@ -42,6 +43,13 @@ class ConfigError(ValueError):
 def closest(name: str, valid) -> str:
     match = difflib.get_close_matches(name, valid, n=1, cutoff=0.4)
     return f"; did you mean '{match[0]}'?" if match else ""
+
+
+def as_flag(name: str, value) -> str:
+    """A field's value as the command line writes it: `--workers 0`, `--no-lora`, `--trainer-url ''`."""
+    if isinstance(value, bool):
+        return f"--{'' if value else 'no-'}{name.replace('_', '-')}"
+    return f"--{name.replace('_', '-')} {shlex.quote(str(value))}"
 
 
 def data_file(name: str) -> Path:

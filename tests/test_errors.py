@@ -48,10 +48,13 @@ def one_line_error(capsys, argv) -> str:
     (["--eval-every", "0"], "need --eval-every >= 1 (got 0)"),
     (LLM + ["--max-new-tokens", "0"], "need --max-new-tokens >= 1 (got 0)"),
     (["--steps", "-3"], "need --steps >= 0 (got -3)"),
-    (LLM + ["--workers", "2"], "--workers needs --role trainer (resuming async in sync: --workers 0); add that or drop it"),
+    (LLM + ["--workers", "2"], "--workers needs --role trainer; add that or drop it"),
     # an option tuning another that is off went unused: each is refused, naming what turns it on
     (LLM + ["--role", "rollout", "--trainer-url", "http://h:1", "--workers", "2"], "--workers needs --role trainer"),
     (LLM + ["--trainer-url", "http://127.0.0.1:9"], "--trainer-url needs --role trainer or rollout"),
+    # an async trainer's and its workers' knobs went unused in one process, silently
+    (LLM + ["--max-staleness", "0"], "--max-staleness needs --role trainer or rollout; add that or drop it"),
+    (LLM + ["--worker-patience", "5"], "--worker-patience needs --role trainer or rollout; add that or drop it"),
     (LLM + ["--tis-cap", "3"], "--tis-cap needs --tis token or sequence; add that or drop it"),
     (LLM + ["--mis-high", "3"], "--mis-high needs --mis token or sequence"),
     (LLM + ["--kl-estimator", "k2"], "--kl-estimator needs --kl-coef > 0 (e.g. 0.01)"),
@@ -65,7 +68,7 @@ def one_line_error(capsys, argv) -> str:
     (LLM + ["--max-turns", "2"], "--max-turns is for multi-turn tasks, not arith: drop it or pick another --task"),
     (LLM + ["--max-len", "512"], "--max-len is for multi-turn tasks, not arith"),
     (["--sandbox", "weak"], "--sandbox is for multi-turn tasks, not cartpole"),
-    (LLM + ["--role", "trainer", "--algo", "ppo"], "use --role sync, or a critic-free --algo"),
+    (LLM + ["--role", "trainer", "--algo", "ppo"], "--role needs a critic-free --algo (grpo, rloo, ...): workers"),
     (LLM + ["--overlong-buffer", "999", "--max-new-tokens", "8"], "in 1..--max-new-tokens"),
     (["--lr", "nan"], "'lr' must be a finite float, got 'nan'"),  # NaN passes every range check
     (LLM + ["--temperature", "nan"], "'temperature' must be a finite float"),
@@ -182,16 +185,34 @@ def test_resuming_a_run_as_a_task_of_another_kind_of_policy_names_the_runs_task(
     assert err == f"error: --task {task}: the run trained {saved}, another policy; drop --task"
 
 
-def test_an_async_run_resumed_in_one_process_is_told_how_to_drop_its_workers(capsys, tmp_path):
-    (tmp_path / "config.yaml").write_text("task: arith\nrole: trainer\nworkers: 2\n")  # what such a run saved
-    err = one_line_error(capsys, ["--resume", str(tmp_path), "--role", "sync"])
-    assert err == "error: --workers needs --role trainer (resuming async in sync: --workers 0); add that or drop it"
-    (tmp_path / "config.yaml").write_text("task: arith\nrole: trainer\ntrainer_url: http://0.0.0.0:8000\n")
-    err = one_line_error(capsys, ["--resume", str(tmp_path), "--role", "sync"])
-    assert err.endswith("needs --role trainer or rollout (sync resume: --trainer-url ''); add that or drop it")
-    cfg = train.parse(["--resume", str(tmp_path), "--role", "sync", "--workers", "0", "--trainer-url", ""])
-    train.validate(cfg)  # the fix it names is accepted
-    assert (cfg.role, cfg.workers, cfg.trainer_url, cfg.task) == ("sync", 0, "", "arith")
+def test_an_async_run_resumed_in_one_process_or_evaluated_leaves_its_trainers_flags_behind(tmp_path):
+    """Resumed with --role sync it was refused, "--workers needs --role trainer; ... drop it", of a flag that
+    its config.yaml held (then --max-staleness, --worker-patience, --trainer-url, one by one)."""
+    (tmp_path / "config.yaml").write_text("task: arith\nrole: trainer\nworkers: 2\nmax_staleness: 0\n"
+                                          "worker_patience: 5.0\ntrainer_url: http://0.0.0.0:8000\n")
+    for argv in (["--role", "sync"], ["--eval-only"]):
+        cfg = train.parse(["--resume", str(tmp_path), *argv])
+        train.validate(cfg)
+        assert (cfg.role, cfg.workers, cfg.max_staleness, cfg.worker_patience, cfg.trainer_url) == (
+            "sync", 0, 2, 60.0, "")
+    cfg = train.parse(["--resume", str(tmp_path)])  # as a trainer again: its own flags
+    assert (cfg.role, cfg.workers, cfg.max_staleness, cfg.worker_patience) == ("trainer", 2, 0, 5.0)
+
+
+@pytest.mark.parametrize("saved, argv, need, undo", [
+    ("kl_coef: 0.01\nkl_in_reward: true\n", ["--kl-coef", "0"], "--kl-in-reward needs --kl-coef > 0 (e.g. 0.01)",
+     "--no-kl-in-reward"),
+    ("loss_agg: constant\nloss_agg_constant: 100\n", ["--loss-agg", "token_mean"],
+     "--loss-agg-constant needs --loss-agg constant", "--loss-agg-constant 0"),
+    ("tis: token\ntis_cap: 3.0\n", ["--tis", "off"], "--tis-cap needs --tis token or sequence", "--tis-cap 2.0"),
+])
+def test_a_resumed_runs_own_option_that_is_refused_names_the_flag_that_turns_it_off(capsys, tmp_path, saved, argv,
+                                                                                    need, undo):
+    """Its config.yaml sets the option, so "drop it" (from a command line that never had it) could not work."""
+    (tmp_path / "config.yaml").write_text("task: arith\n" + saved)
+    err = one_line_error(capsys, ["--resume", str(tmp_path), *argv])
+    assert err == f"error: {need}; add that or pass {undo}"
+    train.validate(train.parse(["--resume", str(tmp_path), *argv, *undo.split()]))  # the fix it names works
 
 
 def test_run_and_export_directories_that_cannot_be_made_stop_before_training(capsys, tmp_path):
