@@ -208,7 +208,7 @@ class LLMPolicy(nn.Module):
                                     f"({str(e).splitlines()[0]}); {load_fix(self.path)}") from None
         lm = load_lm(self.path, cfg, self.device)
         self.positions = learned_positions(lm)  # None: no end (before LoRA wraps an embedding, if named)
-        self.context = self.positions or getattr(lm.config, "max_position_embeddings", None)  # None: unnamed
+        self.context = getattr(lm.config, "max_position_embeddings", None)  # None: unnamed
         self.model = add_lora(lm, cfg) if self.lora else lm
         # PPO's critic: a linear head on the last hidden state, trained through the same adapter (or
         # weights); zero-initialised so the first values are 0 rather than noise of the reward's scale.
