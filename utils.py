@@ -56,12 +56,10 @@ def data_file(name: str) -> Path:
     """One of pyproject's data-files: next to the modules in a checkout (pip install -e .), else where pip
     put this install's share/nanorl, as its RECORD lists it (a venv's, --user's ~/.local, /usr/local)."""
     here = Path(__file__).parent
-    if (beside := here / name).exists():
-        return beside
     dists = importlib.metadata.distributions(name="nanorl", path=[str(here)])  # the dist-info beside us
     listed = [Path(f.locate()).resolve() for dist in dists for f in dist.files or ()
               if f.as_posix().endswith(f"share/nanorl/{name}")]
-    for path in [*listed, Path(sys.prefix, "share/nanorl", name)]:
+    for path in [here / name, *listed, Path(sys.prefix, "share/nanorl", name)]:
         if path.exists():
             return path
     raise ConfigError(f"{name}: neither next to {here} nor in this install's share/nanorl; reinstall nanorl "
