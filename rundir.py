@@ -382,9 +382,8 @@ def holds_run(run: Path, eval_only: bool = False) -> bool:
     """A checkpoint or a logged metric, which a new run would mix with (a failed start may leave none). An
     --eval-only may log into another's directory (config.yaml's line), each eval at its checkpoint's step."""
     metrics, config = run / "metrics.csv", run / "config.yaml"
-    if eval_only and config.exists() and "eval_only: true" in config.read_text().splitlines():
-        return bool(checkpoints(run))
-    return bool(checkpoints(run)) or (metrics.exists() and metrics.read_bytes().count(b"\n") > 1)
+    evals = eval_only and config.exists() and "eval_only: true" in config.read_text().splitlines()
+    return bool(checkpoints(run)) or not evals and metrics.exists() and metrics.read_bytes().count(b"\n") > 1
 
 
 def load_checkpoint(ckpt: Path, policy: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
