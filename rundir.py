@@ -378,12 +378,18 @@ def checkpoints(run: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
-def holds_run(run: Path, eval_only: bool = False) -> bool:
-    """A checkpoint or a logged metric, which a new run would mix with (a failed start may leave none). An
+def out_blocker(run: Path, eval_only: bool = False) -> str | None:
+    """Why a new run cannot go in `run` (None: it can): a checkpoint or a logged metric it would mix with (a
+    failed start may leave none), or files of the names a run writes that no run made (no .lock). An
     --eval-only may log into another's directory (config.yaml's line), each eval at its checkpoint's step."""
     metrics, config = run / "metrics.csv", run / "config.yaml"
     evals = eval_only and config.exists() and "eval_only: true" in config.read_text().splitlines()
-    return bool(checkpoints(run)) or not evals and metrics.exists() and metrics.read_bytes().count(b"\n") > 1
+    if checkpoints(run) or not evals and metrics.exists() and metrics.read_bytes().count(b"\n") > 1:
+        return f"holds a run: --resume {run} continues it, or pick another --out"
+    ours = [n for n in (*LOGS, "config.yaml", "report.html", "curve.png") if (run / n).exists()]
+    if ours and not (run / ".lock").exists():
+        return f"holds {', '.join(ours)}, not a run's, which a run would overwrite; pick another --out"
+    return None
 
 
 def load_checkpoint(ckpt: Path, policy: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:

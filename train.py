@@ -190,8 +190,8 @@ def validate(cfg: Config) -> None:
         raise err(f"--log {cfg.log}: choose from {', '.join(rundir.LOGGERS)} (metrics.csv is always written)")
     if cfg.resume and not Path(cfg.resume).is_dir():
         raise err(f"--resume {cfg.resume}: no such run directory or checkpoint")
-    if cfg.out and cfg.role != "rollout" and rundir.holds_run(Path(cfg.out), cfg.eval_only):
-        raise err(f"{cfg.out} holds a run: --resume {cfg.out} continues it, or pick another --out")
+    if cfg.out and cfg.role != "rollout" and (why := rundir.out_blocker(Path(cfg.out), cfg.eval_only)):
+        raise err(f"{cfg.out} {why}")
     if cfg.export and (why := rundir.export_blocker(Path(cfg.export), Path(cfg.out or cfg.resume or "runs"))):
         raise err(f"--export {cfg.export}: {why}; pick a new or empty directory")
     validate_modes(cfg)

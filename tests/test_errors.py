@@ -313,6 +313,27 @@ def test_a_new_run_never_writes_into_another_runs_directory(capsys, tmp_path):
                                 "--out", str(out)]))
 
 
+def test_a_new_run_never_overwrites_a_users_own_files_of_a_runs_names(capsys, tmp_path):
+    """--out DIR replaced a user's own config.yaml, report.html or curve.png there with the run's. Files that
+    no run wrote (no .lock) are refused; a directory a failed start left (its .lock) still takes a rerun."""
+    quick = ["--steps", "1", "--batch", "4", "--eval-episodes", "1", "--no-progress"]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("my: settings\n")
+    (mine / "curve.png").write_bytes(b"my plot")
+    err = one_line_error(capsys, ["--out", str(mine), *quick])
+    assert err == (f"error: {mine} holds config.yaml, curve.png, not a run's, which a run would overwrite; "
+                   "pick another --out")
+    assert sorted(p.name for p in mine.iterdir()) == ["config.yaml", "curve.png"]
+    assert (mine / "config.yaml").read_text() == "my: settings\n"
+    failed = tmp_path / "failed"  # what a start that failed before its first log left
+    failed.mkdir()
+    (failed / ".lock").touch()
+    (failed / "config.yaml").write_text("task: cartpole\n")
+    assert train.main(["--out", str(failed), *quick]) == 0
+    assert (failed / "ckpt-0000001").is_dir()
+
+
 def test_a_resume_refuses_an_out_elsewhere_and_takes_its_own(capsys, tmp_path):
     """--resume RUN --out OTHER silently went on in RUN, leaving OTHER empty. Now it is one line; the run's own
     directory as --out, as a script that names both passes it, still resumes."""
