@@ -15,6 +15,7 @@ from tqdm import tqdm
 import tasks
 import utils
 from envs import EVAL_SEED, TEXT_ENVS, CartPole, TextEnv
+from judge import JudgeUnavailable
 from model import Sample
 from tasks import Problem
 
@@ -152,13 +153,22 @@ def rollout_single(policy, task: tasks.Task, problems: list[Problem], group_size
     samples = policy.generate([x for _, x in rows], cfg.max_new_tokens, cfg.gen_batch, greedy=greedy)
     texts = [policy.decode(s.ids) for s in samples]
     width = max(getattr(fn, "concurrency", 1) for fn, _ in task.rewards)  # only a judge scores in parallel
-    drop = cfg.judge_down == "drop"
-    with ThreadPoolExecutor(width) as pool:
-        scores = list(pool.map(lambda r, t: task.score(r[0].prompt, t, r[0].answer, drop), rows, texts))
-    for (total, _), text in zip(scores, texts):  # each reward is within float32's range, but their sum?
-        if abs(total) > tasks.FLOAT32_MAX:  # (NaN, a judge's missing score, is not)
-            raise tasks.RewardError(f"{task.name}'s weighted total {total:.3g} for the completion "
-                                    f"{text[:60]!r} is past float32's range; scale its rewards or weights")
+    drop, failed = cfg.judge_down == "drop", None
+    try:
+        with ThreadPoolExecutor(width) as pool:
+            scores = list(pool.map(lambda r, t: task.score(r[0].prompt, t, r[0].answer, drop), rows, texts))
+        for (total, _), text in zip(scores, texts):  # each reward is within float32's range, but their sum?
+            if abs(total) > tasks.FLOAT32_MAX:  # (NaN, a judge's missing score, is not)
+                raise tasks.RewardError(f"{task.name}'s weighted total {total:.3g} for the completion "
+                                        f"{text[:60]!r} is past float32's range; scale its rewards or "
+                                        "weights")
+    except (JudgeUnavailable, tasks.RewardError) as e:
+        failed = e
+    # torchrun: one rank's failure stops all here, and rank 0 saves the last step (it met the rank's absence)
+    fails = utils.reduce_dict({"judge": isinstance(failed, JudgeUnavailable), "any": failed is not None})
+    if failed or fails["any"]:
+        raise failed or (JudgeUnavailable if fails["judge"] else tasks.RewardError)(
+            "another rank's rewards failed: its error says why")
     out = [Episode(p, x, None, s.ids, s.logps, [1] * len(s.ids), *score, truncated=s.truncated, text=t)
            for (p, x), s, t, score in zip(rows, samples, texts, scores)]
     return [out[i : i + group_size] for i in range(0, len(out), group_size)]

@@ -14,7 +14,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -430,6 +432,62 @@ def test_a_failing_rank_stops_the_whole_run_with_a_message(tmp_path, action, tim
     assert ("(none, if only slow: raise --dist-timeout); then --resume" in proc.stderr) == ("timed out" in message)
     assert f"checkpoints so far: --resume {tmp_path / 'run'}\n" in proc.stderr
     assert not list((tmp_path / "run").glob("ckpt-*"))  # no checkpoint of a half-finished run
+
+
+JUDGED = """
+import os, sys
+import tasks, train, utils
+from judge import Judge
+live, dead = (Judge("r", os.environ[k], "m", retries=0) for k in ("LIVE_JUDGE", "DEAD_JUDGE"))
+calls = []
+def judge(prompt, completion, answer):  # rank 1's goes down after the step-0 eval (1 row) and step 1 (4)
+    calls.append(1)
+    return (dead if utils.rank() == 1 and len(calls) > 5 else live)(prompt, completion, answer)
+class Judged(tasks.Arith):
+    name, rewards = "arith_judged", [(tasks.int_correct, 1.0), (judge, 1.0)]
+tasks.TASKS["arith_judged"] = Judged
+utils.exit_process(utils.record(train.main)(sys.argv[1:]))
+"""
+
+
+class Scores6(BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        out = json.dumps({"choices": [{"message": {"content": "Score: 6"}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_judge_down_on_rank_1_alone_stops_every_rank_and_rank_0_saves_the_last_finished_step(tmp_path):
+    """--judge-down fail under torchrun, the judge refusing rank 1's requests only (real sockets): rank 1
+    stopped alone, rank 0 met its absence in the next collective ("not saved") and step 1 was lost."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Scores6)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    with socket.socket() as s:  # a port nobody listens on: connections refused
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    script, run = tmp_path / "judged.py", tmp_path / "run"
+    script.write_text(JUDGED)
+    env = {"LIVE_JUDGE": f"http://127.0.0.1:{server.server_port}/v1",
+           "DEAD_JUDGE": f"http://127.0.0.1:{dead}/v1"}
+    try:
+        proc = torchrun(str(script), "--task", "arith_judged", "--model", "tiny", "--batch", "8",
+                        "--group-size", "4", "--eval-size", "2", "--max-new-tokens", "3", "--steps", "3",
+                        "--ckpt-every", "50", "--sft-steps", "0", "--no-progress", "--out", str(run),
+                        "--dist-timeout", "60", env=env, timeout=300)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert proc.returncode != 0 and "[rank0]:" not in proc.stderr  # no rank's traceback
+    assert [c.name for c in rundir.checkpoints(run)] == ["ckpt-0000001"], proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert any("refused" in e and "--judge-down drop" in e for e in errors)  # rank 1's own cause
+    assert any(f"ckpt-0000001 is saved: once fixed, --resume {run}" in e for e in errors)  # rank 0's
 
 
 STOPPED = """
