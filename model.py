@@ -335,6 +335,9 @@ class LLMPolicy(nn.Module):
         mask = batch.mask[rows].to(dev)  # [n, L]
         n, L = mask.shape
         end = int(batch.attn[rows].sum(1).max())  # the micro-batch trimmed to its longest row
+        if self.positions and end > self.positions:  # past a learned table (a --teacher's), an IndexError
+            raise utils.ConfigError(f"{self.path}: a row of {end} tokens passes its {self.positions} learned "
+                                    "positions; pick a model that reads as far as the student's rows go")
         cols = mask[:, 1:end].any(0).nonzero() + 1
         first = int(cols[0]) if len(cols) else max(end - 1, 1)  # none masked: an empty slice keeps backward()
         tokens = batch.tokens[rows, :end].to(dev)  # [n, end]

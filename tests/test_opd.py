@@ -187,3 +187,39 @@ def test_async_opd_run_with_the_student_as_teacher_trains_nothing(models, tmp_pa
     weights = load_file(str(rundir.checkpoints(run)[-1] / "weights.safetensors"))
     b = [w for n, w in weights.items() if "lora_B" in n]
     assert b and all(torch.equal(w, torch.zeros_like(w)) for w in b)
+
+
+def test_an_opd_run_resumed_midway_logs_what_the_uninterrupted_run_logs(models, tmp_path):
+    """4 steps in one run, and 2 + --resume to 4: every logged number equal (the README's resume is bitwise).
+    The teacher drew its zero adapter's A from the run's RNG after the resume had restored it."""
+    student, teacher = models
+    argv = ["--task", "arith", "--model", student, "--algo", "opd", "--teacher", teacher, "--batch", "8",
+            "--group-size", "4", "--max-new-tokens", "4", "--eval-every", "2", "--eval-size", "4",
+            "--sft-steps", "0", "--lr", "0.01", "--no-progress"]
+    assert train.main([*argv, "--steps", "4", "--out", str(tmp_path / "one")]) == 0
+    assert train.main([*argv, "--steps", "2", "--out", str(tmp_path / "two")]) == 0
+    assert train.main(["--resume", str(tmp_path / "two"), "--steps", "4"]) == 0
+    one, two = (rundir.read_metrics(tmp_path / run / "metrics.csv") for run in ("one", "two"))
+    values = lambda m: {k: [(s, v) for s, _, v in rows] for k, rows in m.items()}
+    assert values(one) == values(two) and [s for s, _, _ in one["opd_reverse_kl"]] == [1, 2, 3, 4]
+
+
+def test_a_teacher_whose_learned_positions_end_before_the_rows_stops_in_one_line(models, tmp_path):
+    """A GPT-2 teacher (learned positions, here 12) with the student's character tokens: a row past 12
+    tokens indexed past its position table, an IndexError's traceback mid-step (a ConfigError: the loop
+    saves the last finished step and says it in one line)."""
+    from transformers import AutoTokenizer, GenerationConfig, GPT2Config, GPT2LMHeadModel
+    student, _ = models
+    tok = AutoTokenizer.from_pretrained(student)
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    size = dict(n_positions=12, n_embd=64, n_layer=1, n_head=1)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), **size, **ids))
+    gpt2.generation_config = GenerationConfig(**ids)
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    tok.save_pretrained(tmp_path / "gpt2")
+    cfg, policy, _, source, t = setup(student, str(tmp_path / "gpt2"), "--max-new-tokens", "8")
+    batch = source.next(0)
+    assert int(batch.attn.sum(1).max()) > 12  # "12+7=" and its bos, then 8 tokens: past the table
+    with pytest.raises(utils.ConfigError, match=r"passes its 12 learned positions") as e:
+        train.prepare(policy, batch, cfg, teacher=t)
+    assert "\n" not in str(e.value) and str(tmp_path / "gpt2") in str(e.value)
