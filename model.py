@@ -361,6 +361,13 @@ class LLMPolicy(nn.Module):
         out = batch.mask.device  # the loop's weights live there
         return logp.to(out), entropy.to(out), None if head is None else values.to(out)
 
+    def freeze(self, dtype: torch.dtype) -> "LLMPolicy":
+        """Nothing of it trains (a --teacher): its weights in `dtype` (bf16 halves them), but not its buffers:
+        .to(bf16) would round a rotary inv_freq, and every position's angle would drift with it."""
+        for p in self.requires_grad_(False).parameters():
+            p.data = p.data.to(dtype)
+        return self
+
     @torch.no_grad()
     def ref_logp(self, batch, rows) -> torch.Tensor:
         """[n, L] under the KL reference: LoRA's adapter switched off, or full fine-tuning's frozen copy."""

@@ -269,7 +269,7 @@ def load_teacher(cfg: Config, student):
     if a.get_vocab() != b.get_vocab() or student.eos_ids != teacher.eos_ids:
         raise utils.ConfigError(f"--teacher {cfg.teacher}: its tokenizer differs from the student's ({len(b)}"
                                 f" vs {len(a)} tokens, or other ids); pick a teacher of the student's family")
-    return teacher.requires_grad_(False).to(DTYPES[cfg.dtype])  # frozen: --dtype bf16 halves its memory
+    return teacher.freeze(DTYPES[cfg.dtype])  # --dtype bf16 halves its memory
 
 
 def warm_start(policy, opt, source: BatchSource, cfg: Config, log, first: int, stop) -> bool:

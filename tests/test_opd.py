@@ -223,3 +223,15 @@ def test_a_teacher_whose_learned_positions_end_before_the_rows_stops_in_one_line
     with pytest.raises(utils.ConfigError, match=r"passes its 12 learned positions") as e:
         train.prepare(policy, batch, cfg, teacher=t)
     assert "\n" not in str(e.value) and str(tmp_path / "gpt2") in str(e.value)
+
+
+def test_a_bf16_teacher_keeps_its_rotary_frequencies_exact(models):
+    """--dtype bf16 cast the whole teacher with .to(bf16), its rotary inv_freq buffer too: rounded by up to
+    2^-9 of itself, so the angle of position 1000 was off by up to ~2 radians. Only its weights are cast now."""
+    student, _ = models
+    cfg, policy, *_, t = setup(student, student, "--dtype", "bf16")  # the student as its own teacher
+    freq = lambda m: [b for name, b in m.named_buffers() if name.endswith("inv_freq")]
+    exact = freq(policy)  # LoRA's base, loaded in bf16 by from_pretrained: its frequencies stay fp32
+    assert exact and exact[0].dtype == torch.float32 and not torch.equal(exact[0], exact[0].bfloat16().float())
+    assert [f.dtype for f in freq(t)] == [torch.float32] * len(exact) and all(map(torch.equal, freq(t), exact))
+    assert {p.dtype for p in t.parameters()} == {torch.bfloat16} and not any(p.requires_grad for p in t.parameters())
