@@ -556,7 +556,7 @@ class Add(Arith):
         return Problem(f"{self.FORMAT}Q: What is {a} + {b}?\nA:", str(a + b), key=f"{a}+{b}")
 
     def lenient(self, problem: Problem, completion: str) -> bool:
-        return problem.answer in re.findall(r"(?<![\d.-])\d+(?![\d.]\d)", completion)
+        return problem.answer in re.findall(r"(?<![\d.-])\d+(?!\d|\.\d)", completion)  # never 81 of 813.5
 
 
 # ---------------------------------------------------------------- registry and evaluation

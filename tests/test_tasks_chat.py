@@ -41,6 +41,15 @@ def test_correct_is_the_strict_reward_and_lenient_finds_the_sum_anywhere():
         assert (task.correct(P, completion), task.lenient(P, completion)) == (strict, lenient), completion
 
 
+def test_lenient_never_finds_the_sum_inside_a_longer_decimal():
+    """\\d+ backtracked out of the lookahead: in "813.5" it took "81" (then "3." is no decimal point and
+    digit), so a completion of another number counted as the sum written somewhere."""
+    task = make_task("add", seed=0, eval_size=10)
+    hand = {"813.5": False, "x = 8100.25": False, "81.": True, "is 81.\n": True, "81.5 or 81": True,
+            "8.81": False}
+    assert {c: task.lenient(P, c) for c in hand} == hand
+
+
 def test_tasks_without_a_lenient_score_say_so():
     task = make_task("arith", seed=0, eval_size=5)
     assert task.lenient(task.eval_problems()[0], "12") is None
