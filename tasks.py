@@ -339,9 +339,11 @@ class Arith(ProceduralTask):
 
     def __init__(self, *, seed: int = 0, eval_size: int = 50, max_operand: int = 9,
                  n_operands: int = 2, ops: str = "+-"):
-        if max_operand < 1 or n_operands < 2 or not ops or set(ops) - set("+-*/"):
-            raise ConfigError(f"{self.name} needs max_operand >= 1, n_operands >= 2 and ops from '+-*/' "
-                              f"(got {max_operand}, {n_operands}, {ops!r})")
+        if (max_operand < 1 or n_operands < 2 or not ops or set(ops) - set("+-*/")  # and so that each draw
+                or n_operands > 33 or max_operand ** n_operands >= 10**33):  # fits safe_eval and int_correct
+            raise ConfigError(f"{self.name} needs max_operand >= 1, n_operands >= 2 and ops from '+-*/'; "
+                              f"also n_operands <= 33 and max_operand ** n_operands < 10**33 (got "
+                              f"{max_operand}, {n_operands}, {ops!r})")
         self.max_operand, self.n_operands, self.ops = max_operand, n_operands, ops
         if eval_size > (size := self.n_distinct()) // 2:
             raise ConfigError(f"eval_size={eval_size} leaves too few training problems: {self.name} "
@@ -357,11 +359,9 @@ class Arith(ProceduralTask):
             expr = str(rng.randint(0, self.max_operand))
             for _ in range(self.n_operands - 1):
                 expr += rng.choice(self.ops) + str(rng.randint(0, self.max_operand))
-            try:
-                value, _ = safe_eval(expr)
-            except ExprError:  # division by zero
+            if "/0" in expr:  # a division by zero: "/" takes the literal after it, and only 0 starts with 0
                 continue
-            if value.denominator == 1:
+            if (value := safe_eval(expr)[0]).denominator == 1:
                 return Problem(prompt=expr + "=", answer=str(value), key=expr)
 
     def solve(self, problem: Problem) -> str:

@@ -341,6 +341,18 @@ def test_arith_counts_its_problems_and_refuses_knobs_below_the_smallest_task():
             make_task("arith", seed=0, eval_size=1, **knobs)
 
 
+@pytest.mark.parametrize("knobs", [{"n_operands": 34}, {"n_operands": 60, "ops": "+"}, {"max_operand": 2**70},
+                                   {"max_operand": 10**15, "n_operands": 3, "ops": "*"}])
+def test_arith_knobs_past_what_safe_eval_and_int_correct_take_are_refused_not_drawn_forever(knobs):
+    """34 operands nest 33 deep, past safe_eval's 32: every draw raised ExprError, which generate() took
+    for a division by zero and redrew forever. Three 16-digit factors made answers int_correct scores 0."""
+    with pytest.raises(ValueError, match=r"n_operands <= 33 and max_operand \*\* n_operands < 10\*\*33"):
+        make_task("arith", seed=0, eval_size=1, **knobs)
+    for edge in ({"n_operands": 33}, {"max_operand": 99, "n_operands": 16, "ops": "*/"}):  # the largest ones
+        task = make_task("arith", seed=0, eval_size=1, **edge)
+        assert all(task.correct(p, task.solve(p)) for p in map(task.train_problem, range(50)))
+
+
 @pytest.mark.parametrize("name, size", [("arith", 10 * 10 * 2), ("add", 21 * 21)])
 def test_every_problem_of_a_procedural_task_is_drawn_operands_from_zero(name, size):
     task = make_task(name, seed=0, eval_size=50)
