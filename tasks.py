@@ -493,8 +493,8 @@ class DatasetTask(Task):
                 row = json.loads(row.decode("utf-8-sig"))  # -sig: an editor's BOM
             except UnicodeDecodeError:
                 raise ValueError("not UTF-8 text; save the file as UTF-8") from None
-            except json.JSONDecodeError as e:
-                raise ValueError(f"invalid JSON: {e.msg}") from None
+            except ValueError as e:  # a JSONDecodeError, or int()'s 4,300 digits: not its advice after ";"
+                raise ValueError(f"invalid JSON: {getattr(e, 'msg', str(e).split(';')[0])}") from None
         if not isinstance(row, dict):
             raise ValueError("not a JSON object")
         question = row.get("question", row.get("problem"))

@@ -588,6 +588,17 @@ def test_a_long_answer_that_is_not_a_number_is_named_by_its_last_40_characters(t
     assert f"(answer {answer[-40:]!r} is not a number)" in str(e.value)
 
 
+def test_a_json_integer_past_pythons_4300_digits_is_a_malformed_row_that_names_no_python_setting(tmp_path):
+    """json.loads raises a bare ValueError there, whose text advised sys.set_int_max_str_digits(): no fix
+    for a user of the command line, and answers are 40 digits at most anyway."""
+    (path := tmp_path / "rows.jsonl").write_text('{"question": "q", "answer": ' + "9" * 5000 + "}\n")
+    with pytest.raises(ValueError) as e:
+        make_task("gsm8k", seed=0, eval_size=1, data=str(path), bad_rows="error")
+    assert str(e.value) == (f"{path}:1: malformed row (invalid JSON: Exceeds the limit (4300 digits) for "
+                            "integer string conversion: value has 5000 digits); fix or delete that line, or "
+                            "pass --bad-rows skip to drop such rows")
+
+
 def test_a_json_number_answer_in_exponent_form_reads_as_the_decimal_it_is(tmp_path):
     """json.dumps writes 0.00001 as 1e-05 (and 1e+20, 1.5e-07): each row was "not a number"."""
     answers = {"a": 0.00001, "b": 1e20, "c": 1.5e-07, "d": 0.75, "e": 72.0, "f": 4}
