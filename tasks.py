@@ -58,10 +58,9 @@ _INT = re.compile(rf"\s*(-?\d{{1,{_MAX_DIGITS}}})(\.?)\s*")  # an integer and an
 def extract_answer(completion: str) -> str | None:
     """Content of the one `<answer>...</answer>` pair, None unless there is exactly one, in
     order: a second answer is a hedge (or the prompt's example echoed), not an answer."""
-    if completion.count("<answer>") != 1 or completion.count("</answer>") != 1:
-        return None
-    start, end = completion.index("<answer>") + len("<answer>"), completion.index("</answer>")
-    return completion[start:end].strip() if start <= end else None
+    rest = completion.partition("<answer>")[2]
+    text, closed, _ = rest.partition("</answer>")
+    return text.strip() if closed and "<answer>" not in rest and completion.count("</answer>") == 1 else None
 
 
 def last_boxed(text: str) -> str | None:
@@ -493,7 +492,8 @@ class DatasetTask(Task):
                 row = json.loads(row.decode("utf-8-sig"))  # -sig: an editor's BOM
             except UnicodeDecodeError:
                 raise ValueError("not UTF-8 text; save the file as UTF-8") from None
-            except ValueError as e:  # a JSONDecodeError, or int()'s 4,300 digits: not its advice after ";"
+            except (ValueError, RecursionError) as e:  # JSONDecodeError, int()'s 4,300 digits (not its advice
+                # after ";"), brackets nested past the interpreter's stack
                 raise ValueError(f"invalid JSON: {getattr(e, 'msg', str(e).split(';')[0])}") from None
         if not isinstance(row, dict):
             raise ValueError("not a JSON object")

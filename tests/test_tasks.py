@@ -599,6 +599,18 @@ def test_a_json_integer_past_pythons_4300_digits_is_a_malformed_row_that_names_n
                             "pass --bad-rows skip to drop such rows")
 
 
+def test_a_row_nested_past_pythons_recursion_limit_is_one_malformed_row_not_a_crash(tmp_path):
+    """json.loads raises RecursionError on 100,000 nested brackets: no ValueError, so it escaped the row
+    loop and stopped the run with a traceback, under --bad-rows skip too."""
+    rows = [json.dumps(r) for r in plus_one_rows(3)]
+    rows[1] = '{"question": "q", "answer": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    (path := tmp_path / "rows.jsonl").write_text("\n".join(rows) + "\n")
+    with pytest.warns(UserWarning, match="skipped 1 malformed rows"):
+        task = make_task("gsm8k", seed=0, eval_size=1, data=str(path))
+    assert task.skipped == [f"{path}:2 (invalid JSON: maximum recursion depth exceeded while decoding a JSON "
+                            "array from a unicode string)"]
+
+
 def test_a_json_number_answer_in_exponent_form_reads_as_the_decimal_it_is(tmp_path):
     """json.dumps writes 0.00001 as 1e-05 (and 1e+20, 1.5e-07): each row was "not a number"."""
     answers = {"a": 0.00001, "b": 1e20, "c": 1.5e-07, "d": 0.75, "e": 72.0, "f": 4}
