@@ -267,8 +267,8 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
                     raise tasks.RewardError(f"{type(e.env).__name__}.step's info['solved_at_turn'] is "
                                             f"{e.solved_at_turn!r:.40}: the turn that solved, from 1, or 0")
                 e.text += t
-                # A turn cut off mid-way ends the episode: a reply must follow the turn's end token.
-                e.done = done or e.truncated or e.turns == max_turns
+                # A turn cut off mid-way ends the episode: a reply must follow its end token (a None ends it)
+                e.done = done or obs is None or e.truncated or e.turns == max_turns
                 if not e.done:
                     left = max_len - len(e.prompt) - len(e.ids)
                     # A huge reply (a dumped file) would be tokenized whole, for seconds and GBs, only to end

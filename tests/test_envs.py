@@ -209,6 +209,21 @@ def test_an_env_whose_own_step_or_reset_returns_a_wrong_shape_stops_in_one_line_
         f" for {given}; it returns {want}, messages a list of {{'role': text, 'content': text}} dicts")
 
 
+def test_an_env_whose_own_step_replies_none_ends_the_episode_as_a_reply_of_none_from_respond_does():
+    """A step of (None, reward, False, info) failed in the rollout: "'NoneType' object is not iterable"."""
+    class Silent(GuessNumber):
+        def step(self, completion):
+            return None, 0.5, False, {}
+
+    policy = ScriptedPolicy(chat_tokenizer(), bisect)
+    problems = GuessTask(seed=0, eval_size=1).eval_problems()
+    batch = rollout_multiturn(policy, Silent, problems, group_size=1, max_turns=7, max_new_tokens=8, max_len=4096)
+    (prompt, _), = policy.sampled[0]  # one turn, and no reply after it
+    assert len(policy.sampled) == 1 and batch.attn.sum().item() == len(prompt) + 3  # "50" and the end token
+    assert batch.stats["turns"].tolist() == [1] and batch.rewards.sum().item() == 0.5
+    assert batch.truncated.tolist() == [False]
+
+
 def test_an_env_whose_reset_returns_text_stops_the_run_with_one_line(monkeypatch, capsys, tmp_path):
     class Bare(GuessNumber):
         def reset(self, problem):
