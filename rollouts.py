@@ -215,7 +215,7 @@ def _checked(env: TextEnv, method: str, arg) -> tuple:
     chat = lambda x: isinstance(x, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                                  and isinstance(m.get("content"), str) for m in x)
     if isinstance(out, tuple) and len(out) == (4 if step else 2) and isinstance(out[-1], dict) and (
-            chat(out[0]) or step and out[0] is None):
+            chat(out[0]) and (out[0] or step) or step and out[0] is None):  # a reset's [] is no prompt
         return out
     given = f"the completion {arg[:60]!r}" if step else f"the problem {arg.key!r}"
     want = "(reply messages or None, reward, done, info)" if step else "(messages, info)"

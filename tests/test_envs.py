@@ -190,6 +190,7 @@ SHAPES = {  # what a user's own step or reset returned -> the start of the one l
     "reset, text": ("reset", lambda env, p: p.prompt, "Shaped.reset returned 'I picked a whole number"),
     "reset, content 5": ("reset", lambda env, p: ([{"role": "user", "content": 5}], {}),
                          "Shaped.reset returned ([{'role': 'user', 'content': 5}], {})"),
+    "reset, no message": ("reset", lambda env, p: ([], {}), "Shaped.reset returned ([], {})"),  # no prompt
 }
 
 
