@@ -486,7 +486,9 @@ class EnvRollouts(TaskRollouts):
             raise utils.ConfigError(f"{env.__name__}.task is {env.task!r}: set it to the tasks.Task "
                                     "class it plays")
         self.env = env
-        return env.task(seed=cfg.seed, eval_size=cfg.eval_size)
+        rows = issubclass(env.task, tasks.DatasetTask)  # reads --data's rows (else the hub's), as single-turn
+        data = {"data": cfg.data or None, "bad_rows": cfg.bad_rows} if rows else {}
+        return env.task(seed=cfg.seed, eval_size=cfg.eval_size, **data)
 
     def prompt_ids(self, problem: Problem) -> list[int]:  # the env's reset messages, which may reword it
         return _start(self.policy, self.env, problem, self.cfg.max_turns).prompt

@@ -576,11 +576,11 @@ def make_task(name: str, *, seed: int, eval_size: int, data: str | None = None,
     return TASKS[name](seed=seed, eval_size=eval_size, **options)
 
 
-def data_problem(name: str, data: str | None, bad_rows: str) -> str | None:
+def data_problem(name: str, data: str | None, bad_rows: str, env: type | None = None) -> str | None:
     """Why --data / --bad-rows cannot serve this task (None: they can): only a task that reads rows (a
-    DatasetTask) takes them, and the file must be there."""
+    DatasetTask: TASKS[name], or a text env's `task`) takes them, and the file must be there."""
     given = [flag for flag, on in (("--data", data), ("--bad-rows", bad_rows != "skip")) if on]
-    reads_rows = issubclass(TASKS.get(name, Task), DatasetTask)
+    reads_rows = issubclass(getattr(env, "task", None) or TASKS.get(name, Task), DatasetTask)
     if given and not reads_rows:  # either would go unused
         return f"this task generates its own problems; drop {' and '.join(given)}"
     if data and (not Path(data).exists() or Path(data).is_dir()):  # /dev/stdin, a FIFO: readable

@@ -212,8 +212,8 @@ def validate_modes(cfg: Config) -> None:
         if kind in {"cartpole", "LLM", "multi-turn"} - own and getattr(cfg, name) != getattr(Config, name):
             raise err(f"--{name.replace('_', '-')} is for {kind} tasks, not {cfg.task}: drop it or "
                       "pick another --task")
-    if why := tasks.data_problem(cfg.task, cfg.data, cfg.bad_rows):  # before a model loads (minutes)
-        raise err(f"--task {cfg.task}: {why}")
+    if why := tasks.data_problem(cfg.task, cfg.data, cfg.bad_rows, TEXT_ENVS.get(cfg.task)):
+        raise err(f"--task {cfg.task}: {why}")  # here, before a model loads (minutes)
     tunes = (("prompt_reweight overlong_buffer", single, "a single-turn LLM --task (arith, gsm8k, ...)"),
              ("kl_estimator kl_in_reward", cfg.kl_coef, "--kl-coef > 0 (e.g. 0.01)"),
              ("tis_cap", cfg.tis != "off", "--tis token or sequence"),

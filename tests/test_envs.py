@@ -240,6 +240,26 @@ def test_an_env_whose_reset_returns_text_stops_the_run_with_one_line(monkeypatch
     assert err.endswith("; it returns (messages, info), messages a list of {'role': text, 'content': text} dicts\n")
 
 
+def test_an_env_over_a_dataset_task_plays_the_rows_of_its_data_file(monkeypatch):
+    """--data was refused ("this task generates its own problems; drop --data"), and without it the run
+    loaded the hub and, offline, said to pass --data: a dataset's env could not run from a file."""
+    class Retry(TextEnv):
+        task = tasks.GSM8K
+
+        def respond(self, completion):
+            return "Not right. Try again.", 0.0, False
+
+    monkeypatch.setitem(TEXT_ENVS, "gsm8k_retry", Retry)
+    data = str(Path(__file__).with_name("data") / "gsm8k_mixed.jsonl")  # 9 good rows
+    cfg = train.Config(task="gsm8k_retry", algo="grpo", data=data, eval_size=2, batch=4, group_size=2,
+                       max_new_tokens=8, max_len=4096, max_turns=2)
+    train.validate(cfg)
+    source = EnvRollouts(cfg, ScriptedPolicy(chat_tokenizer(), lambda text: "0"))
+    single = tasks.GSM8K(seed=0, eval_size=2, data=data)  # the rows a single-turn run reads
+    assert source.task.eval_problems() == single.eval_problems() and len(single.eval_problems()) == 2
+    assert source.next(0).stats["turns"].tolist() == [2.0] * 4  # 2 rows' prompts, each played twice
+
+
 def test_an_env_without_max_turns_in_its_init_plays_the_runs_max_turns(monkeypatch):
     """EnvRollouts called env(cfg.max_turns): "__init__() takes 1 positional argument but 2 were given"."""
     class NoArgs(GuessNumber):  # max_turns = 7, GuessNumber's
