@@ -26,7 +26,7 @@ import transport
 import utils
 from algos import (AGGREGATIONS, ALGOS, EPS, GROUPED, IS_LEVELS, KL, LOSSES, group_baseline,
                    importance_correction, loss_weights, masked_mean, policy_loss, value_loss)
-from envs import TEXT_ENVS, CartPole
+from envs import TEXT_ENVS, CartPole, PythonToolEnv
 from judge import JudgeUnavailable
 from model import DTYPES, LLMPolicy, MLPPolicy
 from rollouts import CONTROL, Batch, BatchSource, TaskRollouts, sample_rows, show_samples, sources
@@ -204,8 +204,8 @@ def validate_modes(cfg: Config) -> None:
         raise err(f"need --overlong-buffer 0 (off) or in 1..--max-new-tokens (got {cfg.overlong_buffer})")
     if (cfg.algo == "opd") != bool(cfg.teacher):  # CartPole refuses --teacher below, as other LLM options
         raise err("--algo opd and --teacher MODEL go together, and only on LLM tasks")
-    if cfg.task == "python_tool":  # model code runs only where the sandbox isolates it, or weakly by name
-        sandbox.use(cfg.sandbox)  # else SandboxUnavailable, which main() shows in one line
+    if issubclass(TEXT_ENVS.get(cfg.task, object), PythonToolEnv) or cfg.sandbox != Config.sandbox:
+        sandbox.use(cfg.sandbox)  # model code runs isolated, or weakly by name; else one line (main())
     own = {"cartpole"} if cfg.task in CONTROL else {"LLM"} if single else {"LLM", "multi-turn"}
     for name, (section, _) in utils.field_docs(Config).items():  # others' options: a forgotten --task
         kind = section.split()[0]

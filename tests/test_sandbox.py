@@ -388,6 +388,32 @@ def test_the_sandbox_flag_reaches_run_python_in_the_trainer_and_in_workers(monke
     assert asked == ["weak", "weak"] * 2
 
 
+def test_the_sandbox_flag_reaches_run_python_for_an_env_of_ones_own_that_runs_code(monkeypatch):
+    """Only --task python_tool applied --sandbox: a code tool env of the user's own ignored --sandbox weak
+    (its code refused where namespaces fail, though the run opted in) and its sandbox went unchecked."""
+    import envs
+    import train
+
+    class Hard(PythonToolEnv):  # python_tool with more time, under a name of its own
+        timeout_s = 10.0
+
+    class Shell(envs.TextEnv):  # or any env whose respond() calls run_python
+        task = envs.PythonTask
+
+        def respond(self, completion):
+            return run_python(completion).stdout, 0.0, False
+
+    monkeypatch.setitem(envs.TEXT_ENVS, "python_hard", Hard)
+    monkeypatch.setitem(envs.TEXT_ENVS, "shell", Shell)
+    asked = []
+    monkeypatch.setattr(sandbox, "sandbox_plan", lambda mode: asked.append(mode) or (PYTHON, FLAGS, UID_BASE))
+    for task, mode in (("python_hard", "strict"), ("python_hard", "weak"), ("shell", "weak")):
+        monkeypatch.setattr(sandbox, "_mode", "strict")
+        train.validate(train.Config(task=task, sandbox=mode))
+        assert sandbox._mode == mode
+    assert asked == ["strict", "weak", "weak"]
+
+
 def test_where_the_strict_sandbox_fails_the_refusal_names_the_reason_and_weak_logs_it(monkeypatch, capsys):
     # As a kernel without IPC namespaces: unshare(2) refuses the flag with EINVAL (0x1 is no namespace flag)
     monkeypatch.setattr(sandbox, "_NEWIPC", 0x1)
