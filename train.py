@@ -115,7 +115,7 @@ class Config:
     # ---- multi-turn LLM tasks: envs.TEXT_ENVS (cartpole and single-turn tasks refuse these)
     max_turns: int = 4  # turns per episode, unless the env sets its own; each may fix an error
     max_len: int = 2048  # an episode past this or the model's context (tokens) ends there, truncated
-    sandbox: str = "strict"  # python_tool: strict refuses where code cannot be isolated; weak: rlimits only
+    sandbox: str = "strict"  # code tool envs: strict refuses where code is not isolated; weak: rlimits only
     # ---- torchrun (`torchrun --nproc_per_node=N train.py ...`: --batch stays the global batch)
     dist_timeout: float = 1800.0  # seconds a rank waits in a collective before failing: > any checkpoint
     # ---- LLM tasks: disaggregated training (serve.py), a trainer and any number of rollout workers
