@@ -614,6 +614,19 @@ def test_episode_that_would_pass_max_len_ends_early_and_truncated():
 
 
 # ---------------------------------------------------------------- countdown_multiturn
+def test_the_multiturn_presets_turn_budget_holds_every_demonstrated_answer_so_the_calculator_can_reply():
+    """configs/countdown_multiturn_tiny.yaml gave each turn 24 tokens, and every solver answer (28 to 38
+    characters, one token each on the tiny model, and the end token) was cut: no turn ever ended, so the
+    calculator never answered and the "multi-turn" smoke run played one truncated turn per episode."""
+    cfg = train.parse(["--config", str(Path(__file__).resolve().parent.parent / "configs"
+                                       / "countdown_multiturn_tiny.yaml")])
+    tok = AutoTokenizer.from_pretrained(build_tiny_model(layers=1, hidden=64, heads=1, intermediate=128))
+    task = tasks.Countdown(seed=cfg.seed, eval_size=cfg.eval_size)
+    problems = task.eval_problems() + [task.train_problem(i) for i in range(500)]
+    longest = max(len(tok.encode(task.solve(p), add_special_tokens=False)) + 1 for p in problems)  # + end
+    assert cfg.task == "countdown_multiturn" and longest == 39 and cfg.max_new_tokens >= longest
+
+
 def test_countdown_calculator_answers_with_the_value_and_the_target():
     env = CountdownEnv(max_turns=6)
     env.reset(countdown_problem([3, 5, 7], 22))
