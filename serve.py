@@ -454,17 +454,17 @@ class AdapterFetcher(threading.Thread):
                 query = f"have={self.have}&worker={self.worker}&run={self.nonce}"
                 status, body = self.client.get(f"/adapter?{query}")
                 heard = time.time()  # no batch's answer, no cut adapter's headers: they made patience endless
-                if status == OTHER_RUN:  # registered by another trainer: a --resumed one takes it back
+                if status == OTHER_RUN:  # another trainer: a --resumed one takes it back (its v5 is not ours)
                     said = hello(self.client, self.cfg, self.worker)  # None: over; another run: ConfigError
-                    status, self.nonce = (410, self.nonce) if said is None else (status, said[1])
+                    status, self.nonce, self.have = (410, "", -1) if said is None else (status, said[1], -1)
                 elif status == 200:
                     t = time.perf_counter()
                     tensors, meta = decode(body)
-                    v = meta.get("version")  # an older one: the trainer was --resumed from a checkpoint
+                    v, secs = meta.get("version"), time.perf_counter() - t  # v older: a --resumed trainer
                     if type(v) is not int or v < 0 or v == self.have:
                         raise PayloadError(f"version {v!r} is not newer than {self.have}")
-                    with self.lock:
-                        self.have, self.pending = v, (v, tensors, meta, body, time.perf_counter() - t)
+                    with self.lock:  # with the run that sent it: the batches it samples carry that run
+                        self.have, self.pending = v, (v, tensors, meta, body, secs, self.nonce)
                     continue
             except ServeError as e:
                 status, cause = 0, type(e.__cause__).__name__
@@ -532,7 +532,7 @@ class _Sampler:
     def __init__(self, policy, gen, fetcher: AdapterFetcher):
         self.policy, self.gen, self.fetcher = policy, gen, fetcher
         self.generate = gen.generate  # the generator's own: LLMPolicy's and VLLMGenerator's agree
-        self.version, self.apply_s = -1, 0.0
+        self.version, self.apply_s, self.run = -1, 0.0, ""  # run: the trainer process that sent `version`
 
     def __getattr__(self, name):  # tokenizer, decode, encode_prompt, pad_id, use_template, ...
         return getattr(self.policy, name)
@@ -544,7 +544,7 @@ class _Sampler:
                 t = time.perf_counter()
                 try:
                     self.gen.load(*new[:4])
-                    self.version, self.apply_s = new[0], new[4] + time.perf_counter() - t
+                    self.version, self.apply_s, self.run = new[0], new[4] + time.perf_counter() - t, new[5]
                 except (ValueError, KeyError, OSError) as e:  # e.g. tensors for a different model
                     utils.stderr(f"worker {self.fetcher.worker}: cannot load adapter v{new[0]}, "
                                  f"keeping v{self.version}: {e}")
@@ -577,7 +577,7 @@ def run_worker(cfg) -> int:
         while sampler.newest():  # the newest adapter, waiting for the first
             seq += 1  # the inbox takes each seq once: a copy sent again (a reply lost) is not trained twice
             batch = source.next(sampler.version)  # --debug-samples: the trainer prints these rows' texts
-            meta = {"worker": me, "run": fetcher.nonce, "seq": seq, "apply_s": sampler.apply_s,
+            meta = {"worker": me, "run": sampler.run, "seq": seq, "apply_s": sampler.apply_s,
                     "texts": batch.texts, "metrics": source.last}
             if (answer := post(client, "/batch", encode(batch.wire(), meta), fetcher.done.is_set)) is None:
                 break

@@ -363,7 +363,7 @@ def test_adapter_payload_uses_peft_names_and_a_corrupt_one_keeps_the_previous_ad
         assert fetcher.take() is None and fetcher.have == 0  # still on version 0
         src.inbox.payload = transport.encode(tensors, {**meta, "version": 1})
         wait_for(lambda: fetcher.have == 1, SimpleNamespace(poll=lambda: None), "the good adapter", 30)
-        version, got, _, _, _ = fetcher.take()
+        version, got, _, _, _, _ = fetcher.take()
         assert version == 1 and all(torch.equal(got[n], tensors[n]) for n in tensors)
         fetcher.done.set()
     finally:

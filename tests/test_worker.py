@@ -18,12 +18,13 @@ import pytest
 import torch
 
 import serve
+import tasks
 import train
 import transport
 import utils
 from model import LLMPolicy
 from rawhttp import bare_peer
-from rollouts import WIRE, sources
+from rollouts import WIRE, from_wire, sources
 from modeldir import build_tiny_model
 
 
@@ -163,8 +164,9 @@ def test_an_adapter_whose_version_is_not_newer_is_rejected_and_the_old_one_kept(
                 in capsys.readouterr().err)
         trainer_inbox.serve(1, transport.encode(weights, {"version": 1}), 0.0)
         until(lambda: fetcher.have == 1, "the good adapter")
-        have, got, meta, _, _ = fetcher.take()
+        have, got, meta, _, _, run = fetcher.take()
         assert (have, got["w"].tolist(), meta) == (1, [0.0, 1.0, 2.0, 3.0], {"version": 1})
+        assert run == trainer_inbox.run  # its batches say which trainer sent their weights
     finally:
         fetcher.done.set()
         fetcher.join(30)
@@ -358,7 +360,7 @@ def test_a_samplers_apply_time_is_the_adapters_decode_time_plus_its_load():
     """sync_apply_s (a duration, so bounds, not a value): the fetcher's decode time of the newest adapter
     plus the generator's load, no more than the switch took on top of the decode. A unit test of
     _Sampler.newest: the fetcher and the generator are stand-ins."""
-    fetched = iter([(5, {}, {}, b"", 0.25), None])  # (version, tensors, meta, body, decode seconds), then none
+    fetched = iter([(5, {}, {}, b"", 0.25, "r"), None])  # (version, tensors, meta, body, decode s, run)
     fetcher = types.SimpleNamespace(take=lambda: next(fetched), done=threading.Event(), worker=0)
     sampler = serve._Sampler(None, types.SimpleNamespace(load=lambda *a: time.sleep(0.01), generate=None), fetcher)
     t = time.perf_counter()
@@ -581,3 +583,46 @@ def test_a_worker_whose_trainer_is_replaced_on_its_url_goes_on_only_for_the_same
                                         "with the trainer's config\n")
         assert "groups_received" not in b.counts and b.counts["adapters_sent"] == 0 and b.queue == []
     assert "Traceback" not in err
+
+
+def test_a_batch_sampled_with_a_killed_trainers_adapter_is_never_scored_as_its_resumed_trainers_version(
+        tiny, adapter, inbox, capsys, one_thread, monkeypatch):
+    """Trainer A killed while its worker sampled with A's v0; A --resumed (B) publishes a v0 of its own: the
+    same number, other weights (a version past B's checkpoint, retrained). The worker had said hello to B
+    meanwhile, so the batch went out under B's run and B took it as its v0: old_logp of weights that never
+    sampled it. A batch now carries the run of the adapter that sampled it, and the worker takes B's v0
+    although it had a v0 (B answered 204 for ever: same number)."""
+    monkeypatch.setattr(serve, "LONG_POLL", 0.2)
+    held, boxes = threading.Event(), []
+
+    def gate(prompt, completion, answer):  # a slow reward (a judge, say): batch 2's waits for B's hello
+        if boxes and boxes[0].counts["groups_received"]:
+            held.wait(60)
+        return 0.0
+    monkeypatch.setattr(tasks.Arith, "rewards", tasks.Arith.rewards + [(gate, 0.0)])
+    keys = set(WIRE) | {"reward_int_correct", "reward_gate"}
+    boxes.append(a := inbox(tiny, adapter[2], 1024))
+    a.keys, other = keys, {n: t + 0.05 for n, t in adapter[0].items()}  # B's v0: not A's
+    publish(a, adapter, 0)
+
+    def replace():
+        until(lambda: a.counts["groups_received"], "a batch for trainer A")
+        a.server.close()  # killed while the worker samples batch 2 with A's v0
+        boxes.append(b := inbox(tiny, adapter[2], 1024, "--trainer-url", a.server.url))
+        b.keys = keys
+        b.restore(serve.SURVIVORS)  # --resumed: worker 0 keeps its id
+        publish(b, (other, adapter[1]), 0)
+        until(lambda: 0 in b.seen, "the worker's hello to B")
+        held.set()
+        until(lambda: b.counts["groups_received"], "a batch for trainer B")
+        b.close()
+    threading.Thread(target=replace, daemon=True).start()
+    assert worker(a, tiny) == 0
+    b, policy = boxes[1], LLMPolicy(train.parse(argv(tiny)))
+    policy.load_trainable(other)
+    for group, _ in b.queue:  # every row B took was sampled by B's v0: the sampler's logp is B's
+        batch = from_wire(group, [("", "", "")] * len(group["tokens"]))
+        with torch.no_grad():
+            logp = policy.score(batch, slice(None))[0]
+        assert (logp - batch.logp).abs().max() < 1e-4
+    assert b.queue and "Traceback" not in capsys.readouterr().err
