@@ -486,8 +486,10 @@ class VLLMGenerator:
             # in 18 s instead of 49 and samples 1.55x as fast (bench/vllm_start.py).
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             cpu = {"kv_cache_memory_bytes": 1 << 30, "distributed_executor_backend": "uni"}
+        # its max_lora_rank is a bound it takes from a list: any rank up to it runs (4 under 8)
+        rank = next((r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= cfg.lora_rank), cfg.lora_rank)
         # generation_config "vllm": the model's generation_config.json (top_k, ...) stays out
-        self.llm = LLM(model=model, enable_lora=True, max_lora_rank=cfg.lora_rank, dtype=DTYPES[cfg.dtype],
+        self.llm = LLM(model=model, enable_lora=True, max_lora_rank=rank, dtype=DTYPES[cfg.dtype],
                        seed=seed, logprobs_mode="processed_logprobs", generation_config="vllm", **cpu)
         self.cfg, self.eos, self.request = cfg, sorted(eos_ids), None
         self.dir = Path(tempfile.mkdtemp(prefix="nanorl-vllm-"))

