@@ -488,9 +488,12 @@ class VLLMGenerator:
             cpu = {"kv_cache_memory_bytes": 1 << 30, "distributed_executor_backend": "uni"}
         # its max_lora_rank is a bound it takes from a list: any rank up to it runs (4 under 8)
         rank = next((r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= cfg.lora_rank), cfg.lora_rank)
-        # generation_config "vllm": the model's generation_config.json (top_k, ...) stays out
-        self.llm = LLM(model=model, enable_lora=True, max_lora_rank=rank, dtype=DTYPES[cfg.dtype],
-                       seed=seed, logprobs_mode="processed_logprobs", generation_config="vllm", **cpu)
+        try:  # generation_config "vllm": the model's generation_config.json (top_k, ...) stays out
+            self.llm = LLM(model=model, enable_lora=True, max_lora_rank=rank, dtype=DTYPES[cfg.dtype],
+                           seed=seed, logprobs_mode="processed_logprobs", generation_config="vllm", **cpu)
+        except (ValueError, RuntimeError) as e:  # its config checks (pydantic's), an engine that failed
+            why = " ".join(str(e).split())[:400]  # one line: a pydantic error spans several
+            raise utils.ConfigError(f"--vllm: vLLM did not start ({why})") from None
         self.cfg, self.eos, self.request = cfg, sorted(eos_ids), None
         self.dir = Path(tempfile.mkdtemp(prefix="nanorl-vllm-"))
         weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)  # at exit too: the last adapter

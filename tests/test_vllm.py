@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import train
+import utils
 from model import LLMPolicy, VLLMGenerator
 from modeldir import build_tiny_model
 from rollouts import make_batch
@@ -58,3 +59,11 @@ def test_a_rank_4_adapter_samples_in_vllm_with_the_trainers_log_probs(cfg, engin
         off = gap(pol, prefixes, samples).mean()
     assert gap(pol, prefixes, samples).max() < 1e-4 and off > 0.05  # fp32 both; the adapter applied
 
+
+
+def test_a_vllm_that_cannot_start_says_why_in_one_line(cfg, engine):
+    """Its configuration errors (pydantic's) were a 30-line traceback ending in "1 validation error"."""
+    with pytest.raises(utils.ConfigError) as e:
+        VLLMGenerator(cfg.model, train.Config(model=cfg.model, lora_rank=1024, vllm=True), {2}, 0)
+    why = str(e.value)
+    assert why.startswith("--vllm: vLLM did not start (") and "max_lora_rank" in why and "\n" not in why
