@@ -472,6 +472,10 @@ class VLLMGenerator:
     softmax(logits / T); 'processed_logprobs' are after the temperature, as LLMPolicy's generate and score."""
 
     def __init__(self, model: str, cfg, eos_ids: set[int], seed: int):
+        if cfg.top_p < 1:  # none of its logprobs modes is the full softmax after the temperature
+            raise utils.ConfigError(f"--vllm with --top-p {cfg.top_p}: vLLM's log-probs are the nucleus's, "
+                                    "not the full softmax the trainer scores (--tis, --mis and logp_gap read "
+                                    "them); use --top-p 1, or drop --vllm (a Hugging Face worker)")
         try:  # vLLM is optional and slow to import (~13 s); only --vllm workers need it
             from vllm import LLM, SamplingParams
             from vllm.lora.request import LoRARequest

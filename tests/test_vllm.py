@@ -67,3 +67,15 @@ def test_a_vllm_that_cannot_start_says_why_in_one_line(cfg, engine):
         VLLMGenerator(cfg.model, train.Config(model=cfg.model, lora_rank=1024, vllm=True), {2}, 0)
     why = str(e.value)
     assert why.startswith("--vllm: vLLM did not start (") and "max_lora_rank" in why and "\n" not in why
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9])
+def test_top_p_below_one_is_refused_in_one_line_as_vllm_reports_the_nucleus_log_probs(cfg, engine, top_p):
+    """vLLM's processed log-probs are renormalised over the nucleus (0.68 above the trainer's at top_p 0.5),
+    LLMPolicy's are the full softmax's (tests/test_model.py): --tis and --mis reweighed every token of a vLLM
+    worker's rows, and logp_gap reported the nucleus, not a mismatch."""
+    with pytest.raises(utils.ConfigError) as e:
+        VLLMGenerator(cfg.model, train.Config(model=cfg.model, lora_rank=8, top_p=top_p, vllm=True), {2}, 0)
+    assert str(e.value) == (f"--vllm with --top-p {top_p}: vLLM's log-probs are the nucleus's, not the "
+                            "full softmax the trainer scores (--tis, --mis and logp_gap read them); use "
+                            "--top-p 1, or drop --vllm (a Hugging Face worker)")
