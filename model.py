@@ -498,17 +498,19 @@ class VLLMGenerator:
         except (ValueError, RuntimeError) as e:  # its config checks (pydantic's), an engine that failed
             why = " ".join(str(e).split())[:400]  # one line: a pydantic error spans several
             raise utils.ConfigError(f"--vllm: vLLM did not start ({why})") from None
-        self.cfg, self.eos, self.request = cfg, sorted(eos_ids), None
+        self.cfg, self.eos, self.request, self.loads = cfg, sorted(eos_ids), None, 0
         self.dir = Path(tempfile.mkdtemp(prefix="nanorl-vllm-"))
         weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)  # at exit too: the last adapter
 
     def load(self, version: int, tensors: dict, meta: dict, payload: bytearray) -> None:
-        path = self.dir / f"v{version}"
+        path, self.loads = self.dir / f"v{version}", self.loads + 1
+        shutil.rmtree(path, ignore_errors=True)  # the number in use, from a --resumed trainer: other weights
         path.mkdir()
         (path / "adapter_config.json").write_text(meta["adapter_config"])
         (path / "adapter_model.safetensors").write_bytes(payload)  # the payload is a safetensors file
-        old, self.request = self.request, self.LoRARequest(f"v{version}", version + 1, str(path))
-        if old is not None:  # vLLM read it when the previous request started; no later request names it
+        # vLLM caches an adapter by id (and name): one per load, so a number sent again is read anew
+        old, self.request = self.request, self.LoRARequest(f"v{version}-{self.loads}", self.loads, str(path))
+        if old is not None and old.lora_path != str(path):  # vLLM read it when the previous request started
             shutil.rmtree(old.lora_path)
 
     def generate(self, prefixes: list[list[int]], max_new_tokens: int, gen_batch: int,

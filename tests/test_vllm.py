@@ -79,3 +79,18 @@ def test_top_p_below_one_is_refused_in_one_line_as_vllm_reports_the_nucleus_log_
     assert str(e.value) == (f"--vllm with --top-p {top_p}: vLLM's log-probs are the nucleus's, not the "
                             "full softmax the trainer scores (--tis, --mis and logp_gap read them); use "
                             "--top-p 1, or drop --vllm (a Hugging Face worker)")
+
+
+def test_the_version_in_use_sent_again_with_other_weights_is_sampled_with_those(cfg, engine):
+    """A worker whose trainer was --resumed takes the new run's newest adapter whatever its number
+    (serve.AdapterFetcher), so the number it holds may come again with other weights. Its directory was
+    still there (FileExistsError: the worker kept the old weights), and vLLM caches an adapter by id."""
+    pol = LLMPolicy(train.Config(model=cfg.model, lora_rank=4, temperature=0.7))
+    prefixes = [pol.encode_prompt(q) for q in ("1+2=", "9-5=") for _ in range(4)]
+    for seed in (1, 2):  # v3 of the killed trainer, then the resumed trainer's v3
+        g, state = torch.Generator().manual_seed(seed), pol.trainable_state()
+        pol.load_trainable({n: torch.randn(t.shape, generator=g) * 0.05 for n, t in state.items()})
+        payload = encode(pol.wire_state(), {"version": 3, "adapter_config": pol.adapter_config()})
+        engine.load(3, *decode(payload), payload)
+        assert gap(pol, prefixes, engine.generate(prefixes, 16, 64)).max() < 1e-4  # sampled by these weights
+        assert [p.name for p in engine.dir.iterdir()] == ["v3"]  # the one in use: no adapter piles up
