@@ -423,7 +423,7 @@ class LLMPolicy(nn.Module):
         if not self.lora:
             raise utils.ConfigError("save_adapter needs lora=True: full fine-tuning has no adapter")
         with rundir.atomic_dir(Path(path)) as tmp:
-            self.model.save_pretrained(tmp)
+            self.model.save_pretrained(tmp, save_embedding_layers=False)  # not an adapted one's frozen base
         return path
 
     def export(self, path: str, merged: bool = False) -> str:
@@ -442,7 +442,8 @@ class LLMPolicy(nn.Module):
 
     def wire_names(self) -> dict[str, str]:
         """Trained name -> LoRA: PEFT's key in adapter_model.safetensors (vLLM and PEFT load it as is)."""
-        return {n: n.removeprefix("model.").replace(".default.", ".") if self.lora else n
+        # + ".": an embedding's lora_embedding_A.default is PEFT's lora_embedding_A
+        return {n: (n.removeprefix("model.") + ".").replace(".default.", ".")[:-1] if self.lora else n
                 for n in self.trained}
 
     def wire_state(self) -> dict[str, torch.Tensor]:

@@ -94,3 +94,21 @@ def test_the_version_in_use_sent_again_with_other_weights_is_sampled_with_those(
         engine.load(3, *decode(payload), payload)
         assert gap(pol, prefixes, engine.generate(prefixes, 16, 64)).max() < 1e-4  # sampled by these weights
         assert [p.name for p in engine.dir.iterdir()] == ["v3"]  # the one in use: no adapter piles up
+
+
+def test_an_adapted_embedding_is_published_and_sampled_in_vllm_with_the_trainers_log_probs(cfg, engine):
+    """--lora-targets embed_tokens,q_proj: an async trainer stopped at start with a traceback ("this PEFT
+    version names adapter tensors like '...embed_tokens.base_layer.weight'; update wire_names"): PEFT saved
+    the frozen embedding too, and its key for lora_embedding_A.default is lora_embedding_A, not wire_names'"""
+    pol = LLMPolicy(train.Config(model=cfg.model, lora_rank=4, lora_targets="embed_tokens,q_proj",
+                                 temperature=0.7))
+    g, state = torch.Generator().manual_seed(3), pol.trainable_state()
+    pol.load_trainable({n: torch.randn(t.shape, generator=g) * 0.05 for n, t in state.items()})
+    payload = encode(pol.wire_state(), {"version": 0, "adapter_config": pol.adapter_config()})
+    assert any(w.endswith("embed_tokens.lora_embedding_A") for w in decode(payload)[0])
+    engine.load(0, *decode(payload), payload)
+    prefixes = [pol.encode_prompt(q) for q in ("1+2=", "9-5=") for _ in range(4)]
+    samples = engine.generate(prefixes, 16, 64)
+    with pol.model.disable_adapter():
+        off = gap(pol, prefixes, samples).mean()
+    assert gap(pol, prefixes, samples).max() < 1e-4 and off > 0.05  # vLLM applied it, embedding included
