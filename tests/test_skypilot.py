@@ -130,3 +130,13 @@ def test_a_relaunch_continues_the_run(path, tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.yaml").write_text("task: gsm8k\n")
     assert ran(tmp_path / "run") == f"--resume {tmp_path / 'run'}"
+
+
+def test_the_workers_run_the_trainers_config_but_for_their_role():
+    """The workers' line lacked the trainer's --dtype bf16, so each worker's vLLM engine held and ran the
+    model in fp32 on its GPU, while the trainer scored in bf16."""
+    spec = recipe(ROOT / "configs/skypilot/async_vllm.yaml")
+    trainer, worker = (dataclasses.asdict(utils.load_config(train.Config, config_argv(argv)))
+                       for argv in train_commands(spec))
+    own = {"role", "trainer_url", "vllm", "steps", "out", "resume"}  # a worker's own, or the trainer's alone
+    assert {k: (trainer[k], worker[k]) for k in trainer if k not in own and trainer[k] != worker[k]} == {}
