@@ -355,6 +355,14 @@ def test_every_preset_gives_its_own_values_and_passes_validate(preset):
     train.validate(cfg)
 
 
+@pytest.mark.parametrize("preset", sorted(CONFIGS[0].parent.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_preset_states_its_warm_start(preset):
+    """countdown_multiturn_tiny, a 4-step smoke run, silently got the tiny model's default 200-step warm-start
+    when that default came: each step runs countdown's solver on 16 problems, minutes before RL's step 1."""
+    stated = yaml.safe_load(preset.read_text()).get("sft_steps", 0)
+    assert train.parse(["--config", str(preset)]).sft_steps == stated
+
+
 # ---------------------------------------------------------------- end to end
 @pytest.mark.parametrize("preset", CONFIGS, ids=lambda p: p.stem)
 def test_every_algorithm_trains_two_steps_end_to_end(tmp_path, preset):
