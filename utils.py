@@ -53,13 +53,13 @@ def as_flag(name: str, value) -> str:
 
 
 def data_file(name: str) -> Path:
-    """One of pyproject's data-files: next to the modules in a checkout (pip install -e .), else where pip
-    put this install's share/nanorl, as its RECORD lists it (a venv's, --user's ~/.local, /usr/local)."""
+    """One of pyproject's data-files: next to the modules in a checkout (pip install -e .), else in this
+    install's share/nanorl: where RECORD lists it (venv, --user, /usr/local) or beside us (pip --target)."""
     here = Path(__file__).parent
     dists = importlib.metadata.distributions(name="nanorl", path=[str(here)])  # the dist-info beside us
     listed = [Path(f.locate()).resolve() for dist in dists for f in dist.files or ()
               if f.as_posix().endswith(f"share/nanorl/{name}")]
-    for path in [here / name, *listed, Path(sys.prefix, "share/nanorl", name)]:
+    for path in [here / name, *listed, here / "share/nanorl" / name, Path(sys.prefix, "share/nanorl", name)]:
         if path.exists():
             return path
     raise ConfigError(f"{name}: neither next to {here} nor in this install's share/nanorl; reinstall nanorl "

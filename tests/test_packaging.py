@@ -15,18 +15,28 @@ def test_every_top_level_module_is_in_pyprojects_py_modules():
     assert set(re.findall(r'"(\w+)"', listed)) == {p.stem for p in ROOT.glob("*.py")}
 
 
-def test_a_wheel_installed_elsewhere_trains_reports_and_finds_its_data_from_another_directory(tmp_path):
-    """Built from the tracked files, installed under a prefix that is not the running Python's (as --user
-    or /usr/local are), then run from a directory with no checkout in it."""
-    src, prefix, elsewhere = tmp_path / "src", tmp_path / "prefix", tmp_path / "elsewhere"
+PIP = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+
+
+def wheel(tmp_path: Path) -> Path:
+    """The wheel of the tracked files (what a clone holds), built in tmp_path."""
+    src = tmp_path / "src"
     for name in subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
                                check=True).stdout.split():
         (src / name).parent.mkdir(parents=True, exist_ok=True)
         (src / name).write_bytes((ROOT / name).read_bytes())
-    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist", src], check=True)
-    [wheel] = (tmp_path / "dist").glob("nanorl-*.whl")
-    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--prefix", prefix, wheel], check=True)
+    subprocess.run([*PIP, "wheel", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist", src],
+                   check=True)
+    [built] = (tmp_path / "dist").glob("nanorl-*.whl")
+    return built
+
+
+def test_a_wheel_installed_elsewhere_trains_reports_and_finds_its_data_from_another_directory(tmp_path):
+    """Built from the tracked files, installed under a prefix that is not the running Python's (as --user
+    or /usr/local are), then run from a directory with no checkout in it."""
+    prefix, elsewhere = tmp_path / "prefix", tmp_path / "elsewhere"
+    subprocess.run([*PIP, "install", "--no-deps", "--no-index", "--prefix", prefix, wheel(tmp_path)],
+                   check=True)
     site = Path(sysconfig.get_path("purelib", vars={"base": str(prefix)}))
     elsewhere.mkdir()
     env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
@@ -48,3 +58,17 @@ def test_a_wheel_installed_elsewhere_trains_reports_and_finds_its_data_from_anot
     (elsewhere / "r" / "report.html").unlink()
     assert run("-m", "report", "r").stdout.strip() == "r/report.html"
     assert "eval_return" in (elsewhere / "r" / "report.html").read_text()
+
+
+def test_a_wheel_installed_with_target_finds_its_data(tmp_path):
+    """pip install --target DIR (a container layer, a serverless bundle) puts the data files in
+    DIR/share/nanorl but leaves RECORD pointing where a prefix would have had them: `import envs` stopped."""
+    target = tmp_path / "target"
+    subprocess.run([*PIP, "install", "--no-deps", "--no-index", "--target", target, wheel(tmp_path)],
+                   check=True)
+    probe = "import envs, report; print(len(envs.SQL), report.TEMPLATE)"
+    env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}
+    found = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.split() == ["3", str(target / "share" / "nanorl" / "report.html.template")]
