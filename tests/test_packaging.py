@@ -72,3 +72,15 @@ def test_a_wheel_installed_with_target_finds_its_data(tmp_path):
                            text=True, timeout=300)
     assert found.returncode == 0, found.stderr
     assert found.stdout.split() == ["3", str(target / "share" / "nanorl" / "report.html.template")]
+
+
+def test_requires_python_admits_only_pythons_with_the_stdlib_the_modules_call():
+    """tasks.Task.score and envs.TextEnv.step call BaseException.add_note (3.11); pyproject admitted 3.10,
+    where a bug in a reward came out as "AttributeError: 'ValueError' object has no attribute 'add_note'"."""
+    newer = {".add_note(": (3, 11), "hashlib.file_digest(": (3, 11), "import tomllib": (3, 11),
+             "contextlib.chdir(": (3, 11), "itertools.batched(": (3, 12)}  # what each call needs
+    source = "".join(p.read_text() for p in ROOT.glob("*.py"))
+    needed = max((version for call, version in newer.items() if call in source), default=(3, 0))
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    admitted = re.search(r'requires-python = ">=(\d+)\.(\d+)"', pyproject).group(1, 2)
+    assert tuple(map(int, admitted)) >= needed
