@@ -84,3 +84,14 @@ def test_requires_python_admits_only_pythons_with_the_stdlib_the_modules_call():
     pyproject = (ROOT / "pyproject.toml").read_text()
     admitted = re.search(r'requires-python = ">=(\d+)\.(\d+)"', pyproject).group(1, 2)
     assert tuple(map(int, admitted)) >= needed
+
+
+def test_the_transformers_floor_has_the_from_pretrained_dtype_keyword():
+    """model.py and modeldir.py load with from_pretrained(..., dtype=...), which transformers 4.56 brought
+    (before: torch_dtype). pyproject admitted 4.50, where every LLM run stopped in a traceback:
+    "LlamaForCausalLM.__init__() got an unexpected keyword argument 'dtype'" (4.50.0 and 4.55.4; 4.56.0
+    with peft 0.13.0 trains)."""
+    source = "".join((ROOT / name).read_text() for name in ("model.py", "modeldir.py"))
+    assert re.search(r"from_pretrained\([^)]*\bdtype=", source)  # still the keyword that needs 4.56
+    floor = re.search(r'"transformers>=([\d.]+)"', (ROOT / "pyproject.toml").read_text())[1]
+    assert tuple(map(int, floor.split("."))) >= (4, 56)
