@@ -353,9 +353,14 @@ class TaskRollouts(BatchSource):
 
     def __init__(self, cfg, policy):
         self.cfg, self.policy = cfg, policy
+        self.fits, self.refused = 0, []  # too_long's verdicts on the rows: sizes of the refused prompts
         try:
             self.task = self.make_task(cfg)
         except (utils.ConfigError, OSError) as e:  # bad --data, too small a split; not a bug's ValueError
+            if self.refused and not self.fits and cfg.bad_rows == "skip":  # the budget's fix, not "add rows"
+                budget, fix = self.budget
+                e = (f"every row is too long: the shortest prompt has {min(self.refused):,} tokens, and "
+                     f"{budget}; {fix}, or lower --max-new-tokens")
             raise utils.ConfigError(f"--task {cfg.task}: {e}") from None
         if cfg.sft_steps and isinstance(self.task, tasks.DatasetTask) and (rows := self.task.unanswered()):
             shown = ", ".join(rows[:3]) + ", ..." * (len(rows) > 3)  # now, not when the warm-start draws one
@@ -384,17 +389,26 @@ class TaskRollouts(BatchSource):
                                     "(function, weight) pairs, at least one, each weight a finite number")
         return task
 
-    def too_long(self, prompt: str) -> str | None:
+    def too_long(self, problem: Problem) -> str | None:
         """Why a data row's prompt cannot be sampled (None: it fits): with --max-new-tokens it would pass the
         model's context. Unchecked, a rotary model ran past it silently and a huge row ran out of memory."""
         if not (context := self.policy.context):  # a config that names no context: nothing to compare with
             return None
-        room, n = context - self.cfg.max_new_tokens, len(self.policy.encode_prompt(prompt))
-        if n > room:
-            return (f"prompt of {n:,} tokens after the chat template; the model's {context:,}-token context "
-                    f"less --max-new-tokens {self.cfg.max_new_tokens} leaves {room:,}: shorten the question "
-                    "or delete the row")
-        return None
+        return self.overflow(len(self.policy.encode_prompt(problem.prompt)), context)
+
+    def overflow(self, n: int, limit: int) -> str | None:
+        """too_long's verdict on a prompt of n tokens, which must leave --max-new-tokens of `limit` (the
+        model's context or --max-len), counted: a run that refuses every row names the budget's fix."""
+        context, room = self.policy.context, limit - self.cfg.max_new_tokens
+        where = f"the model's {context:,}-token context" if limit == context else f"--max-len {limit}"
+        self.budget = (f"{where} less --max-new-tokens {self.cfg.max_new_tokens} leaves {room:,}",
+                       "use a model with a longer context" if limit == context else "raise --max-len")
+        if n <= room:
+            self.fits += 1
+            return None
+        self.refused.append(n)
+        return (f"prompt of {n:,} tokens after the chat template; {self.budget[0]}: shorten the question or "
+                "delete the row")
 
     def draw(self, n: int) -> list[Problem]:
         """This rank's share of the next n problems (indices position + r, + r + W, ...: disjoint), its
@@ -487,8 +501,19 @@ class EnvRollouts(TaskRollouts):
                                     "class it plays")
         self.env = env
         rows = issubclass(env.task, tasks.DatasetTask)  # reads --data's rows (else the hub's), as single-turn
-        data = {"data": cfg.data or None, "bad_rows": cfg.bad_rows} if rows else {}
+        data = {"data": cfg.data or None, "bad_rows": cfg.bad_rows,  # a row too long is malformed: drawn, it
+                "too_long": self.too_long if self.policy else None} if rows else {}  # stopped the run
         return env.task(seed=cfg.seed, eval_size=cfg.eval_size, **data)
+
+    def too_long(self, problem: Problem) -> str | None:
+        """As a single-turn row's, for the env's opening (its reset may reword the row), within --max-len
+        too: the prompt must leave one whole turn of --max-new-tokens, as a single-turn prompt leaves its
+        completion's. With less, the first turn is cut short, truncated, whatever the model would say."""
+        try:
+            n = len(self.prompt_ids(problem))
+        except tasks.RewardError:  # a wrong reset (a ValueError: to the loader a malformed row, every row):
+            return None  # the first rollout stops on it, in one line naming the env
+        return self.overflow(n, min(self.cfg.max_len, self.policy.context or self.cfg.max_len))
 
     def prompt_ids(self, problem: Problem) -> list[int]:  # the env's reset messages, which may reword it
         return _start(self.policy, self.env, problem, self.cfg.max_turns).prompt

@@ -436,7 +436,7 @@ class DatasetTask(Task):
     numeric = True  # the answer must be one number; False (a judge's task): any text, or none at all
 
     def __init__(self, *, seed: int = 0, eval_size: int = 100, data: str | None = None,
-                 bad_rows: str = "skip", too_long: Callable[[str], str | None] | None = None):
+                 bad_rows: str = "skip", too_long: Callable[[Problem], str | None] | None = None):
         super().__init__(seed=seed)
         if bad_rows not in ("skip", "error"):
             raise ConfigError(f"bad_rows must be 'skip' or 'error' (got {bad_rows!r})")
@@ -446,7 +446,7 @@ class DatasetTask(Task):
         for where, row in self._rows(data):
             try:
                 problem = self._problem(row)
-                if too_long and (why := too_long(problem.prompt)):  # past the model's context: skip or error
+                if too_long and (why := too_long(problem)):  # past the model's context: skip or error
                     raise ValueError(why)
                 first = found.setdefault(problem.key, problem)
                 if first.answer != problem.answer:  # a duplicate merges; two answers to one question conflict
@@ -564,7 +564,7 @@ TASKS: dict[str, type[Task]] = {task.name: task for task in (Arith, ArithChain, 
 
 
 def make_task(name: str, *, seed: int, eval_size: int, data: str | None = None,
-              bad_rows: str = "skip", too_long: Callable[[str], str | None] | None = None,
+              bad_rows: str = "skip", too_long: Callable[[Problem], str | None] | None = None,
               **options: Any) -> Task:
     """Build a registered task; `options` go to its constructor (e.g. max_operand=99 for arith)."""
     if name not in TASKS:

@@ -23,6 +23,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from envs import (TEXT_ENVS, CartPole, CountdownEnv, PythonTask, PythonToolEnv, SQLEnv, SQLTask, TextEnv, SQL,
                   _gold_rows, format_rows, run_sql, sql_correct, sql_database)
 import train
+import rundir
 from exact import assert_sampled_ids_are_trained
 from judge import JudgeUnavailable
 from model import LLMPolicy, MLPPolicy, Sample
@@ -258,6 +259,73 @@ def test_an_env_over_a_dataset_task_plays_the_rows_of_its_data_file(monkeypatch)
     single = tasks.GSM8K(seed=0, eval_size=2, data=data)  # the rows a single-turn run reads
     assert source.task.eval_problems() == single.eval_problems() and len(single.eval_problems()) == 2
     assert source.next(0).stats["turns"].tolist() == [2.0] * 4  # 2 rows' prompts, each played twice
+
+
+class LongRowRetry(TextEnv):  # multi-turn GSM8K: every answer is met with "Try again."
+    task = tasks.GSM8K
+
+    def respond(self, completion):
+        return "Try again.", 0.0, False
+
+
+def long_rows(tmp_path, *extra: str, short: bool = True) -> tuple[list[str], list[str]]:
+    """Flags for the tiny model (1,024 positions, a token a character) under --max-len 160 and
+    --max-new-tokens 8, over a --data file of 4 short questions (or none) and `extra`; and the questions."""
+    rows = [f"What is {a} plus 1?" for a in range(4 * short)] + list(extra)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": "#### 2"}) + "\n" for q in rows))
+    tiny = build_tiny_model(layers=1, hidden=64, heads=1, intermediate=128)
+    return ["--task", "gsm8k_long", "--model", tiny, "--data", str(data), "--eval-size", "2", "--batch", "2",
+            "--group-size", "2", "--max-new-tokens", "8", "--max-len", "160", "--max-turns", "2",
+            "--sft-steps", "0", "--no-progress"], rows
+
+
+def test_a_dataset_envs_row_with_no_room_for_a_turn_is_skipped_at_load_so_training_goes_past_it(
+        monkeypatch, tmp_path):
+    """A row whose prompt filled --max-len stopped a multi-turn run when it was drawn (a checkpoint and one
+    line), and --resume drew it again and stopped again: the run never got past it. Now, as a single-turn
+    row past the context, it is a malformed row, skipped when the rows load: held out of training and eval."""
+    monkeypatch.setitem(TEXT_ENVS, "gsm8k_long", LongRowRetry)
+    size = lambda q: 1 + len(q) + 1 + len(tasks.GSM8K.instruction)  # bos, question, newline, instruction
+    edge, over = "What is 5 plus 1?" + "?" * 60, "What is 6 plus 1?" + "?" * 61
+    huge = "What is 7 plus 1?" * 12
+    assert [size(q) for q in (edge, over, huge)] == [152, 153, 279]  # 160 less one turn of 8 leaves 152
+    flags, rows = long_rows(tmp_path, edge, over, huge)
+    out = str(tmp_path / "run")
+    # 5 steps of one problem each draw every training row (all 7 rows less the 2 held out, before)
+    assert train.main([*flags, "--steps", "5", "--out", out]) == 0
+    assert train.main(["--resume", out, "--steps", "7"]) == 0  # on again, past every row once more
+    assert [s for s, _, _ in rundir.read_metrics(Path(out) / "metrics.csv")["loss"]] == [1, 2, 3, 4, 5, 6, 7]
+    data = flags[flags.index("--data") + 1]
+    why = ("prompt of {} tokens after the chat template; --max-len 160 less --max-new-tokens 8 leaves 152: "
+           "shorten the question or delete the row")
+    with pytest.warns(UserWarning) as caught:
+        source = EnvRollouts(train.parse(flags), LLMPolicy(train.parse(flags)))
+    skipped = f"gsm8k: skipped 2 malformed rows: {data}:6 ({why.format(153)}); {data}:7 ({why.format(279)})"
+    assert [str(w.message) for w in caught] == [skipped]
+    assert sorted(p.key for p in source.task.eval_problems() + source.task._train) == sorted(rows[:5])
+
+
+@pytest.mark.parametrize("max_len, budget, fix", [
+    ("60", "--max-len 60 less --max-new-tokens 8 leaves 52", "raise --max-len"),
+    ("4096", "the model's 1,024-token context less --max-new-tokens 8 leaves 1,016", "use a model with a longer "
+     "context")])
+def test_a_dataset_env_whose_every_row_is_too_long_stops_before_a_step_naming_the_budgets_fix(
+        monkeypatch, capsys, tmp_path, max_len, budget, fix):
+    """Every row too long for a turn: the run stopped at its first step naming one prompt, `--max-len`'s
+    alone. Now it stops when the rows load, as a single-turn run does, naming the shortest and the fix."""
+    monkeypatch.setitem(TEXT_ENVS, "gsm8k_long", LongRowRetry)
+    long = [f"What is {a} plus 1?" * 60 for a in range(4)]  # 1,095 tokens each
+    flags, rows = long_rows(tmp_path, *long)
+    flags[flags.index("--max-len") + 1] = max_len
+    shortest = 1 + len(rows[0]) + 1 + len(tasks.GSM8K.instruction)  # 92
+    if max_len == "4096":  # the model's context binds: only the long rows
+        flags, _ = long_rows(tmp_path, *long, short=False)
+        flags[flags.index("--max-len") + 1], shortest = max_len, 1095
+    assert train.main([*flags, "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: --task gsm8k_long: every row is too long: the shortest prompt has {shortest:,} tokens, and "
+        f"{budget}; {fix}, or lower --max-new-tokens")
 
 
 def test_an_env_without_max_turns_in_its_init_plays_the_runs_max_turns(monkeypatch):
