@@ -353,14 +353,9 @@ class TaskRollouts(BatchSource):
 
     def __init__(self, cfg, policy):
         self.cfg, self.policy = cfg, policy
-        self.fits, self.refused = 0, []  # too_long's verdicts on the rows: sizes of the refused prompts
         try:
             self.task = self.make_task(cfg)
         except (utils.ConfigError, OSError) as e:  # bad --data, too small a split; not a bug's ValueError
-            if self.refused and not self.fits and cfg.bad_rows == "skip":  # the budget's fix, not "add rows"
-                budget, fix = self.budget
-                e = (f"every row is too long: the shortest prompt has {min(self.refused):,} tokens, and "
-                     f"{budget}; {fix}, or lower --max-new-tokens")
             raise utils.ConfigError(f"--task {cfg.task}: {e}") from None
         if cfg.sft_steps and isinstance(self.task, tasks.DatasetTask) and (rows := self.task.unanswered()):
             shown = ", ".join(rows[:3]) + ", ..." * (len(rows) > 3)  # now, not when the warm-start draws one
@@ -398,17 +393,13 @@ class TaskRollouts(BatchSource):
 
     def overflow(self, n: int, limit: int) -> str | None:
         """too_long's verdict on a prompt of n tokens, which must leave --max-new-tokens of `limit` (the
-        model's context or --max-len), counted: a run that refuses every row names the budget's fix."""
+        model's context or --max-len)."""
         context, room = self.policy.context, limit - self.cfg.max_new_tokens
-        where = f"the model's {context:,}-token context" if limit == context else f"--max-len {limit}"
-        self.budget = (f"{where} less --max-new-tokens {self.cfg.max_new_tokens} leaves {room:,}",
-                       "use a model with a longer context" if limit == context else "raise --max-len")
         if n <= room:
-            self.fits += 1
             return None
-        self.refused.append(n)
-        return (f"prompt of {n:,} tokens after the chat template; {self.budget[0]}: shorten the question or "
-                "delete the row")
+        where = f"the model's {context:,}-token context" if limit == context else f"--max-len {limit}"
+        return (f"prompt of {n:,} tokens after the chat template; {where} less --max-new-tokens "
+                f"{self.cfg.max_new_tokens} leaves {room:,}: shorten the question or delete the row")
 
     def draw(self, n: int) -> list[Problem]:
         """This rank's share of the next n problems (indices position + r, + r + W, ...: disjoint), its
