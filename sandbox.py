@@ -217,9 +217,8 @@ def use(mode: str) -> tuple[str, int, int]:
     """Makes `mode` (--sandbox) the one run_python uses in this process, if sandbox_plan(mode)
     finds it works here: train.validate calls it at start-up, in the trainer and in each worker."""
     global _mode
-    plan = sandbox_plan(mode)
-    _mode = mode
-    return plan
+    _mode = mode  # first: a mode refused here leaves no weaker one of an earlier call in use (fail closed)
+    return sandbox_plan(mode)
 
 
 @functools.cache
