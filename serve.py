@@ -11,6 +11,7 @@ import contextlib
 import errno
 import json
 import os
+import random
 import re
 import secrets
 import signal
@@ -45,6 +46,7 @@ WAITING = 60.0  # seconds a step waits without a batch between its "waiting for 
 CHECKS = 2.0  # seconds between looks at the trainer's own --workers while it waits: a dead one is told soon
 REFUSALS = 5  # bad batches in a row that stop a worker: not 409s (ahead of a --resumed trainer), OTHER_RUN's
 OTHER_RUN = 412  # a request of a worker another trainer process registered: it says /hello again
+FINISHED = 410, {"finished": True}  # the answer to every request once the run is over: the worker exits
 SEQS = 4096  # workers whose last batch, and heartbeat, the inbox remembers (the least recently heard go)
 
 
@@ -141,9 +143,7 @@ class Inbox:
             elif not (type(claim) is int and 0 <= claim < self.reclaim):  # ids of trainers before a --resume
                 return 409, {"error": f"worker id {claim!r} was not issued by this run before its trainer "
                                       "restarted: restart the worker"}
-            if self._heard(claim):
-                return 410, {"finished": True}
-            return 200, {"worker": claim, "run": self.run}
+            return FINISHED if self._heard(claim) else (200, {"worker": claim, "run": self.run})
 
     def restore(self, next_worker: int) -> None:
         """The first worker id to issue (a checkpoint's, or 0): /hello answers from now on."""
@@ -152,7 +152,7 @@ class Inbox:
             self.cond.notify_all()
 
     def adapter(self, req: Request):
-        """The newest adapter once it is not ?have=V's, waiting up to LONG_POLL for one."""
+        """The newest adapter once it is not ?have=V's, waiting up to LONG_POLL for one (if crowded: 503)."""
         if not all(re.fullmatch(r"-?[0-9]{1,12}", req.query.get(k, "")) for k in ("have", "worker")):
             return 400, {"error": "GET /adapter needs ?have=VERSION&worker=ID"}
         if req.query.get("run") != self.run:
@@ -160,11 +160,11 @@ class Inbox:
         # A worker ahead of this trainer sampled for its run before a --resume: it takes this one's weights.
         other = lambda: self.version >= 0 and self.version != int(req.query["have"])
         with self.cond:
-            self.cond.wait_for(lambda: other() or self.finished, timeout=LONG_POLL)
+            self.cond.wait_for(lambda: other() or self.finished, timeout=0 if req.crowded else LONG_POLL)
             if self._heard(int(req.query["worker"])):
-                return 410, {"finished": True}
+                return FINISHED
             self.counts["adapters_sent"] += other()
-            return (200, self.payload) if other() else (204, None)
+            return (200, self.payload) if other() else (503 if req.crowded else 204, None)
 
     def check(self, t: dict, meta: dict) -> str | None:
         """Why the loop cannot use a worker's batch (rollouts.WIRE's keys, dtypes and shapes, [N] float32
@@ -213,7 +213,7 @@ class Inbox:
             return OTHER_RUN, {"error": "this worker was registered by another trainer: POST /hello again"}
         with self.cond:
             if self._heard(meta.get("worker")):
-                return 410, {"finished": True}
+                return FINISHED
             why, status = self.check(tensors, meta), 400
             if not why and (v := tensors["version"]).max() > self.version:  # a worker ahead of a trainer
                 # --resumed from an older checkpoint: 409, a conflict its next batch (these weights) resolves
@@ -232,7 +232,7 @@ class Inbox:
             if not self.cond.wait_for(room, timeout=LONG_POLL):
                 return 429, {"error": f"queue full ({len(self.queue)} groups); retry shortly"}
             if self.finished:
-                return 410, {"finished": True}
+                return FINISHED
             if self.taken(meta["worker"], meta["seq"]):  # after the wait: a copy may have landed meanwhile
                 self.counts["batches_duplicate"] += 1
                 return 200, {"queued": 0, "dropped": 0, "duplicate": True}
@@ -485,8 +485,8 @@ class AdapterFetcher(threading.Thread):
                               "restart the worker with the trainer's")
             if status == 410 or self.error:
                 self.done.set()
-            if status not in (204, 410):
-                time.sleep(0.5)  # after an error: do not spin
+            if status not in (204, 410):  # 503: crowded, ask again in 1-3 s, spread out; error: do not spin
+                self.done.wait(random.uniform(0.5, 1.5) * LONG_POLL if status == 503 else 0.5)
 
     def take(self):
         with self.lock:

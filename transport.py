@@ -67,7 +67,9 @@ def serving_token(host: str, token: str | None = None, workers: int | None = Non
     return _check_token(token or secrets.token_urlsafe(32))
 
 
-Request = namedtuple("Request", "path query body")  # str, {name: value} of the query, bytes
+# str, {name: value} of the query, bytes; crowded: over half of MAX_CONNS connections are open, so a route
+# that would wait (a long poll) answers at once instead, leaving the cap room for every other request
+Request = namedtuple("Request", "path query body crowded", defaults=[False])
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -132,7 +134,8 @@ class _Handler(BaseHTTPRequestHandler):
                 srv.admit(self.request, base + len(body) / BODY_RATE)
             if len(body) < n:
                 return self.send_error(400, f"body truncated: got {len(body)} of {n} bytes")
-            self._route(route, Request(url.path, dict(parse_qsl(url.query, keep_blank_values=True)), body))
+            query = dict(parse_qsl(url.query, keep_blank_values=True))
+            self._route(route, Request(url.path, query, body, crowded=len(srv.conns) > MAX_CONNS // 2))
         finally:
             srv.hold(-len(body))
 

@@ -751,3 +751,44 @@ def test_every_metric_a_rollout_source_fills_reaches_the_trainer(inbox):
     assert set(source.last) == set(rollouts.METRICS) and source.last["gen_rounds"] == 1  # one round allowed
     assert post(inbox, forge(), metrics=source.last)[0] == 200
     assert inbox.rollout_metrics == [{k: float(v) for k, v in source.last.items()}]  # none dropped
+
+
+def test_a_hundred_workers_polling_leave_hello_and_batch_served_and_each_gets_the_next_adapter(inbox,
+                                                                                             monkeypatch):
+    """A GET /adapter held for LONG_POLL is a connection, and a worker asks again at once: with about
+    MAX_CONNS workers their polls filled the server's cap, and every /hello and /batch was refused."""
+    monkeypatch.setattr(serve, "LONG_POLL", 1.0)  # a shorter test: polls held half as long, as many held
+    adapter = lambda v: encode({"w": torch.full((2,), float(v))}, {"version": v})
+    inbox.serve(0, adapter(0), 0.0)
+    url, token = inbox.server.url, inbox.server.token
+    fetchers = [serve.AdapterFetcher(transport.Client(url, token, retries=1), inbox.cfg, w, inbox.run)
+                for w in range(100)]
+    for f in fetchers:
+        f.start()
+    try:
+        deadline = time.monotonic() + 60  # a hang guard, not a timing assertion
+        while not all(f.have == 0 for f in fetchers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        client, statuses, ids = transport.Client(url, token, retries=1), [], []
+        for path in ["/hello"] * 10 + ["/batch"] * 2:  # 2: the queue's capacity, so no POST waits for room
+            time.sleep(0.2)  # spread over 2 polls' time: polls held together end together, freeing the cap
+            meta = {"worker": ids[0] if ids else 0, "run": inbox.run, "seq": next(SEQ)}
+            body = encode_hello(inbox) if path == "/hello" else encode(forge(), meta)
+            try:
+                status, reply = client.post(path, body)
+            except transport.ServeError:  # closed unanswered: the server held its cap of connections
+                status, reply = "refused", b"{}"
+            statuses.append(status)
+            ids += [json.loads(reply)["worker"]] if path == "/hello" and status == 200 else []
+        assert statuses == [200] * 12 and ids == list(range(10)) and inbox.counts["groups_received"] == 2
+        inbox.serve(1, adapter(1), 0.0)
+        deadline = time.monotonic() + 60
+        while not all(f.have == 1 for f in fetchers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [f.take()[0] for f in fetchers] == [1] * 100 and sum(f.rejected for f in fetchers) == 0
+    finally:
+        inbox.close()  # returns once the workers /hello registered (0 to 9) polled and heard the run is over
+        for f in fetchers:
+            f.done.set()
+        for f in fetchers:
+            f.join(10)
