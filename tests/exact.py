@@ -1,4 +1,8 @@
-"""A check shared by the multi-turn tests of the tiny and the real model."""
+"""Checks shared by the tests of the tiny and the real model: multi-turn rows, vLLM's log-probs."""
+import torch
+
+from rollouts import make_batch
+
 
 
 def assert_sampled_ids_are_trained(batch, sampled) -> list[list[int]]:
@@ -14,3 +18,12 @@ def assert_sampled_ids_are_trained(batch, sampled) -> list[list[int]]:
             trained[r] += len(s.ids)
     assert batch.mask.sum(1).tolist() == trained  # the rest (prompt, replies, padding) is masked out
     return rows
+
+
+def gap(pol, prefixes, samples) -> torch.Tensor:
+    """|the sampler's log-prob (vLLM's) - the trainer's| for every sampled token."""
+    batch = make_batch(prefixes, samples, [0.0] * len(samples), pol.pad_id)
+    with torch.no_grad():
+        logp = pol.score(batch, slice(None))[0]
+    mask = batch.mask > 0
+    return (logp[mask] - batch.logp[mask]).abs()

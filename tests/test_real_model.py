@@ -18,7 +18,7 @@ import modeldir
 import train
 import utils
 from envs import TextEnv
-from exact import assert_sampled_ids_are_trained
+from exact import assert_sampled_ids_are_trained, gap
 from model import LLMPolicy, VLLMGenerator
 from modeldir import resolve_model
 from rollouts import TaskRollouts, make_batch, rollout_multiturn
@@ -404,15 +404,6 @@ def children() -> set[int]:
             if stat.read_text().rsplit(")", 1)[1].split()[1] == str(os.getpid()):
                 found.add(int(stat.parent.name))
     return found
-
-
-def gap(pol: LLMPolicy, prefixes, samples) -> torch.Tensor:
-    """|vLLM's log-prob - the trainer's| for every sampled token."""
-    batch = make_batch(prefixes, samples, [0.0] * len(samples), pol.pad_id)
-    with torch.no_grad():
-        logp = pol.score(batch, slice(None))[0]
-    mask = batch.mask > 0
-    return (logp[mask] - batch.logp[mask]).abs()
 
 
 def test_vllm_logps_agree_with_the_trainer_and_a_published_adapter_changes_the_samples(pol, engine):

@@ -9,9 +9,9 @@ import torch
 
 import train
 import utils
+from exact import gap
 from model import LLMPolicy, VLLMGenerator
 from modeldir import build_tiny_model
-from rollouts import make_batch
 from transport import decode, encode
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -34,15 +34,6 @@ def engine(cfg):
         gen = VLLMGenerator(cfg.model, cfg, {2}, seed=0)
         yield gen
         gen.llm.llm_engine.engine_core.shutdown()
-
-
-def gap(pol: LLMPolicy, prefixes, samples) -> torch.Tensor:
-    """|vLLM's log-prob - the trainer's| for every sampled token."""
-    batch = make_batch(prefixes, samples, [0.0] * len(samples), pol.pad_id)
-    with torch.no_grad():
-        logp = pol.score(batch, slice(None))[0]
-    mask = batch.mask > 0
-    return (logp[mask] - batch.logp[mask]).abs()
 
 
 def test_a_rank_4_adapter_samples_in_vllm_with_the_trainers_log_probs(cfg, engine):
