@@ -166,7 +166,7 @@ def rollout_single(policy, task: tasks.Task, problems: list[Problem], group_size
         failed = e
     # torchrun: one rank's failure stops all here, and rank 0 saves the last step (it met the rank's absence)
     fails = utils.reduce_dict({"judge": isinstance(failed, JudgeUnavailable), "any": failed is not None})
-    if failed or fails["any"]:
+    if fails["any"]:  # this rank's, summed with the others
         raise failed or (JudgeUnavailable if fails["judge"] else tasks.RewardError)(
             "another rank's rewards failed: its error says why")
     out = [Episode(p, x, None, s.ids, s.logps, [1] * len(s.ids), *score, truncated=s.truncated, text=t)
