@@ -391,7 +391,7 @@ class TaskRollouts(BatchSource):
             return None
         return self.overflow(len(self.policy.encode_prompt(problem.prompt)), context)
 
-    def overflow(self, n: int, limit: int) -> str | None:
+    def overflow(self, n: int, limit: int, fix: str = "shorten the question or delete the row") -> str | None:
         """too_long's verdict on a prompt of n tokens, which must leave --max-new-tokens of `limit` (the
         model's context or --max-len)."""
         context, room = self.policy.context, limit - self.cfg.max_new_tokens
@@ -399,18 +399,21 @@ class TaskRollouts(BatchSource):
             return None
         where = f"the model's {context:,}-token context" if limit == context else f"--max-len {limit}"
         return (f"prompt of {n:,} tokens after the chat template; {where} less --max-new-tokens "
-                f"{self.cfg.max_new_tokens} leaves {room:,}: shorten the question or delete the row")
+                f"{self.cfg.max_new_tokens} leaves {room:,}: {fix}")
 
     def draw(self, n: int) -> list[Problem]:
         """This rank's share of the next n problems (indices position + r, + r + W, ...: disjoint), its
         first prompt_reweight share swapped for recent prompts whose groups had reward spread (oldest
         first). The fresh ones it replaces are skipped, so every rank advances the stream alike."""
         indices = range(self.position + utils.rank(), self.position + n, utils.world())
-        fresh = [self.task.train_problem(i) for i in indices]
+        fresh = [self.train_problem(i) for i in indices]
         self.position += n
         r = min(int(self.cfg.prompt_reweight * len(fresh)), len(self.spread))
         replay, self.spread = self.spread[:r], self.spread[r:]
         return replay + fresh[r:]
+
+    def train_problem(self, index: int) -> Problem:  # EnvRollouts redraws one it cannot play
+        return self.task.train_problem(index)
 
     def next(self, step: int) -> Batch:
         cfg, want = self.cfg, self.cfg.batch // self.cfg.group_size
@@ -504,7 +507,21 @@ class EnvRollouts(TaskRollouts):
             n = len(self.prompt_ids(problem))
         except tasks.RewardError:  # a wrong reset (a ValueError: to the loader a malformed row, every row):
             return None  # the first rollout stops on it, in one line naming the env
-        return self.overflow(n, min(self.cfg.max_len, self.policy.context or self.cfg.max_len))
+        need, context = n + self.cfg.max_new_tokens, self.policy.context or math.inf
+        fix = f"raise --max-len to {need}" if need <= context else f"lower --max-new-tokens to {context - n}"
+        fix = fix if n < context else "the prompt alone fills the model's context"
+        return self.overflow(n, min(self.cfg.max_len, context), fix)
+
+    def train_problem(self, index: int) -> Problem:
+        """A procedural draw too_long refuses is named and redrawn (it stopped the run, on --resume too)."""
+        if not (self.policy and isinstance(self.task, tasks.ProceduralTask)):  # a dataset's: refused at load
+            return super().train_problem(index)
+        for tries, problem in enumerate(self.task.draws(index)):
+            if not (why := self.too_long(problem)):
+                return problem
+            if tries == 99:
+                raise utils.ConfigError(f"100 draws in a row have no room for a turn, the last a {why}")
+            utils.stderr(f"warning: training problem {index} draw {tries + 1} {problem.key!r} redrawn: {why}")
 
     def prompt_ids(self, problem: Problem) -> list[int]:  # the env's reset messages, which may reword it
         return _start(self.policy, self.env, problem, self.cfg.max_turns).prompt

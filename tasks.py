@@ -65,8 +65,7 @@ def extract_answer(completion: str) -> str | None:
 
 def last_boxed(text: str) -> str | None:
     r"""Content of the last `\boxed{...}`, braces balanced (so `\boxed{\frac{1}{2}}` works)."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
+    if (start := text.rfind("\\boxed{")) < 0:
         return None
     depth, i = 0, start + len("\\boxed")
     for j in range(i, len(text)):
@@ -323,10 +322,13 @@ class ProceduralTask(Task):
         self.train_problem(0)  # a split that holds all but rare problems fails here, not at the first step
 
     def train_problem(self, index: int) -> Problem:
+        return next(self.draws(index))
+
+    def draws(self, index: int) -> Iterator[Problem]:  # its draws in turn, for a source that cannot play one
         for attempt in range(10_000):
             p = self.generate(random.Random(f"{self.seed}:train:{index}:{attempt}"))
             if p.key not in self._eval_keys:
-                return p
+                yield p
         raise ConfigError(f"{self.name}: 10,000 draws all hit the eval split; lower --eval-size")
 
 
@@ -354,13 +356,11 @@ class Arith(ProceduralTask):
         return (self.max_operand + 1) ** self.n_operands * len(self.ops) ** (self.n_operands - 1)
 
     def generate(self, rng: random.Random) -> Problem:
-        while True:  # with "/", redraw until the quotient is an exact integer
+        while True:  # with "/", redraw x/0 ("/" takes the next literal: only 0 starts "/0") and inexact x/y
             expr = str(rng.randint(0, self.max_operand))
             for _ in range(self.n_operands - 1):
                 expr += rng.choice(self.ops) + str(rng.randint(0, self.max_operand))
-            if "/0" in expr:  # a division by zero: "/" takes the literal after it, and only 0 starts with 0
-                continue
-            if (value := safe_eval(expr)[0]).denominator == 1:
+            if "/0" not in expr and (value := safe_eval(expr)[0]).denominator == 1:
                 return Problem(prompt=expr + "=", answer=str(value), key=expr)
 
     def solve(self, problem: Problem) -> str:

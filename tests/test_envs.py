@@ -2,6 +2,7 @@
 processes, and token-exact multi-turn rollouts (scripted policy, then the real tiny model)."""
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -298,10 +299,10 @@ def test_a_dataset_envs_row_with_no_room_for_a_turn_is_skipped_at_load_so_traini
     assert [s for s, _, _ in rundir.read_metrics(Path(out) / "metrics.csv")["loss"]] == [1, 2, 3, 4, 5, 6, 7]
     data = flags[flags.index("--data") + 1]
     why = ("prompt of {} tokens after the chat template; --max-len 160 less --max-new-tokens 8 leaves 152: "
-           "shorten the question or delete the row")
+           "raise --max-len to {}")
     with pytest.warns(UserWarning) as caught:
         source = EnvRollouts(train.parse(flags), LLMPolicy(train.parse(flags)))
-    skipped = f"gsm8k: skipped 2 malformed rows: {data}:6 ({why.format(153)}); {data}:7 ({why.format(279)})"
+    skipped = f"gsm8k: skipped 2 malformed rows: {data}:6 ({why.format(153, 161)}); {data}:7 ({why.format(279, 287)})"
     assert [str(w.message) for w in caught] == [skipped]
     assert sorted(p.key for p in source.task.eval_problems() + source.task._train) == sorted(rows[:5])
 
@@ -317,6 +318,72 @@ def test_a_dataset_env_whose_every_row_is_too_long_stops_when_its_rows_load(monk
     assert capsys.readouterr().err.splitlines()[-1] == (
         "error: --task gsm8k_long: 0 usable rows: --eval-size 2 leaves none to train on; add rows")
     assert not (tmp_path / "run").exists()  # before a step, or a run directory
+
+
+def python_tool_flags(max_len: int) -> list[str]:
+    """python_tool for the tiny model (a token a character, no template: a prompt is 1 + len(prompt) tokens),
+    seed 1: its eval problems open with 170 tokens each, its training problem 7 with 205."""
+    tiny = build_tiny_model(layers=1, hidden=64, heads=1, intermediate=128)
+    return ["--task", "python_tool", "--model", tiny, "--seed", "1", "--eval-size", "2", "--max-len", str(max_len),
+            "--max-new-tokens", "8", "--batch", "2", "--group-size", "2", "--max-turns", "2", "--sft-steps", "0",
+            "--no-progress"]
+
+
+def test_a_procedural_envs_draw_with_no_room_for_a_turn_is_redrawn_so_the_run_and_its_resume_go_past_it(
+        tmp_path, capsys):
+    """Training problem 7 opens with 205 tokens: under --max-len 200 it stopped the run at step 8 ("a prompt
+    has 205 tokens, not fewer than max_len=200", ckpt-0000007 saved), and --resume drew it again and stopped
+    again: the run never got past it. Now a draw that leaves no whole turn (200 less 8 leaves 192) is named in
+    a warning, with the --max-len that would hold it, and redrawn from the same index: on resume as well."""
+    flags, out = python_tool_flags(200), str(tmp_path / "run")
+    assert train.main([*flags, "--steps", "8", "--out", out]) == 0
+    assert train.main(["--resume", out, "--steps", "9"]) == 0  # step 9 plays problem 8, redrawn too
+    assert [s for s, _, _ in rundir.read_metrics(Path(out) / "metrics.csv")["loss"]] == list(range(1, 10))
+    warned = re.findall(r"warning: training problem (\d+) draw (\d+) '(.*)' redrawn: prompt of (\d+) tokens after "
+                        r"the chat template; --max-len 200 less --max-new-tokens 8 leaves 192: raise --max-len to "
+                        r"(\d+)\n", capsys.readouterr().err)
+    source = EnvRollouts(train.parse(flags), LLMPolicy(train.parse(flags)))
+    for index, draw, key, n, fix in warned:  # each the draw it names, too long by the hand count
+        problem = list(itertools.islice(source.task.draws(int(index)), int(draw)))[-1]
+        assert problem.key == key and int(n) == 1 + len(problem.prompt) > 192 and int(fix) == int(n) + 8
+    assert ("7", "1", "205") in [(i, d, n) for i, d, _, n, _ in warned]  # the one that stopped the run
+    assert {i for i, *_ in warned} == {"3", "7", "8"}  # ... and each index once at least, in both runs
+    played = [json.loads(line) for line in (Path(out) / "samples.jsonl").read_text().splitlines()]
+    played = {r["step"]: r["prompt"] for r in played if r["kind"] == "train"}
+    assert sorted(played) == list(range(1, 10)) and all(1 + len(p) <= 192 for p in played.values())
+    assert [played[i + 1] for i in range(9)] == [source.train_problem(i).prompt for i in range(9)]
+
+
+class ShortOrLong(ProceduralTask):  # two problems: under seed 1 the eval split holds the short one
+    name = "short_or_long"
+
+    def generate(self, rng):
+        long = rng.random() < 0.5
+        return Problem("Guess." + "?" * 100 * long, "1", key="long" if long else "short")
+
+
+class ShortOrLongEnv(TextEnv):
+    task = ShortOrLong
+
+    def respond(self, completion):
+        return None, 0.0, False
+
+
+def test_a_procedural_env_whose_every_training_draw_has_no_room_for_a_turn_stops_after_100_naming_the_fix(
+        monkeypatch, capsys):
+    """A task whose every training draw is too long stopped the run with "a prompt has 125 tokens, not fewer
+    than max_len=64" (the redraws must end). Now 100 draws in a row stop it, each named, the fix in the line.
+    Under the chat template a prompt is 19 tokens and its text: the long one 125, of 64 less 8."""
+    monkeypatch.setitem(TEXT_ENVS, "short_or_long", ShortOrLongEnv)
+    cfg = train.Config(task="short_or_long", algo="grpo", seed=1, batch=2, group_size=2, eval_size=1,
+                       max_new_tokens=8, max_len=64)
+    source = EnvRollouts(cfg, ScriptedPolicy(chat_tokenizer(), lambda text: "1"))
+    assert [p.key for p in source.task.eval_problems()] == ["short"]
+    with pytest.raises(ConfigError, match=re.escape(
+            "100 draws in a row have no room for a turn, the last a prompt of 125 tokens after the chat template; "
+            "--max-len 64 less --max-new-tokens 8 leaves 56: raise --max-len to 133")):
+        source.next(0)
+    assert capsys.readouterr().err.count("warning: training problem 0 draw ") == 99
 
 
 def test_an_env_without_max_turns_in_its_init_plays_the_runs_max_turns(monkeypatch):
