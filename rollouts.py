@@ -242,12 +242,9 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
     wide = max(map(len, policy.tokenizer.get_vocab()))  # no token covers more characters than its entry has
     # the model's context ends an episode too: GPT-2's learned positions, and a rotary model's (which ran past
     # it here, while an async trainer's inbox refused those episodes)
-    context = policy.context or max_len
-    end, fix = (f"max_len={max_len}", "raise max_len (--max-len)") if max_len <= context else (
-        f"the model's {context}-token context", "shorten it")
-    if (longest := max(len(e.prompt) for e in eps)) >= min(max_len, context):
-        raise utils.ConfigError(f"a prompt has {longest} tokens, not fewer than {end}; {fix}")
-    max_len = min(max_len, context)
+    max_len = min(max_len, policy.context or max_len)
+    if (longest := max(len(e.prompt) for e in eps)) >= max_len:  # EnvRollouts draws none (too_long)
+        raise utils.ConfigError(f"a prompt has {longest} tokens, not fewer than max_len or context {max_len}")
     with ThreadPoolExecutor(8) as pool:
         while live := [e for e in eps if not e.done]:  # each ends by max_turns at the latest
             room = [min(max_new_tokens, max_len - len(e.prompt) - len(e.ids)) for e in live]
@@ -497,7 +494,11 @@ class EnvRollouts(TaskRollouts):
         rows = issubclass(env.task, tasks.DatasetTask)  # reads --data's rows (else the hub's), as single-turn
         data = {"data": cfg.data or None, "bad_rows": cfg.bad_rows,  # a row too long is malformed: drawn, it
                 "too_long": self.too_long if self.policy else None} if rows else {}  # stopped the run
-        return env.task(seed=cfg.seed, eval_size=cfg.eval_size, **data)
+        task = env.task(seed=cfg.seed, eval_size=cfg.eval_size, **data)
+        top = self.policy and max(task.eval_problems(), key=lambda p: len(self.prompt_ids(p)), default=None)
+        if top and (why := self.too_long(top)):  # a procedural split's longest: now, not in an eval
+            raise utils.ConfigError(f"the eval problem {top.key!r} has no room for a turn: {why}")
+        return task
 
     def too_long(self, problem: Problem) -> str | None:
         """As a single-turn row's, for the env's opening (its reset may reword the row), within --max-len

@@ -354,6 +354,20 @@ def test_a_procedural_envs_draw_with_no_room_for_a_turn_is_redrawn_so_the_run_an
     assert [played[i + 1] for i in range(9)] == [source.train_problem(i).prompt for i in range(9)]
 
 
+def test_a_procedural_envs_eval_problem_with_no_room_for_a_turn_stops_the_run_before_a_step_naming_the_fix(
+        tmp_path, capsys):
+    """Its eval split is fixed: an eval problem of 170 tokens under --max-len 175 (less 8 leaves 167) played
+    its first turn cut short, at every eval, silently (at 150 it stopped the step-0 eval, and at every eval
+    of a resume). Now the run stops before a step, in one line naming the problem and the --max-len it needs."""
+    out = tmp_path / "run"
+    assert train.main([*python_tool_flags(175), "--steps", "1", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: --task python_tool: the eval problem 'What is the sum of the decimal digits of 485 factorial?' has "
+        "no room for a turn: prompt of 170 tokens after the chat template; --max-len 175 less --max-new-tokens 8 "
+        "leaves 167: raise --max-len to 178")
+    assert not out.exists()
+
+
 class ShortOrLong(ProceduralTask):  # two problems: under seed 1 the eval split holds the short one
     name = "short_or_long"
 
@@ -735,7 +749,8 @@ def test_episode_that_would_pass_max_len_ends_early_and_truncated():
     batch = rollout_multiturn(policy, CountdownEnv, [problem], 1, max_turns=3, max_new_tokens=64, max_len=prompt + 5)
     assert batch.tokens[0, prompt:].tolist() == policy.sampled[-1][0][1].ids[:5]
     assert batch.truncated.tolist() == [True]
-    with pytest.raises(ValueError, match="raise max_len"):
+    # no room at all: a source never draws it (EnvRollouts.too_long names the --max-len it needs)
+    with pytest.raises(ValueError, match=f"^a prompt has {prompt} tokens, not fewer than max_len or context {prompt}$"):
         rollout_multiturn(policy, CountdownEnv, [problem], 1, max_turns=3, max_new_tokens=64, max_len=prompt)
 
 

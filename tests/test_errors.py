@@ -407,13 +407,24 @@ def test_runs_started_in_the_same_second_without_out_each_get_a_directory(capsys
     assert one_line_error(capsys, quick).startswith("error: cannot create the run directory runs/cartpole-")
 
 
-def test_a_start_that_failed_before_logging_a_step_leaves_its_directory_to_the_fixed_command(capsys, tmp_path):
-    """A prompt over --max-len fails at the first eval, after config.yaml is written: the command that
-    the error names (--max-len raised, the same --out) must run there, not be told the run exists."""
+class Unfinished(envs.CountdownEnv):  # a bug in an env, met at the first eval
+    def respond(self, completion):
+        return "no reward"
+
+
+def test_a_start_that_failed_before_logging_a_step_leaves_its_directory_to_the_fixed_command(
+        capsys, tmp_path, monkeypatch):
+    """A start that fails at the first eval (an env's bug), after config.yaml is written: the fixed command
+    (the same --out) must run there, not be told the run exists. A prompt over --max-len, which failed there
+    too, stops before a run directory is made, naming the --max-len its eval problem needs."""
     out = tmp_path / "run"
     quick = ["--task", "countdown_multiturn", "--model", "tiny", "--sft-steps", "0", "--steps", "1", "--batch", "2",
              "--group-size", "2", "--eval-size", "1", "--max-new-tokens", "8", "--max-turns", "1", "--no-progress", "--out", str(out)]
-    assert one_line_error(capsys, quick + ["--max-len", "20"]).endswith("raise max_len (--max-len)")
+    assert re.search(r"has no room for a turn: .* raise --max-len to \d+$", one_line_error(capsys, [*quick, "--max-len", "20"]))
+    assert not out.exists()
+    with monkeypatch.context() as patch:
+        patch.setitem(envs.TEXT_ENVS, "countdown_multiturn", Unfinished)
+        assert one_line_error(capsys, quick).startswith("error: Unfinished.respond returned 'no reward' for the ")
     assert (out / "config.yaml").exists() and (out / "metrics.csv").read_text().count("\n") <= 1  # a header
     assert train.main(quick) == 0
     assert {line.split(",")[0] for line in (out / "metrics.csv").read_text().splitlines()[1:]} == {"0", "1"}

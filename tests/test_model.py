@@ -717,7 +717,8 @@ def test_gpt2_completions_and_episodes_end_where_its_learned_positions_do(gpt2, 
 def test_a_rotary_models_episodes_end_at_its_context_as_an_async_trainers_inbox_expects(tmp_path):
     """Under --max-len 2048 a multi-turn episode of a rotary model ran past its context (315 tokens on a
     300-token tiny Llama), silently, while an async trainer's inbox refused such episodes; a completion too.
-    Now they end at the context, truncated; a prompt that fills it names the context, not --max-len."""
+    Now they end at the context, truncated; an eval problem that fills it stops the source when it is built,
+    naming the context, not --max-len (it stopped the step-0 eval: "a prompt has N tokens, not fewer than ...")."""
     cfg = train.Config(task="countdown_multiturn", algo="grpo", batch=2, group_size=2, eval_size=1,
                        max_new_tokens=40, max_turns=4)  # max_len 2048
     dims = dict(layers=1, hidden=64, heads=1, intermediate=128)
@@ -728,10 +729,11 @@ def test_a_rotary_models_episodes_end_at_its_context_as_an_async_trainers_inbox_
     assert int(episodes.attn.sum(1).max()) == 300 and episodes.truncated.all()
     (single,) = pol.generate([[1] + [5] * 249], 100)  # a single-turn completion ends there too (it ran to 350)
     assert len(single.ids) == 50 and single.truncated or single.ids[-1] in pol.eos_ids
-    short = rollouts.EnvRollouts(cfg, policy(build_tiny_model(str(tmp_path / "64"), max_len=64, **dims)))
-    with pytest.raises(utils.ConfigError, match=r"^a prompt has \d+ tokens, not fewer than the model's 64-token "
-                       r"context; shorten it$"):
-        short.next(0)
+    short = policy(build_tiny_model(str(tmp_path / "64"), max_len=64, **dims))
+    with pytest.raises(utils.ConfigError, match=r"^--task countdown_multiturn: the eval problem '.*' has no room for "
+                       r"a turn: prompt of 2\d\d tokens after the chat template; the model's 64-token context less "
+                       r"--max-new-tokens 40 leaves 24: the prompt alone fills the model's context$"):
+        rollouts.EnvRollouts(cfg, short)
 
 
 def test_a_merged_export_with_gpt2s_tied_embedding_adapted_gives_the_policys_logits(gpt2, tmp_path):
