@@ -240,8 +240,7 @@ def rollout_multiturn(policy, env_factory, problems: list[Problem], group_size: 
     Only the model's tokens have mask 1. An episode whose next turn would pass max_len ends, truncated."""
     eps = [_start(policy, env_factory, p, max_turns) for p in problems for _ in range(group_size)]
     wide = max(map(len, policy.tokenizer.get_vocab()))  # no token covers more characters than its entry has
-    # the model's context ends an episode too: GPT-2's learned positions, and a rotary model's (which ran past
-    # it here, while an async trainer's inbox refused those episodes)
+    # the model's context ends an episode too: GPT-2's positions; a rotary model's (its inbox refused those)
     max_len = min(max_len, policy.context or max_len)
     if (longest := max(len(e.prompt) for e in eps)) >= max_len:  # EnvRollouts draws none (too_long)
         raise utils.ConfigError(f"a prompt has {longest} tokens, not fewer than max_len or context {max_len}")
@@ -509,20 +508,21 @@ class EnvRollouts(TaskRollouts):
         except tasks.RewardError:  # a wrong reset (a ValueError: to the loader a malformed row, every row):
             return None  # the first rollout stops on it, in one line naming the env
         need, context = n + self.cfg.max_new_tokens, self.policy.context or math.inf
+        if n < (limit := min(self.cfg.max_len, context)) and not issubclass(self.env.task, tasks.DatasetTask):
+            return None  # generated: a shorter first turn (refused, sql's longest db left the defaults)
         fix = f"raise --max-len to {need}" if need <= context else f"lower --max-new-tokens to {context - n}"
         fix = fix if n < context else "the prompt alone fills the model's context"
-        return self.overflow(n, min(self.cfg.max_len, context), fix)
+        return self.overflow(n, limit, fix)
 
     def train_problem(self, index: int) -> Problem:
         """A procedural draw too_long refuses is named and redrawn (it stopped the run, on --resume too)."""
         if not (self.policy and isinstance(self.task, tasks.ProceduralTask)):  # a dataset's: refused at load
             return super().train_problem(index)
-        for tries, problem in enumerate(self.task.draws(index)):
+        for tries, problem in zip(range(100), self.task.draws(index)):
             if not (why := self.too_long(problem)):
                 return problem
-            if tries == 99:
-                raise utils.ConfigError(f"100 draws in a row have no room for a turn, the last a {why}")
             utils.stderr(f"warning: training problem {index} draw {tries + 1} {problem.key!r} redrawn: {why}")
+        raise utils.ConfigError(f"100 draws in a row have no room for a turn, the last a {why}")
 
     def prompt_ids(self, problem: Problem) -> list[int]:  # the env's reset messages, which may reword it
         return _start(self.policy, self.env, problem, self.cfg.max_turns).prompt
