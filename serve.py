@@ -179,7 +179,7 @@ class Inbox:
         N, L = t["tokens"].shape
         if L == 0:
             return "rows need at least one token"
-        if L > self.max_len or N > self.capacity * k:
+        if L > self.max_len or N > self.capacity * k:  # more groups than the queue holds would never fit
             return f"{N} rows of {L} tokens; at most {self.capacity} groups of {k} rows, {self.max_len} long"
         for n, x in t.items():
             dims, dtype = WIRE.get(n, (1, torch.float32))
@@ -227,9 +227,8 @@ class Inbox:
             texts = meta.get("texts") or [["", "", ""]] * len(tensors["tokens"])
             rows = [(tensors["group"] == g).nonzero()[:, 0] for g in tensors["group"].unique()]  # [k] each
             groups = [({n: x[r] for n, x in tensors.items()}, [texts[i] for i in r.tolist()]) for r in rows]
-            # waits up to LONG_POLL for room (a POST holds <= capacity groups); told to retry, a worker idles
             room = lambda: self.finished or len(self.queue) + len(groups) <= self.capacity
-            if not self.cond.wait_for(room, timeout=LONG_POLL):
+            if not self.cond.wait_for(room, timeout=0 if req.crowded else LONG_POLL):  # crowded: as /adapter
                 return 429, {"error": f"queue full ({len(self.queue)} groups); retry shortly"}
             if self.finished:
                 return FINISHED
@@ -498,10 +497,12 @@ def post(client: Client, path: str, body: bytes, gone) -> tuple[int, bytearray] 
     """POSTs until the trainer answers (429 and 503 mean: again shortly), or None once gone() says to stop.
     A batch whose reply was lost may have landed: its copy is safe to send, as the inbox takes a seq once."""
     while not gone():
+        start = time.monotonic()
         with contextlib.suppress(ServeError):  # trainer unreachable: gone() says when that is final
             if (answer := client.post(path, body))[0] not in (429, 503):
                 return answer
-        time.sleep(0.3)
+        # tries ~LONG_POLL apart, jittered: at once after a held 429 (full queue), 1-3 s after a quick refusal
+        time.sleep(random.uniform(0.5, 1.5) * max(0.0, start + LONG_POLL - time.monotonic()))
     return None
 
 
@@ -579,11 +580,10 @@ def run_worker(cfg) -> int:
             batch = source.next(sampler.version)  # --debug-samples: the trainer prints these rows' texts
             meta = {"worker": me, "run": sampler.run, "seq": seq, "apply_s": sampler.apply_s,
                     "texts": batch.texts, "metrics": source.last}
-            if (answer := post(client, "/batch", encode(batch.wire(), meta), fetcher.done.is_set)) is None:
+            answer = post(client, "/batch", encode(batch.wire(), meta), fetcher.done.is_set)
+            if answer is None or answer[0] == 410:  # told to stop, or the run is over (410)
                 break
-            if answer[0] == 410:
-                fetcher.done.set()
-            elif answer[0] == 200:
+            if answer[0] == 200:
                 refused = 0
             elif (refused := refused + (answer[0] not in (409, OTHER_RUN))) < REFUSALS:  # see REFUSALS
                 utils.stderr(f"worker {me}: batch refused ({answer[0]}): {bytes(answer[1][:300])!r}")

@@ -792,3 +792,46 @@ def test_a_hundred_workers_polling_leave_hello_and_batch_served_and_each_gets_th
             f.done.set()
         for f in fetchers:
             f.join(10)
+
+
+def test_a_hundred_workers_posting_into_a_full_queue_leave_hello_served_and_each_batch_lands(inbox,
+                                                                                               monkeypatch):
+    """A POST /batch waiting for room holds a connection for LONG_POLL, and serve.post sent it again 0.3 s
+    after the 429: about MAX_CONNS workers ahead of a slow trainer filled the server's cap, and /hello was
+    refused."""
+    monkeypatch.setattr(serve, "LONG_POLL", 1.0)  # a shorter test: posts held half as long, as many held
+    assert post(inbox, forge(groups=2), worker=-1)[0] == 200  # the queue's capacity: full until a step takes
+    url, token, stop, answers = inbox.server.url, inbox.server.token, threading.Event(), {}
+
+    def worker():  # run_worker's calls: /hello, then POST /batch until an answer other than 429 or 503
+        me = transport.Client(url, token, retries=1)
+        w, run = serve.hello(me, inbox.cfg)
+        body = encode(forge(), {"worker": w, "run": run, "seq": 0})
+        answers[w] = serve.post(me, "/batch", body, stop.is_set)
+    workers = [threading.Thread(target=worker, daemon=True) for _ in range(100)]
+    for t in workers:
+        t.start()
+    try:
+        time.sleep(2.0)  # every worker past its /hello, posting into the full queue
+        client, statuses, ids = transport.Client(url, token, retries=1), [], []
+        for _ in range(10):
+            time.sleep(0.2)  # spread over 2 holds' time: posts held together end together, freeing the cap
+            try:
+                status, reply = client.post("/hello", encode_hello(inbox))
+            except transport.ServeError:  # closed unanswered: the server held its cap of connections
+                status, reply = "refused", b"{}"
+            statuses.append(status)
+            ids += [json.loads(reply)["worker"]] if status == 200 else []
+        assert statuses == [200] * 10 and len(set(ids)) == 10 and inbox.counts["groups_received"] == 2
+        trainer = threading.Thread(target=lambda: [inbox.take(0, {0}) for _ in range(51)], daemon=True)
+        trainer.start()  # 51 steps of 2 groups: the 2 queued first, then every worker's one
+        trainer.join(60)  # a hang guard, not a timing assertion
+        for t in workers:
+            t.join(10)  # each has its reply
+        # each worker's batch landed once: a copy sent again after a lost reply is answered 200, not queued
+        assert not trainer.is_alive() and inbox.counts["groups_received"] == 102 and not inbox.queue
+        assert len(answers) == 100 and {a[0] for a in answers.values()} == {200}
+    finally:
+        stop.set()
+        for t in workers:
+            t.join(10)

@@ -122,6 +122,7 @@ def test_a_worker_whose_adapter_polls_keep_failing_says_why_once_and_leaves_afte
 def test_a_post_answered_429_or_503_is_sent_again_until_the_trainer_answers(monkeypatch):
     """429 (the queue is full) and 503 (the trainer loads its checkpoint) mean "again shortly": the
     batch is not dropped as refused. Once gone() says the run is over, post gives up (None)."""
+    monkeypatch.setattr(serve, "LONG_POLL", 0.1)  # a refusal at once is sent again in 0.05-0.15 s, not 1-3 s
     token = "worker-test-token-0123456789"
     monkeypatch.setenv("NANORL_TOKEN", token)
     answers = [429, 503, 429, 200]
