@@ -48,7 +48,8 @@ def parse_score(text: str, high: int) -> float | None:
     number ("7", "7/10", "7.5."). In "N/D", D must equal high; outside [0, high] is garbage, never clipped."""
     found, bare = _SCORE.findall(text), _BARE.fullmatch(text)
     value, den = found[-1] if found else bare.groups() if bare else (None, None)
-    if value is None or (den and int(den) != high) or not 0 <= float(value) <= high:
+    # float(den), not int(): int() refuses a D of over 4,300 digits, and its ValueError would end the run
+    if value is None or (den and float(den) != high) or not 0 <= float(value) <= high:
         return None
     return float(value) / high
 

@@ -32,6 +32,7 @@ def test_parse_score_reads_the_last_score_and_scales_it(reply, score):
 @pytest.mark.parametrize("reply", [
     "", "I cannot grade this.", "Score: 11", "Score: -1", "12", "Score: 7/5",  # 7/5 is not on the 0-10 scale
     "7 and 8", "The response is good", "Score: high", "It fails to underscore 9 points.",  # that read as 0.9
+    "Score: 7/" + "1" * 5000,  # int() refuses 4,300+ digits: its ValueError escaped ask(), killing the run
 ])
 def test_parse_score_refuses_garbage_and_out_of_range_scores(reply):
     assert parse_score(reply, 10) is None
