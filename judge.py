@@ -5,12 +5,14 @@ that is down or answers garbage never becomes a reward (a silent 0 would train t
 whatever makes it fail): the call raises JudgeUnavailable, and `--judge-down` fails or drops."""
 import http.client
 import io
+import ipaddress
 import json
 import os
 import re
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import warnings
 from concurrent.futures import Future
@@ -52,6 +54,14 @@ def parse_score(text: str, high: int) -> float | None:
     if value is None or (den and float(den) != high) or not 0 <= float(value) <= high:
         return None
     return float(value) / high
+
+
+def _loopback(host: str | None) -> bool:
+    """Whether `host` is this machine's loopback, by name or address: plain http to it crosses no network."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host or "").is_loopback
+    except ValueError:  # a name other than localhost
+        return False
 
 
 class _Unfollowed(urllib.request.HTTPRedirectHandler):
@@ -147,6 +157,12 @@ class Judge:
         if (key := os.environ.get(self.key_env)) and not re.fullmatch(r"[!-~]+", key):  # never shown
             raise JudgeUnavailable(f"${self.key_env} holds a character an HTTP header cannot carry (a line "
                                    "end, a space, non-ASCII): set it to the key alone", "key", self.said)
+        url = urllib.parse.urlsplit(self.url)
+        if key and url.scheme != "https" and not (url.scheme == "http" and _loopback(url.hostname)):
+            raise JudgeUnavailable(f"judge {self.url} is neither https:// nor on this machine: "
+                                   f"${self.key_env} would cross the network unencrypted; make the endpoint "
+                                   "https://, or serve the judge here (http://localhost, 127.0.0.1 or [::1])",
+                                   "unencrypted", self.said)
         headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
         request = urllib.request.Request(self.url, json.dumps(body).encode(), headers)
         fix = f"check that it is up, serves {self.model!r} and (if it needs a key) ${self.key_env} holds it"

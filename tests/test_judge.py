@@ -81,13 +81,18 @@ class FakeJudge(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def server():
-    s = ThreadingHTTPServer(("127.0.0.1", 0), FakeJudge)
+def fake_judge(host: str = "127.0.0.1") -> ThreadingHTTPServer:
+    s = ThreadingHTTPServer((host, 0), FakeJudge)
     s.lock, s.requests, s.fail, s.status, s.reply, s.delay = threading.Lock(), [], 0, 503, "Score: 6", 0.0
     s.in_flight = s.peak = 0
     threading.Thread(target=s.serve_forever, daemon=True).start()
-    s.url = f"http://127.0.0.1:{s.server_port}/v1"
+    s.url = f"http://{host}:{s.server_port}/v1"
+    return s
+
+
+@pytest.fixture
+def server():
+    s = fake_judge()
     yield s
     s.shutdown()
     s.server_close()
@@ -105,6 +110,35 @@ def test_request_carries_rubric_prompt_completion_and_key_from_env(server, monke
     assert "Grade politeness." in body["messages"][0]["content"]
     assert "Say hi" in body["messages"][1]["content"] and "Hello!" in body["messages"][1]["content"]
     assert headers["Authorization"] == "Bearer sekrit"
+
+
+def this_machines_address() -> str:
+    """An address of this machine other than loopback: the one its route out leaves from."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # UDP: nothing is sent, the kernel only picks the route
+        except OSError:
+            pytest.skip("this machine has no network interface but loopback")
+        return s.getsockname()[0]
+
+
+def test_the_key_goes_over_plain_http_to_loopback_only(server, monkeypatch):
+    """A key was sent in clear text to any http:// endpoint, across whatever network lay between."""
+    far = fake_judge(this_machines_address())  # a judge on this machine, reached as another machine is
+    try:
+        assert Judge("r", far.url, "m")("p", "c", "") == 0.6  # without a key, plain http holds nothing secret
+        monkeypatch.setenv("NANORL_JUDGE_KEY", "sekrit")
+        with pytest.raises(JudgeUnavailable) as e:
+            Judge("r", far.url, "m", retries=3, backoff=10.0)("p", "c2", "")
+        assert e.value.args[0] == (f"judge {far.url}/chat/completions is neither https:// nor on this machine: "
+                                   "$NANORL_JUDGE_KEY would cross the network unencrypted; make the endpoint "
+                                   "https://, or serve the judge here (http://localhost, 127.0.0.1 or [::1])")
+        assert len(far.requests) == 1  # the keyless one: the key never left
+    finally:
+        far.shutdown()
+        far.server_close()
+    local = f"http://localhost:{server.server_port}/v1"  # loopback by name: plain http stays on this machine
+    assert Judge("r", local, "m")("p", "c", "") == 0.6 and server.requests[0][2]["Authorization"] == "Bearer sekrit"
 
 
 def test_no_key_no_authorization_header(server, monkeypatch):
