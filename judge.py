@@ -113,6 +113,7 @@ class _HTTPS(urllib.request.HTTPSHandler):
 
 
 _OPENER = urllib.request.build_opener(_Unfollowed, _HTTP, _HTTPS)
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}), _Unfollowed, _HTTP, _HTTPS)  # no proxy
 
 
 class Judge:
@@ -158,7 +159,8 @@ class Judge:
             raise JudgeUnavailable(f"${self.key_env} holds a character an HTTP header cannot carry (a line "
                                    "end, a space, non-ASCII): set it to the key alone", "key", self.said)
         url = urllib.parse.urlsplit(self.url)
-        if key and url.scheme != "https" and not (url.scheme == "http" and _loopback(url.hostname)):
+        here = _loopback(url.hostname)  # asked directly: a proxy ($http_proxy) would take it, key and all
+        if key and url.scheme != "https" and not (url.scheme == "http" and here):
             raise JudgeUnavailable(f"judge {self.url} is neither https:// nor on this machine: "
                                    f"${self.key_env} would cross the network unencrypted; make the endpoint "
                                    "https://, or serve the judge here (http://localhost, 127.0.0.1 or [::1])",
@@ -169,7 +171,7 @@ class Judge:
         for attempt in range(self.retries + 1):
             time.sleep(self.backoff * 2 ** (attempt - 1) if attempt else 0)
             try:
-                with self.slots, _OPENER.open(request, timeout=self.timeout) as r:
+                with self.slots, (_DIRECT if here else _OPENER).open(request, timeout=self.timeout) as r:
                     data = r.read(REPLY_BYTES + 1)
                 if len(data) > REPLY_BYTES:
                     raise ValueError(f"a reply over {REPLY_BYTES} bytes")

@@ -3,10 +3,12 @@ chat-completions endpoint would, fails on purpose, or answers garbage."""
 import io
 import json
 import math
+import os
 import re
 import socket
 import ssl
 import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -139,6 +141,24 @@ def test_the_key_goes_over_plain_http_to_loopback_only(server, monkeypatch):
         far.server_close()
     local = f"http://localhost:{server.server_port}/v1"  # loopback by name: plain http stays on this machine
     assert Judge("r", local, "m")("p", "c", "") == 0.6 and server.requests[0][2]["Authorization"] == "Bearer sekrit"
+
+
+def test_a_loopback_judge_is_asked_directly_never_through_the_environments_proxy(server):
+    """Under $http_proxy (a cluster's), a request to a judge on 127.0.0.1 went to the proxy, the key in clear
+    text, and the proxy's answer (from its own loopback, or whatever it liked) was the score."""
+    proxy = fake_judge()
+    proxy.reply = "Score: 1"
+    env = {k: v for k, v in os.environ.items() if k.lower() not in ("no_proxy", "http_proxy", "all_proxy")}
+    env.update(http_proxy=proxy.url.removesuffix("/v1"), NANORL_JUDGE_KEY="sekrit",
+               PYTHONPATH=os.path.dirname(judge_module.__file__))  # a fresh process: urllib reads proxies at import
+    try:
+        out = subprocess.run([sys.executable, "-c", f"from judge import Judge\nprint(Judge('r', {server.url!r}, 'm', "
+                              "retries=0)('p', 'c', ''))"], env=env, capture_output=True, text=True, timeout=60)
+        assert (out.stdout, proxy.requests) == ("0.6\n", [])  # the judge's "Score: 6"; the proxy never asked
+        assert server.requests[0][2]["Authorization"] == "Bearer sekrit"
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
 
 
 def test_no_key_no_authorization_header(server, monkeypatch):
