@@ -193,5 +193,8 @@ class Judge:
                 kind, cause = "no score", f"no score in its reply {reply!r:.60}"
                 fix = "constrain its reply (Judge's `extra`)"
                 break  # at temperature 0, asking again gets the same reply
+        # the server's text (a status line, a Location) as one short line: without the line ends, or the
+        # escapes for the user's terminal, it may hold
+        cause = "".join(c if c.isprintable() else " " for c in cause)[:300]
         raise JudgeUnavailable(f"judge {self.url} gave no score after {attempt + 1} tries ({cause}); {fix}",
                                kind, self.said)

@@ -628,14 +628,18 @@ def http_reply(body: bytes, headers: bytes = b"") -> bytes:
     (http_reply(b"{}", b"".join(b"X-%d: 1\r\n" % i for i in range(120))), "more than 100 headers"),
     (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n100\r\nabc", "IncompleteRead"),  # cut mid-chunk
     (http_reply(b"[" * 100_000), "RecursionError"),  # JSON nested past Python's recursion limit
+    (b"X" * 60_000 + b"\r\n\r\n", "BadStatusLine: XXX"),  # was 60,000 characters in the error and each warning
+    (b"HTTP/1.1 503 Busy\x1b[2J\x1b[31m\r\nContent-Length: 0\r\n\r\n", "HTTP 503 Busy"),  # a terminal's escapes
 ])
 def test_a_reply_that_is_no_http_or_no_json_is_a_judge_without_a_score_not_a_crash(reply, cause):
     """Each raised its own exception (http.client's, RecursionError) through the run: a traceback under
-    --judge-down fail, and a dead run under drop, which catches JudgeUnavailable."""
+    --judge-down fail, and a dead run under drop, which catches JudgeUnavailable. What the server sent is
+    shown as one short printable line: "HELLO THERE\r\n" broke the run's one-line error in two."""
     listener = raw_server(reply)
     url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
-    with pytest.raises(JudgeUnavailable, match=rf"after 2 tries \(.*{cause}"):
+    with pytest.raises(JudgeUnavailable, match=rf"after 2 tries \(.*{cause}") as e:
         Judge("r", url, "m", timeout=5.0, retries=1, backoff=0.01)("p", "c", "")
+    assert str(e.value).isprintable() and len(str(e.value)) < 600  # no line end, escape or control character
     listener.close()
 
 
