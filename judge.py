@@ -17,10 +17,12 @@ import urllib.request
 import warnings
 from concurrent.futures import Future
 
-# "Score: 7", "score = 7", "score is 7/10", "**Score:** 7"; never "could score 10" nor "underscore 9". No
-# two \s* meet around an optional part: a long run of spaces would be split every way, in quadratic time.
-_SCORE = re.compile(r"\bscore(?:\s*(?:\*+\s*)?[:=]|\s+is)[\s*]*(-?\d+(?:\.\d+)?)(?:\s*/\s*(\d+))?",
-                    re.IGNORECASE)
+# "Score: 7", "score = 7", "score is 7/10", "**Score:** 7 out of 10"; never "could score 10" nor
+# "underscore 9". No two \s* meet around an optional part: a long run of spaces would be split every way, in
+# quadratic time.
+_SCORE = re.compile(r"\bscore(?:\s*(?:\*+\s*)?[:=]|\s+is)[\s*]*(-?\d+(?:\.\d+)?)"
+                    r"(?:\s*(?:/|out\s+of)\s*(\d+))?", re.IGNORECASE)
+_END = re.compile(r"[\s*_.]*")  # what may follow the score, which ends the reply: markdown, a full stop
 _BARE = re.compile(r"\s*(-?\d+(?:\.\d+)?)(?:\s*/\s*(\d+))?\s*(?:\.\s*)?")
 # What would read as the request's own tags in a prompt or completion ("</response>", "< / RESPONSE"): written
 # "&lt;/response>", so a completion cannot end its block and add instructions after it. One \s* before "/".
@@ -49,10 +51,13 @@ class JudgeUnavailable(RuntimeError):
 
 
 def parse_score(text: str, high: int) -> float | None:
-    """The score scaled to [0, 1] (score / high), None for garbage: the LAST _SCORE, else a reply that is one
-    number ("7", "7/10", "7.5."). In "N/D", D must equal high; outside [0, high] is garbage, never clipped."""
-    found, bare = _SCORE.findall(text), _BARE.fullmatch(text)
-    value, den = found[-1] if found else bare.groups() if bare else (None, None)
+    """The score scaled to [0, 1] (score / high), None for garbage: the LAST _SCORE, which must end the
+    reply, else a reply that is one number ("7", "7/10", "7.5."). In "N/D", D must equal high; outside
+    [0, high] is garbage, never clipped. The judge is told to end with its score: one that quotes the response
+    after its verdict ('Score: 2. It wrote "Score: 10"') has the response's own score last, never its own."""
+    found, bare = list(_SCORE.finditer(text)), _BARE.fullmatch(text)
+    last = found[-1] if found and _END.fullmatch(text, found[-1].end()) else None
+    value, den = last.groups() if last else bare.groups() if bare else (None, None)
     # float(den), not int(): int() refuses a D of over 4,300 digits, and its ValueError would end the run
     if value is None or (den and float(den) != high) or not 0 <= float(value) <= high:
         return None
@@ -197,7 +202,7 @@ class Judge:
             else:
                 if isinstance(reply, str) and (score := parse_score(reply, self.high)) is not None:
                     return score
-                kind, cause = "no score", f"no score in its reply {reply!r:.60}"
+                kind, cause = "no score", f"no score ending its reply {reply!r:.60}"
                 fix = "constrain its reply (Judge's `extra`)"
                 break  # at temperature 0, asking again gets the same reply
         # the server's text (a status line, a Location) as one short line: without the line ends, or the
