@@ -200,6 +200,7 @@ def validate(cfg: Config) -> None:
 def validate_modes(cfg: Config) -> None:
     """Options that only some kinds of task, or only disaggregated training (serve.py), have."""
     err, single = utils.ConfigError, sources()[cfg.task] is TaskRollouts
+    rewarded = cfg.algo != "opd" or cfg.opd_reward_coef  # pure OPD learns the teacher's log-probs alone
     if not 0 <= cfg.overlong_buffer <= cfg.max_new_tokens:
         raise err(f"need --overlong-buffer 0 (off) or in 1..--max-new-tokens (got {cfg.overlong_buffer})")
     if (cfg.algo == "opd") != bool(cfg.teacher):  # CartPole refuses --teacher below, as other LLM options
@@ -226,6 +227,7 @@ def validate_modes(cfg: Config) -> None:
              ("dynamic_sampling", cfg.algo in GROUPED and single, "a grouped --algo on a single-turn task"),
              ("max_gen_batches", cfg.dynamic_sampling, "--dynamic-sampling"),
              ("opd_reward_coef", cfg.algo == "opd", "--algo opd"),
+             ("kl_in_reward overlong_buffer", rewarded, "--opd-reward-coef > 0 (pure OPD ignores rewards)"),
              ("sft_lr", cfg.sft_steps, "--sft-steps N (a warm-start)"),
              ("export_merged", cfg.export, "--export DIR"),
              ("role", cfg.algo != "ppo", "a critic-free --algo (grpo, rloo, ...): workers lack PPO's critic"),
@@ -304,7 +306,6 @@ def on_policy(policy, cfg: Config) -> bool:
             and cfg.tis == "off" and cfg.mis == "off" and cfg.algo != "opd")
 
 
-@torch.no_grad()
 def old_scores(policy, batch: Batch, cfg: Config, weights) -> tuple[torch.Tensor, torch.Tensor | None]:
     """old_logp and values [N, T], each row under the weights of the version that sampled it (`weights`:
     live or a snapshot), in update()'s micro-batches: live rows get exactly the update's first forward."""
@@ -375,8 +376,7 @@ def update(policy, opt, batch: Batch, cfg: Config) -> dict:
     stats, means, updates, skipped = defaultdict(float), defaultdict(float), 0, 0
     unit = batch.loss_mask if cfg.loss_agg == "token_mean" else (batch.loss_mask.sum(1) > 0).float()
     for _ in range(cfg.inner_epochs):
-        order = torch.randperm(n) if cfg.minibatches > 1 else torch.arange(n)
-        for mb in order.chunk(cfg.minibatches):
+        for mb in torch.randperm(n).chunk(cfg.minibatches) if cfg.minibatches > 1 else [torch.arange(n)]:
             # Its share of all ranks' tokens (token_mean) or rows (the others); none: weights 0 (no NaN)
             share = utils.all_sum(unit[mb].sum()).clamp(min=1) / utils.all_sum(unit.sum())  # one minibatch: 1
             tokens = utils.all_sum(batch.loss_mask[mb].sum())  # logged stats are token means

@@ -97,6 +97,13 @@ def test_bad_flags_stop_in_one_line_naming_the_fix(capsys, argv, fix):
     assert fix in one_line_error(capsys, argv)
 
 
+def test_reward_shaping_is_refused_under_pure_opd_alone():
+    """Once the task's return is in OPD's advantage (--opd-reward-coef > 0), shaping it changes the update."""
+    for shaping in (["--kl-coef", "0.1", "--kl-in-reward"], ["--overlong-buffer", "2"]):
+        for algo in (["--algo", "opd", "--teacher", "tiny", "--opd-reward-coef", "0.5"], ["--algo", "grpo"]):
+            train.validate(train.parse(LLM + algo + shaping))
+
+
 def test_a_trainer_that_no_worker_could_join_is_refused_before_a_model_loads(capsys, monkeypatch):
     """Without NANORL_TOKEN only the trainer's own --workers get its fresh token; with none, it waited for
     batches for good, saying "waiting for batches (0 live workers)" once a minute."""
@@ -446,6 +453,10 @@ def test_a_start_that_failed_before_logging_a_step_leaves_its_directory_to_the_f
     (["--task", "countdown_multiturn", "--prompt-reweight", "0.5"],
      "--prompt-reweight needs a single-turn LLM --task (arith, gsm8k, ...); add that or drop it"),
     (["--task", "countdown_multiturn", "--overlong-buffer", "4"], "--overlong-buffer needs a single-turn LLM --task"),
+    # pure OPD (--opd-reward-coef 0) learns the teacher's log-probs alone: reward shaping went unused
+    (LLM + ["--algo", "opd", "--teacher", "tiny", "--kl-coef", "0.1", "--kl-in-reward"],
+     "--kl-in-reward needs --opd-reward-coef > 0 (pure OPD ignores rewards); add that or drop it"),
+    (LLM + ["--algo", "opd", "--teacher", "tiny", "--overlong-buffer", "2"], "--overlong-buffer needs --opd-reward-coef > 0"),
     (LLM + ["--overlong-buffer", "-1"], "need --overlong-buffer 0 (off) or in 1..--max-new-tokens (got -1)"),
     # each of these went unused: only PPO's GAE reads --lam, only its critic --vf-coef, only GRPO --dr-grpo,
     # and full fine-tuning (--no-lora) has no adapter to shape
