@@ -229,7 +229,7 @@ def validate_modes(cfg: Config) -> None:
              ("opd_reward_coef", cfg.algo == "opd", "--algo opd"),
              ("kl_in_reward overlong_buffer", rewarded, "--opd-reward-coef > 0 (pure OPD ignores rewards)"),
              ("sft_lr", cfg.sft_steps, "--sft-steps N (a warm-start)"),
-             ("export_merged", cfg.export, "--export DIR"),
+             ("export_merged", cfg.export and cfg.lora, "--export DIR and --lora (an adapter to merge)"),
              ("role", cfg.algo != "ppo", "a critic-free --algo (grpo, rloo, ...): workers lack PPO's critic"),
              ("workers", cfg.role == "trainer", "--role trainer"),
              ("trainer_url max_staleness worker_patience", cfg.role != "sync", "--role trainer or rollout"),

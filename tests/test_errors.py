@@ -480,6 +480,15 @@ def test_more_bad_flags_stop_in_one_line_naming_the_fix(capsys, tmp_path, argv, 
     assert not (tmp_path / "r").exists()  # refused before the run directory is made
 
 
+def test_export_merged_of_a_full_fine_tuning_run_is_refused_before_training(capsys, tmp_path):
+    """--no-lora trains every weight, so --export writes the whole model either way: --export-merged went unused."""
+    argv = [*LLM, "--no-lora", "--export", str(tmp_path / "model"), "--export-merged", "--steps", "0", "--eval-size", "1",
+            "--out", str(tmp_path / "r")]
+    assert one_line_error(capsys, argv) == ("error: --export-merged needs --export DIR and --lora (an adapter to merge); "
+                                            "add that or drop it")
+    assert not (tmp_path / "model").exists() and not (tmp_path / "r").exists()
+
+
 def test_eval_only_under_torchrun_is_refused_in_one_line(capsys, monkeypatch):
     monkeypatch.setattr(utils, "world", lambda: 2)  # as in a torchrun rank, once the process group is up
     err = one_line_error(capsys, ["--eval-only", "--no-progress"])
