@@ -215,7 +215,7 @@ def validate_modes(cfg: Config) -> None:
                       "pick another --task")
     if why := tasks.data_problem(cfg.task, cfg.data, cfg.bad_rows, TEXT_ENVS.get(cfg.task)):
         raise err(f"--task {cfg.task}: {why}")  # here, before a model loads (minutes)
-    tunes = (("prompt_reweight overlong_buffer", single, "a single-turn LLM --task (arith, gsm8k, ...)"),
+    tunes = (("prompt_reweight overlong_buffer judge_down", single, "a single-turn --task (arith, gsm8k)"),
              ("kl_estimator kl_in_reward", cfg.kl_coef, "--kl-coef > 0 (e.g. 0.01)"),
              ("tis_cap", cfg.tis != "off", "--tis token or sequence"),
              ("mis_low mis_high", cfg.mis != "off", "--mis token or sequence"),

@@ -451,8 +451,10 @@ def test_a_start_that_failed_before_logging_a_step_leaves_its_directory_to_the_f
     (LLM + ["--prompt-reweight", "1.5"], "need 0 <= --prompt-reweight <= 1 (got 1.5)"),
     (LLM + ["--prompt-reweight", "-0.1"], "need 0 <= --prompt-reweight <= 1 (got -0.1)"),
     (["--task", "countdown_multiturn", "--prompt-reweight", "0.5"],
-     "--prompt-reweight needs a single-turn LLM --task (arith, gsm8k, ...); add that or drop it"),
-    (["--task", "countdown_multiturn", "--overlong-buffer", "4"], "--overlong-buffer needs a single-turn LLM --task"),
+     "--prompt-reweight needs a single-turn --task (arith, gsm8k); add that or drop it"),
+    (["--task", "countdown_multiturn", "--overlong-buffer", "4"], "--overlong-buffer needs a single-turn --task"),
+    # a multi-turn env scores with its task's first reward itself: a judge's failure there never drops a group
+    (["--task", "countdown_multiturn", "--sft-steps", "0", "--judge-down", "drop"], "--judge-down needs a single-turn --task"),
     # pure OPD (--opd-reward-coef 0) learns the teacher's log-probs alone: reward shaping went unused
     (LLM + ["--algo", "opd", "--teacher", "tiny", "--kl-coef", "0.1", "--kl-in-reward"],
      "--kl-in-reward needs --opd-reward-coef > 0 (pure OPD ignores rewards); add that or drop it"),
