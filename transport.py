@@ -123,7 +123,11 @@ class _Handler(BaseHTTPRequestHandler):
             return self.send_error(400, f"malformed Content-Length {length[:40]!r}; expected an integer >= 0")
         if (n := int(length)) > srv.max_body:
             return self.send_error(413, f"body of {n} bytes exceeds the server limit of {srv.max_body} bytes")
-        srv.admit(self.request, base := time.monotonic() + BODY_S)
+        # Evicted after its headers came (as the oldest not yet admitted): its client hears nothing and may
+        # send it again (a /batch's copy, a /hello), so it must not run.
+        if not srv.admit(self.request, base := time.monotonic() + BODY_S):
+            self.close_connection = True
+            return
         body = bytearray()  # filled as the bytes arrive, each chunk held against the server's budget first
         try:
             while len(body) < n and (chunk := self.rfile.read1(min(n - len(body), 1 << 20))):
@@ -194,11 +198,13 @@ class Server(socketserver.ThreadingTCPServer):
         with self.lock:
             self.conns.pop(request, None)
 
-    def admit(self, request, deadline: float):
-        """An authenticated request has until `deadline` (monotonic) to send its body and read the reply."""
+    def admit(self, request, deadline: float) -> bool:
+        """An authenticated request has until `deadline` (monotonic) to send its body and read the reply;
+        False if its connection was already dropped (evicted, or past its deadline)."""
         with self.lock:
-            if request in self.conns:  # not already evicted
+            if request in self.conns:
                 self.conns[request] = (deadline, True)
+            return request in self.conns
 
     def hold(self, n: int) -> bool:
         """Accounts n more (or, negative, fewer) bytes of request bodies; False past max_body in all."""

@@ -744,6 +744,44 @@ def test_at_the_cap_with_every_connection_admitted_a_new_one_is_refused_and_coun
                 s.close()
 
 
+def test_a_request_evicted_after_its_headers_came_but_before_it_was_admitted_never_runs(monkeypatch):
+    """The eviction takes the oldest connection not yet admitted, which may be one whose headers were just
+    read: its route ran, its reply was lost, and the client's resend found the work done (a /hello's id
+    wasted, a /batch answered "duplicate"). Here its handler is held at the token check, past its headers."""
+    monkeypatch.setattr(transport, "MAX_CONNS", 2)
+    ran, held, go, check = [], threading.Event(), threading.Event(), transport.secrets.compare_digest
+
+    def gate(a, b):  # the first request's handler waits here until the test lets it go on
+        if not held.is_set():
+            held.handler = threading.current_thread()
+            held.set()
+            go.wait(10)
+        return check(a, b)
+
+    monkeypatch.setattr(transport.secrets, "compare_digest", gate)
+    with Server({("POST", "/hello"): lambda req: (200, ran.append(req.query["who"]))}, token=TOKEN) as srv:
+        u, hello = urlsplit(srv.url), lambda who: post_head("0", path=f"/hello?who={who}")
+        with contextlib.ExitStack() as stack:
+            connect = lambda: stack.enter_context(socket.create_connection((u.hostname, u.port), timeout=10))
+            (first := connect()).sendall(hello("first"))
+            assert held.wait(10)  # its headers are read, it is not admitted
+            connect()  # an idle one: the cap is full
+            late = connect()
+            for _ in range(500):  # the third connection at a cap of 2 evicts the oldest unadmitted: first
+                if srv.counts["connections_evicted"]:
+                    break
+                time.sleep(0.01)
+            go.set()
+            held.handler.join(10)
+            assert first.recv(100) == b"" and srv.counts["connections_evicted"] == 1
+            assert ran == []  # unanswered, so never run: its client may send it again
+            late.sendall(hello("late"))
+            reply = b""
+            while chunk := late.recv(65536):
+                reply += chunk
+            assert reply.startswith(b"HTTP/1.0 200 ") and ran == ["late"]
+
+
 def test_headers_and_bodies_have_overall_deadlines(server, monkeypatch):
     monkeypatch.setattr(transport, "HEADER_S", 0.5)
     monkeypatch.setattr(transport, "BODY_S", 0.5)
