@@ -55,6 +55,8 @@ def resolve_model(name: str) -> str:
     if (local / "config.yaml").is_file() and not (local / "config.json").is_file():  # e.g. a teacher's run
         raise utils.ConfigError(f"--model {name}: a run directory, not a model; --resume {name} --eval-only "
                                 "--export DIR --export-merged writes one that --model loads")
+    if local.is_dir() and not (local / "config.json").is_file():  # transformers: "should have a model_type"
+        raise utils.ConfigError(f"--model {name}: no config.json in it, so no model; {LOAD_HINT}")
     if local.is_dir():
         name = str(local)
     elif local.is_file():  # not a GGUF (above): one of a model's files, say its weights

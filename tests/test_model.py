@@ -146,7 +146,7 @@ def test_a_build_killed_mid_write_is_swept_by_the_next_and_a_live_one_is_waited_
 def test_bad_model_id_fails_at_start_up_naming_the_fix(tmp_path):
     with pytest.raises(utils.ConfigError, match="no such directory; check the model id, or pass a local directory"):
         LLMPolicy(train.Config(model="./no-such-model"))
-    with pytest.raises(utils.ConfigError, match=r"--model .*: cannot load it \(.*\); check the model id"):
+    with pytest.raises(utils.ConfigError, match=r"--model .*: no config.json in it, so no model; check the"):
         resolve_model(str(tmp_path))  # a directory, but no config.json inside
     with pytest.raises(utils.ConfigError, match="^--model is empty; name one: tiny, smollm2-135m"):
         resolve_model("")  # it was the working directory

@@ -119,6 +119,19 @@ def test_a_gguf_is_known_by_its_content_and_a_directory_of_them_names_the_file(c
     assert one_line_error(str(weights)).startswith(f"--model {weights}: a file, not a model directory or .gguf")
 
 
+def test_a_model_directory_without_config_json_says_so(converted, tmp_path):
+    """A copy of the model that lost its config.json said "Unrecognized model in DIR. Should have a
+    `model_type` key in its config.json": a key of a file that is not there."""
+    lost = tmp_path / "lost"
+    lost.mkdir()
+    for f in Path(converted).iterdir():
+        if f.name != "config.json":
+            (lost / f.name).symlink_to(f)
+    assert one_line_error(str(lost)) == (f"--model {lost}: no config.json in it, so no model; check the "
+                                         "model id, or pass a local directory holding config.json, weights "
+                                         "and tokenizer files")
+
+
 def test_a_gguf_tensor_type_without_a_dequantiser_is_one_line(tmp_path, monkeypatch):
     """SmolLM2's file with its final norm in F64 (a valid GGUF type, as I32 or Q1_0 are): the gguf package has
     no dequantiser for it, and the NotImplementedError came out as a traceback."""
