@@ -93,8 +93,9 @@ def add_lora(lm: nn.Module, cfg) -> nn.Module:
         others, types = ",".join(sorted(set(layers) - set(found))), {type(m).__name__ for m in lm.modules()}
         has = (f"; other layers LoRA can adapt when named: {others}" if others
                else f"; it has no layer LoRA adapts, only {','.join(sorted(types))}" if not layers else "")
-        raise utils.ConfigError(f"--lora-targets {targets}: this model's linear layers are {','.join(found)} "
-                                f"(or all-linear){has}")
+        what = f"no layer named {','.join(sorted(set(names) - set(layers)))}" if names else "names no layer"
+        raise utils.ConfigError(f"--lora-targets {targets}: {what}; this model's linear layers are "
+                                f"{','.join(found)} (or all-linear){has}")
     model = get_peft_model(lm, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=names,
                                           task_type="CAUSAL_LM"))
     # autocast feeds LoRA bf16 already: PEFT's cast of each input to fp32 is a copy autocast undoes (~8%)

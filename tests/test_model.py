@@ -751,8 +751,9 @@ def test_a_merged_export_with_gpt2s_tied_embedding_adapted_gives_the_policys_log
 
 
 def test_lora_target_errors_list_what_the_model_has(gpt2):
-    with pytest.raises(utils.ConfigError, match=r"--lora-targets q_proj: this model's linear layers are "
-                       r"c_attn,c_fc,c_proj \(or all-linear\); other layers LoRA can adapt when named: wpe,wte$"):
+    with pytest.raises(utils.ConfigError, match=r"--lora-targets q_proj: no layer named q_proj; this model's "
+                       r"linear layers are c_attn,c_fc,c_proj \(or all-linear\); other layers LoRA can adapt "
+                       r"when named: wpe,wte$"):
         policy(gpt2, lora_targets="q_proj")
     pol = policy(gpt2, lora_targets="c_attn,wte", lora_rank=4)  # an embedding, because it was named
     assert any(".wte.lora_embedding_A" in k for k in pol.trained)

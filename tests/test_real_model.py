@@ -322,6 +322,18 @@ def test_lora_finds_the_attention_and_mlp_projections(pol):
     assert sum(p.numel() for p in pol.trained.values()) == 30 * per_layer == 2_442_240
 
 
+def test_lora_targets_the_model_lacks_are_named(converted):
+    """A misspelt or another architecture's target (GPT-2's c_attn) was not named: the line listed the model's
+    layers, to be compared by eye with seven names given."""
+    for targets, what in (("q_proj,k_proj,c_attn,dwon_proj", "no layer named c_attn,dwon_proj"),
+                          (" , ", "names no layer")):
+        with pytest.raises(utils.ConfigError) as e:
+            LLMPolicy(train.Config(model="smollm2-135m", lora_targets=targets), device="meta")
+        assert str(e.value) == (f"--lora-targets {targets}: {what}; this model's linear layers are down_proj,"
+                                "gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj (or all-linear); other layers "
+                                "LoRA can adapt when named: embed_tokens")
+
+
 def test_sampled_logps_equal_recomputed_ones_with_and_without_shared_prompts(pol):
     fresh = pol.trainable_state()
     randomise_adapter(pol, 0.01)
