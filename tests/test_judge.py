@@ -18,6 +18,7 @@ import pytest
 import judge as judge_module
 from judge import Judge, JudgeUnavailable, parse_score
 from rawhttp import read_request
+from utils import ConfigError
 
 
 @pytest.mark.parametrize("reply, score", [
@@ -136,7 +137,7 @@ def test_the_key_goes_over_plain_http_to_loopback_only(server, monkeypatch):
     try:
         assert Judge("r", far.url, "m")("p", "c", "") == 0.6  # without a key, plain http holds nothing secret
         monkeypatch.setenv("NANORL_JUDGE_KEY", "sekrit")
-        with pytest.raises(JudgeUnavailable) as e:
+        with pytest.raises(ConfigError) as e:
             Judge("r", far.url, "m", retries=3, backoff=10.0)("p", "c2", "")
         assert e.value.args[0] == (f"judge {far.url}/chat/completions is neither https:// nor on this machine: "
                                    "$NANORL_JUDGE_KEY would cross the network unencrypted; make the endpoint "
@@ -270,7 +271,7 @@ def test_a_key_a_header_cannot_carry_stops_at_once_without_showing_it(server, mo
     """A key read from a .env file kept its line end: http.client's refusal quoted the header, key and all,
     into the error and every --judge-down drop warning, and was retried though it could never pass."""
     monkeypatch.setenv("NANORL_JUDGE_KEY", key)
-    with pytest.raises(JudgeUnavailable) as e:
+    with pytest.raises(ConfigError) as e:
         Judge("r", server.url, "m", retries=3, backoff=10.0)("p", "c", "")
     assert e.value.args[0] == ("$NANORL_JUDGE_KEY holds a character an HTTP header cannot carry (a line end, a "
                             "space, non-ASCII): set it to the key alone") and server.requests == []
@@ -527,6 +528,21 @@ def test_a_reward_failing_mid_run_saves_the_last_finished_step_though_no_checkpo
                                                "error: reward judge returned nan")
     assert f"; ckpt-0000002 is saved: once fixed, --resume {tmp_path / 'run'}" in err[0]
     assert [c.name for c in rundir.checkpoints(tmp_path / "run")] == ["ckpt-0000002"]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_key_the_judge_cannot_carry_stops_a_drop_run_in_one_line_instead_of_dropping_every_sample(
+        server, tmp_path, tiny, monkeypatch, capfd):
+    """Under --judge-down drop, a key refused before any request (a line end in it) dropped every sample,
+    and the run exited 0 having trained on nothing: no judge would ever score it, so it is a config error."""
+    monkeypatch.setenv("NANORL_JUDGE_KEY", "sk-abc\n")
+    reward = Judge("r", server.url, "m", retries=0)
+    reward.__name__ = "judge"
+    assert judged_run(monkeypatch, tmp_path, tiny, reward, "--judge-down", "drop") == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err[-1] == ("error: $NANORL_JUDGE_KEY holds a character an HTTP header cannot carry (a line end, a "
+                       "space, non-ASCII): set it to the key alone") and "Traceback" not in "\n".join(err)
+    assert server.requests == [] and not (tmp_path / "run" / "ckpt-0000001").exists()
 
 
 @pytest.mark.usefixtures("one_thread")
