@@ -133,6 +133,20 @@ def test_a_foreign_runs_sample_fields_and_an_empty_config_are_shown_as_text_and_
     assert page.locator(".chart polyline").count() == len(rundir.read_metrics(run / "metrics.csv"))
 
 
+def test_a_long_runs_first_and_last_evals_are_compared_past_the_browsers_argument_limit(browser, tmp_path):
+    """The comparison found the first and last eval steps as Math.min(...steps), one argument per eval row:
+    past ~120k rows (samples at their cap hold 250k short ones) Chromium threw "Maximum call stack size
+    exceeded" and the comparison stayed empty. 200 evals of 1000 problems: steps 0 to 398."""
+    (tmp_path / "config.yaml").write_text("task: arith\n")
+    with open(tmp_path / "samples.jsonl", "w") as f:
+        f.writelines(json.dumps({"step": 2 * (i // 1000), "kind": "eval", "prompt": str(i % 1000),
+                                 "reward": i // 1000 % 2}) + "\n" for i in range(200_000))
+    page = opened(browser, report.write_report(tmp_path))
+    assert not page.errors and page.locator("#cmp-count").inner_text() == "50 of 1000 problems"
+    heads = page.locator("#first-head").inner_text(), page.locator("#last-head").inner_text()
+    assert heads == ("first eval (step 0)", "last eval (step 398)")
+
+
 def test_a_long_curve_is_thinned_to_evenly_spaced_steps_and_keeps_its_last():
     points = [[s, float(s)] for s in range(1001)]  # ceil(1001 / 400) = 3: steps 0, 3, ..., 999, then 1000
     assert report.thin(points) == points[::3] + [points[-1]] and len(report.thin(points)) == 335
