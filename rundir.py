@@ -112,7 +112,7 @@ def truncate_log(path: Path, keep) -> None:
     lines = path.read_text().splitlines(keepends=True)
     csv_file = path.suffix == ".csv"
     step = (lambda x: float(x.split(",", 1)[0])) if csv_file else (lambda x: json.loads(x)["step"])
-    kept = lines[:1] if csv_file else []  # the header
+    kept = [h for h in lines[:1] if h.endswith("\n")] if csv_file else []  # a header cut short: written anew
     for n, line in enumerate(lines[len(kept):], len(kept) + 1):
         try:
             if line.endswith("\n") and keep(step(line)):

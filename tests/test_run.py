@@ -508,6 +508,17 @@ def test_a_resume_keeps_the_log_lines_of_the_steps_it_keeps_less_a_last_line_cut
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.csv", "samples.jsonl"]
 
 
+def test_a_header_cut_short_is_written_again_and_the_resumes_first_row_is_kept(tmp_path):
+    """A disk that filled at the run's first write left "step,wal": the resume kept it as the header and
+    appended its first row to it ("step,wal1,0.1,loss,2"), which every reader then skipped as the header."""
+    (tmp_path / "metrics.csv").write_text("step,wal")
+    metrics = rundir.Metrics(tmp_path, train.Config(), resumed_at=0)
+    metrics.log(1, {"loss": 2.0})
+    metrics.close()
+    assert (tmp_path / "metrics.csv").read_text().startswith("step,wall_s,key,value\n1,")
+    assert rundir.read_metrics(tmp_path / "metrics.csv")["loss"][0][::2] == (1, 2.0)
+
+
 def test_a_damaged_log_line_stops_a_resume_naming_its_line_number_and_first_40_characters(tmp_path):
     damaged = "x" * 50
     for name, text, n in (("metrics.csv", f"step,wall_s,key,value\n1,0.1,loss,2\n{damaged}\n", 3),
