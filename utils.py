@@ -204,6 +204,9 @@ def load_config(cls, argv: list[str], choices: dict | None = None, base: Path | 
                               f"configs/){closest(Path(source).name, presets())}") from None
         except (OSError, ValueError, yaml.YAMLError) as e:  # a directory, binary bytes, broken YAML
             raise ConfigError(f"{source}: cannot read it as YAML ({' '.join(str(e).split())})") from None
+        if source is base and not preset:  # a run's own never is: else the resume would take every default
+            raise ConfigError(f"{source}: empty, cut short (a copy, a full disk); the run's values are in "
+                              "its report.html (Config): write them back as YAML")
         if not isinstance(preset, dict):
             raise ConfigError(f"{source}: expected a mapping of config keys")
         for key, value in preset.items():

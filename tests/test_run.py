@@ -1015,6 +1015,21 @@ def test_a_damaged_log_line_or_a_run_directory_that_takes_no_writes_stops_a_resu
     assert (out / "config.yaml").read_text() == config and len(rundir.checkpoints(out)) == 2
 
 
+def test_an_empty_config_yaml_stops_a_resume_in_one_line_instead_of_resuming_on_the_defaults(
+        tmp_path, two_steps, capsys):
+    """A config.yaml a copy or a full disk left empty read as {}: the resume took every default. Here the
+    default --hidden did not match the checkpoints, an error whose fix ("--resume RUN alone") was what ran;
+    a run of the default --hidden went on at the default --batch, and saved those as the run's config."""
+    out = shutil.copytree(two_steps, tmp_path / "run")
+    (out / "config.yaml").write_text("")
+    metrics = (out / "metrics.csv").read_text()
+    assert train.main(["--resume", str(out), "--steps", "3", "--no-progress"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: {out / 'config.yaml'}: empty, cut short (a copy, a full disk); the run's values are in its "
+        "report.html (Config): write them back as YAML")
+    assert (out / "metrics.csv").read_text() == metrics and len(rundir.checkpoints(out)) == 2
+
+
 def test_a_resume_past_a_damaged_metrics_line_trains_to_its_end_and_warns_of_it(tmp_path, two_steps):
     """A value that does not read (truncate_log reads only the step) killed the resumed run at its first eval
     (report.html): a ValueError traceback, exit 1, no curve, report or summary. The line stays to repair."""
