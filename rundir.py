@@ -127,11 +127,11 @@ def set_aside(run: Path, step: float) -> None:
     would delete the resumed run's new checkpoints before those, and a later --resume would load theirs."""
     if later := [c for c in checkpoints(run) if int(c.name[5:]) > step]:
         aside = fresh_dir(str(run / "replaced"))
+        for name in ("config.yaml", *LOGS):  # their lines after `step` are about to go. First: a full disk
+            if (run / name).exists():  # at a copy must leave the checkpoints, for a retry to set aside
+                shutil.copy2(run / name, aside / name)
         for ckpt in later:
             os.replace(ckpt, aside / ckpt.name)
-        for name in ("config.yaml", *LOGS):  # their lines after `step` are about to go
-            if (run / name).exists():
-                shutil.copy2(run / name, aside / name)
         stderr(f"moved the checkpoints after step {step:g} to {aside}, with a copy of the logs")
 
 

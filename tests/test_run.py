@@ -547,6 +547,30 @@ def test_a_resume_sets_aside_the_checkpoints_after_its_step_with_a_copy_of_the_l
     assert len(list(tmp_path.glob("replaced-*"))) == 1 and capsys.readouterr().err == ""
 
 
+def test_a_set_aside_the_disk_refuses_moves_no_checkpoint_and_its_retry_copies_the_logs(tmp_path, monkeypatch):
+    """The checkpoints moved first, then the logs were copied: a disk full at that copy (a samples.jsonl of
+    32 MiB) left them moved without the logs, so the retry found nothing to set aside and dropped the lines."""
+    for step in (2, 4):
+        (tmp_path / f"ckpt-{step:07d}").mkdir()
+    (tmp_path / "metrics.csv").write_text("step,wall_s,key,value\n4,0.4,loss,2\n")
+    (tmp_path / "samples.jsonl").write_text('{"step": 4}\n')
+    copy = shutil.copy2
+
+    def disk_full(src, dst):
+        if Path(src).name == "samples.jsonl":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return copy(src, dst)
+
+    monkeypatch.setattr(rundir.shutil, "copy2", disk_full)
+    with pytest.raises(OSError):
+        rundir.set_aside(tmp_path, 2)
+    assert [p.name for p in rundir.checkpoints(tmp_path)] == ["ckpt-0000002", "ckpt-0000004"]
+    monkeypatch.setattr(rundir.shutil, "copy2", copy)  # room made
+    rundir.set_aside(tmp_path, 2)
+    held = {p.name: sorted(q.name for q in p.iterdir()) for p in tmp_path.glob("replaced-*")}
+    assert ["ckpt-0000004", "metrics.csv", "samples.jsonl"] in held.values()
+
+
 def test_ctrl_c_in_the_warm_start_finishes_its_step_and_resume_alone_continues_it_bitwise(tmp_path, monkeypatch):
     from modeldir import build_tiny_model
     from rollouts import TaskRollouts
