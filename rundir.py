@@ -225,7 +225,7 @@ def read_metrics(path: Path, strict: bool = False) -> dict[str, list[tuple[int, 
             warnings.warn(f"{why}; the report and curve leave it out")
             continue
         series.setdefault(key, []).append(point)
-    return series
+    return {k: sorted(v, key=lambda p: p[0]) for k, v in series.items()}  # --eval-only's: in the order run
 
 
 def metrics_point(line: str) -> tuple[str, tuple[int, float, float]]:

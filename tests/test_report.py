@@ -1,5 +1,7 @@
 """report.html of a short real run, opened in a real browser (Chromium from Debian, driven by Playwright):
 curves and sample rows are drawn, and the filters change what is shown."""
+import contextlib
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -165,6 +167,18 @@ def test_the_summary_names_the_best_and_final_evals_the_newest_checkpoint_and_th
     for step in (10, 15):
         (tmp_path / f"ckpt-{step:07d}").rmdir()
     assert report.summary(tmp_path, 0.0, "").splitlines()[-1] == "  checkpoints: none"  # and no export line
+
+
+def test_evals_of_several_checkpoints_into_one_out_are_read_in_step_order(tmp_path):
+    """--eval-only of ckpt-30, then ckpt-10, then ckpt-20 into one --out logs them in that order: the curves
+    drew a zigzag, and the summary called step 20's eval the final one."""
+    cfg = dataclasses.replace(train.Config(), eval_only=True)
+    for step, value in ((30, 300.0), (10, 100.0), (20, 200.0)):
+        with contextlib.closing(rundir.Metrics(tmp_path, cfg, resumed_at=step - 1)) as log:
+            log.log(step, {"eval_return": value})
+    assert [(s, v) for s, _, v in rundir.read_metrics(tmp_path / "metrics.csv")["eval_return"]] == [
+        (10, 100.0), (20, 200.0), (30, 300.0)]
+    assert "eval_return: best 300 (step 30), final 300 (step 30)" in report.summary(tmp_path, 0.0, "")
 
 
 def test_the_summarys_best_eval_is_never_a_nan_one(tmp_path):
