@@ -109,7 +109,8 @@ def truncate_log(path: Path, keep) -> None:
     """Keeps metrics.csv's / samples.jsonl's lines of the steps `keep` takes, less a last line cut short."""
     if not path.exists():
         return
-    lines = path.read_text().splitlines(keepends=True)
+    # surrogateescape: a byte that is no UTF-8 (a disk error's) fails only its own line, or is kept as it was
+    lines = path.read_text(errors="surrogateescape").splitlines(keepends=True)
     csv_file = path.suffix == ".csv"
     step = (lambda x: float(x.split(",", 1)[0])) if csv_file else (lambda x: json.loads(x)["step"])
     kept = [h for h in lines[:1] if h.endswith("\n")] if csv_file else []  # a header cut short: written anew
@@ -119,7 +120,7 @@ def truncate_log(path: Path, keep) -> None:
                 kept.append(line)
         except (ValueError, KeyError, TypeError):  # a hand edit: the run must not drop what it cannot read
             raise ConfigError(f"{path}:{n}: cannot read the line {line[:40]!r}; fix or delete it") from None
-    atomic_write(path, "".join(kept).encode())
+    atomic_write(path, "".join(kept).encode(errors="surrogateescape"))
 
 
 def set_aside(run: Path, step: float) -> None:

@@ -519,6 +519,19 @@ def test_a_header_cut_short_is_written_again_and_the_resumes_first_row_is_kept(t
     assert rundir.read_metrics(tmp_path / "metrics.csv")["loss"][0][::2] == (1, 2.0)
 
 
+def test_bytes_that_are_no_utf8_in_a_log_are_kept_as_they_are_or_named_in_one_line(tmp_path):
+    """truncate_log read the logs as strict UTF-8: a byte a disk error or a foreign tool left (0xff) made a
+    resume a UnicodeDecodeError traceback; read_metrics and the report read past it."""
+    metrics = tmp_path / "metrics.csv"
+    metrics.write_bytes(b"step,wall_s,key,value\n1,0.1,lo\xffss,2\n2,0.2,loss,3\n")
+    rundir.truncate_log(metrics, lambda s: s <= 1)
+    assert metrics.read_bytes() == b"step,wall_s,key,value\n1,0.1,lo\xffss,2\n"  # byte for byte
+    metrics.write_bytes(b"step,wall_s,key,value\n1\xff,0.1,loss,2\n")
+    with pytest.raises(utils.ConfigError) as e:
+        rundir.truncate_log(metrics, lambda s: True)
+    assert str(e.value) == f"{metrics}:2: cannot read the line '1\\udcff,0.1,loss,2\\n'; fix or delete it"
+
+
 def test_a_damaged_log_line_stops_a_resume_naming_its_line_number_and_first_40_characters(tmp_path):
     damaged = "x" * 50
     for name, text, n in (("metrics.csv", f"step,wall_s,key,value\n1,0.1,loss,2\n{damaged}\n", 3),
