@@ -450,9 +450,10 @@ def resume_checkpoint(run: Path, policy: torch.nn.Module, opt: torch.optim.Optim
         except ConfigError as e:  # copied in from another run, or flags that change the policy (all are then)
             others.append((ckpt, e))
             continue
-        # a copy or a full disk cut it short; torch.load raises the last 3 on an empty or a foreign state.pt
-        except (SafetensorError, json.JSONDecodeError, KeyError, OSError, RuntimeError, EOFError,
-                pickle.UnpicklingError) as e:
+        # a copy or a full disk cut it short, a disk error garbled it (no UTF-8); torch.load raises the last 3
+        # on an empty or a foreign state.pt
+        except (SafetensorError, json.JSONDecodeError, UnicodeDecodeError, KeyError, OSError, RuntimeError,
+                EOFError, pickle.UnpicklingError) as e:
             stderr(f"skipping {ckpt}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'empty'}")
             continue
         for other, _ in others:  # an older one is this policy's: those are another run's

@@ -174,6 +174,19 @@ def test_an_empty_or_foreign_state_file_is_skipped_and_a_stray_copy_is_no_checkp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000001.bak", "ckpt-0000004"]
 
 
+def test_a_meta_json_of_bytes_that_are_no_utf8_is_skipped_as_a_damaged_checkpoint(tmp_path, capsys):
+    """read_text() raised UnicodeDecodeError, which the skip did not catch: a disk error's byte in the
+    newest checkpoint's meta.json made the resume a traceback, though an older checkpoint loads."""
+    policy = MLPPolicy(4, 2)
+    opt = torch.optim.Adam(policy.parameters())
+    for step in (1, 2):
+        rundir.save_checkpoint(tmp_path, step, policy, opt, {"wall_s": 0.0, "source": {"position": step}}, keep=3)
+    meta = tmp_path / "ckpt-0000002" / "meta.json"
+    meta.write_bytes(b"\xff" + meta.read_bytes()[1:])
+    assert rundir.resume_checkpoint(tmp_path, policy, opt)["step"] == 1
+    assert capsys.readouterr().err.startswith(f"skipping {meta.parent}: UnicodeDecodeError: 'utf-8' codec")
+
+
 def test_a_checkpoint_write_cut_short_by_a_kill_is_swept_by_the_next_save(tmp_path):
     """A SIGKILL (a preemption, the OOM killer) mid-write left its .tmp-ckpt-* directory beside the run's
     checkpoints for good: with full fine-tuning, the weights and Adam's state each time."""
