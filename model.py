@@ -144,6 +144,9 @@ def load_lm(path: str, cfg, device: torch.device) -> nn.Module:
     return whole(lm, info, cfg.model).to(device)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # fast, sentencepiece, BPE
+
+
 def load_fix(path: str) -> str:
     """What mends a model directory that does not load: the cache's own copies are rebuilt once deleted."""
     return f"delete {path} (the cache's copy) and rerun" if cache_root() in Path(path).parents else LOAD_HINT
@@ -204,9 +207,11 @@ class LLMPolicy(nn.Module):
         self.share_prompts = True  # score each group's prompt once; exact either way (tests compare the two)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.path)
-        except (OSError, ValueError) as e:
-            raise utils.ConfigError(f"--model {cfg.model}: cannot load its tokenizer "
-                                    f"({str(e).splitlines()[0]}); {load_fix(self.path)}") from None
+        except (OSError, ValueError) as e:  # without a file, transformers says "from one of: )" (cut)
+            none = Path(self.path).is_dir() and not any(Path(self.path, f).is_file() for f in TOKENIZER_FILES)
+            why = f"no {', '.join(TOKENIZER_FILES)} in it" if none else str(e).splitlines()[0]
+            raise utils.ConfigError(f"--model {cfg.model}: cannot load its tokenizer ({why}); "
+                                    f"{load_fix(self.path)}") from None
         lm = load_lm(self.path, cfg, self.device)
         self.positions = learned_positions(lm)  # None: no end (before LoRA wraps an embedding, if named)
         self.context = getattr(lm.config, "max_position_embeddings", None)  # None: unnamed

@@ -156,6 +156,19 @@ def test_bad_model_id_fails_at_start_up_naming_the_fix(tmp_path):
         LLMPolicy(train.Config(model=str(tmp_path), dtype="fp16"))
 
 
+def test_a_model_directory_without_tokenizer_files_says_so(tmp_path):
+    """A copy that lost its tokenizer.json said "Couldn't instantiate the backend tokenizer from one of: )",
+    transformers' first line of a list, which names no file."""
+    lost = tmp_path / "lost"
+    shutil.copytree(resolve_model("tiny"), lost)
+    (lost / "tokenizer.json").unlink()
+    with pytest.raises(utils.ConfigError) as e:
+        LLMPolicy(train.Config(model=str(lost)))
+    assert str(e.value) == (f"--model {lost}: cannot load its tokenizer (no tokenizer.json, tokenizer.model, "
+                            "vocab.json in it); check the model id, or pass a local directory holding "
+                            "config.json, weights and tokenizer files")
+
+
 def test_an_offline_hub_id_loads_from_the_hub_cache_at_once_or_names_the_download(
         tmp_path, monkeypatch, hub_out_of_reach):
     """Offline (no DNS), a cached hub id cost a 7 s run 3 min 18 s of the hub client's retries (~28 s for
