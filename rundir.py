@@ -384,7 +384,9 @@ def out_blocker(run: Path, eval_only: bool = False) -> str | None:
     failed start may leave none), or files of the names a run writes that no run made (no .lock). An
     --eval-only may log into another's directory (config.yaml's line), each eval at its checkpoint's step."""
     metrics, config = run / "metrics.csv", run / "config.yaml"
-    evals = eval_only and config.exists() and "eval_only: true" in config.read_text().splitlines()
+    # errors="replace": a byte that is no UTF-8 (a user's own file, a disk error's) is no "eval_only: true"
+    text = config.read_text(errors="replace") if eval_only and config.is_file() else ""
+    evals = "eval_only: true" in text.splitlines()
     if checkpoints(run) or not evals and metrics.exists() and metrics.read_bytes().count(b"\n") > 1:
         return f"holds a run: --resume {run} continues it, or pick another --out"
     ours = [n for n in (*LOGS, "config.yaml", "report.html", "curve.png") if (run / n).exists()]

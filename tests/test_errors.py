@@ -339,6 +339,9 @@ def test_a_new_run_never_overwrites_a_users_own_files_of_a_runs_names(capsys, tm
     (failed / "config.yaml").write_text("task: cartpole\n")
     assert train.main(["--out", str(failed), *quick]) == 0
     assert (failed / "ckpt-0000001").is_dir()
+    (mine / "config.yaml").write_bytes(b"\xffmy: settings\n")  # not UTF-8: a traceback under --eval-only
+    err = one_line_error(capsys, ["--eval-only", "--out", str(mine), "--eval-episodes", "1"])
+    assert err.startswith(f"error: {mine} holds config.yaml, curve.png, not a run's")
 
 
 def test_a_resume_refuses_an_out_elsewhere_and_takes_its_own(capsys, tmp_path):
