@@ -387,7 +387,7 @@ def test_an_eval_only_may_log_again_into_its_own_out_but_never_into_a_training_r
     for ckpt in ("ckpt-0000002", "ckpt-0000001", "ckpt-0000001"):
         assert train.main(["--resume", str(run / ckpt), "--eval-only", "--out", str(evals), "--no-progress"]) == 0
     # ckpt-1's eval keeps ckpt-2's (it dropped every step after its own, silently); its rerun replaces itself
-    assert [s for s, _, _ in rundir.read_metrics(evals / "metrics.csv")["eval_return"]] == [2, 1]
+    assert [s for s, _, _ in rundir.read_metrics(evals / "metrics.csv")["eval_return"]] == [1, 2]  # both kept, in step order
     capsys.readouterr()
     err = one_line_error(capsys, ["--out", str(evals), *quick])
     assert err == f"error: {evals} holds a run: --resume {evals} continues it, or pick another --out"
