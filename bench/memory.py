@@ -48,6 +48,20 @@ def one(model: str, rows: int, tokens: int, micro: int) -> dict:
             "update_s": time.perf_counter() - t0}
 
 
+def settings(ap: argparse.ArgumentParser, args) -> list[int]:
+    """The micro-batch sizes; arguments no child could measure stop here, in one line (exit 2)."""
+    group = train.task_defaults({"task": "countdown", "model": args.model})["group_size"]
+    if args.rows < group or args.rows % group:  # else the batch holds rows // group whole groups: fewer rows
+        ap.exit(2, f"error: --rows {args.rows}: whole groups of {group} completions (a GRPO group); "
+                   f"try --rows {group * max(1, args.rows // group)}\n")
+    if args.tokens < 1:
+        ap.exit(2, f"error: --tokens {args.tokens}: a completion needs at least 1 token; try --tokens 512\n")
+    if not all(m.isdigit() for m in args.micro.split(",")):
+        ap.exit(2, f"error: --micro {args.micro}: rows per micro-batch, integers >= 0 (0: the whole batch), "
+                   "comma-separated; e.g. --micro 0,8,4\n")
+    return [int(m) for m in args.micro.split(",")]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -60,14 +74,17 @@ def main() -> None:
         print(json.dumps(one(args.model, args.rows, args.tokens, int(args.micro))))
         return
     results = []
-    for micro in map(int, args.micro.split(",")):
+    for micro in settings(ap, args):
         run = subprocess.run([sys.executable, __file__, "--one", "--model", args.model, "--rows", str(args.rows),
                               "--tokens", str(args.tokens), "--micro", str(micro)], capture_output=True, text=True)
         if run.returncode:
-            results.append({"micro_batch": micro, "error": run.stderr.strip().splitlines()[-1:]})
+            why = run.stderr.strip().splitlines()[-1:] or [f"exit status {run.returncode}"]  # killed: no line
+            results.append({"micro_batch": micro, "error": why})
         else:
             results.append(json.loads(run.stdout.strip().splitlines()[-1]))
         print(results[-1], flush=True)
+    if not any("peak_gib" in r for r in results):  # nothing measured: no file, and the first child's error
+        sys.exit(f"error: every setting failed, the first with: {results[0]['error'][0]}")
     whole = next((r for r in results if r.get("micro_batch") == 0 and "peak_gib" in r), None)
     for r in results:
         if whole and "peak_gib" in r:
