@@ -9,9 +9,9 @@ The peer, measured in the same runs: the seconds of a step (wall_s between step 
 with --max-staleness 0 mostly one worker batch), about what a trainer that waits for its workers' batches
 instead of stopping them waits at either end (it gave up at 60 s).
 A third case is a sync run (no workers, --ckpt-every 1000):
-- "SIGTERM mid-rollout": SIGTERM 1 s into step 2's rollout; seconds from it to step 1's checkpoint on disk
-  (saved at once), and, its peer in the same run, to step 2's, the first checkpoint a stop gave before
-  (a scheduler's SIGKILL in between lost every step since the last checkpoint).
+- "SIGTERM mid-rollout": SIGTERM 1 s (a tenth of a step, if less) into step 4's rollout; seconds from it
+  to step 3's checkpoint on disk (saved at once), and, its peer in the same run, to step 4's, the first
+  checkpoint a stop gave before (a scheduler's SIGKILL in between lost every step since the last checkpoint).
 
     python bench/stop.py [--repeats 3] [--max-new-tokens 1000]
 
@@ -79,17 +79,24 @@ def end_of_run(out: Path, max_new: int) -> tuple[float, list[float]]:
 
 def sigterm_mid_rollout(out: Path, max_new: int) -> tuple[float, float]:
     proc = launch(out, 1000, max_new, sync=True)
-    metrics = out / "metrics.csv"
-    wait_until(lambda: metrics.exists() and "loss" in rundir.read_metrics(metrics), proc)  # step 1 is done
-    time.sleep(1.0)  # step 2's rollout
+    wait_until(lambda: (out / "metrics.csv").exists() and len(step_s(out)) >= 2, proc)  # steps 1-3 are done
+    step = min(step_s(out))
+    into = min(1.0, step / 10)  # into step 4's rollout: a step's first ~25% (4 tokens) to 50%
+    time.sleep(into)
     t = time.perf_counter()
     proc.send_signal(signal.SIGTERM)
-    wait_until(lambda: (out / "ckpt-0000001").exists(), proc)
-    early = time.perf_counter() - t
-    while not (out / "ckpt-0000002").exists() and proc.poll() is None:
+    saved: dict[str, float] = {}  # checkpoint -> seconds after the SIGTERM (--ckpt-every 1000: the stop's)
+    while proc.poll() is None or len(saved) < len(rundir.checkpoints(out)):
+        for ckpt in rundir.checkpoints(out):
+            saved.setdefault(ckpt.name, time.perf_counter() - t)
         time.sleep(0.05)
-    assert (out / "ckpt-0000002").exists() and proc.wait(timeout=300) == 130  # stopped: not finished
-    return early, time.perf_counter() - t
+    if proc.returncode != 130:  # stopped: not finished
+        sys.exit(f"the trainer exited {proc.returncode} after the SIGTERM; expected 130 (stopped)")
+    if len(saved) != 2:  # the last finished step at once, then the step in progress at its end
+        sys.exit(f"--max-new-tokens {max_new}: the SIGTERM {into:.2f} s into a step of {step:.2f} s "
+                 "came after its rollout, so nothing was saved early; a longer budget makes a longer rollout")
+    early, late = sorted(saved.values())
+    return early, late
 
 
 def main() -> None:

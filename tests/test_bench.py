@@ -1,9 +1,13 @@
 """The benchmarks in bench/ with small and wrong arguments, as a user tries them first: a setting they cannot
 measure stops in one line that names the fix, before any child process or run starts."""
+import importlib.util
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import rundir
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -37,3 +41,19 @@ def test_memory_when_every_setting_fails_names_the_first_error_in_one_line():
                            "--task countdown: --max-new-tokens 2000 leaves no room for a prompt in the "
                            "model's 1,024-token context; lower it\n")
     assert not (ROOT / "results" / "memory_tiny_8x2000.json").exists()
+
+
+def test_stop_mid_rollout_case_saves_the_finished_step_then_the_one_in_progress_at_8_tokens(tmp_path):
+    """At 8 new tokens a sync step's rollout is over well before the case's SIGTERM 1 s after step 1, so
+    the stop came in the update, saved only that step, and the case took the trainer's exit for a crash.
+    Now the SIGTERM comes a tenth of a step into a rollout: the step before is saved at once, then this."""
+    spec = importlib.util.spec_from_file_location("bench_stop", ROOT / "bench" / "stop.py")
+    stop = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stop)
+    early, late = stop.sigterm_mid_rollout(tmp_path / "run", 8)
+    assert 0 <= early <= late
+    first, second = rundir.checkpoints(tmp_path / "run")
+    steps = [json.loads((c / "meta.json").read_text())["step"] for c in (first, second)]
+    assert steps[0] >= 3 and steps[1] == steps[0] + 1  # steps 1-3 logged before the SIGTERM
+    losses = rundir.read_metrics(tmp_path / "run" / "metrics.csv")["loss"]
+    assert [s for s, _, _ in losses] == list(range(1, steps[1] + 1))  # the step in progress finished, no more
