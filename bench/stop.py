@@ -105,6 +105,9 @@ def main() -> None:
     # the tiny model's context is 1,024 tokens: a budget that leaves no room for the prompt is refused
     ap.add_argument("--max-new-tokens", type=int, default=1000)
     args = ap.parse_args()
+    for flag, value in (("--repeats", args.repeats), ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:  # no run to take a median of, or no token to generate: before minutes of the others
+            ap.exit(2, f"error: {flag} {value}: need at least 1\n")
     results, batches = {}, []
     with tempfile.TemporaryDirectory() as tmp:
         for name, fn in (("second Ctrl-C", second_ctrl_c), ("end of run", end_of_run)):

@@ -57,3 +57,10 @@ def test_stop_mid_rollout_case_saves_the_finished_step_then_the_one_in_progress_
     assert steps[0] >= 3 and steps[1] == steps[0] + 1  # steps 1-3 logged before the SIGTERM
     losses = rundir.read_metrics(tmp_path / "run" / "metrics.csv")["loss"]
     assert [s for s, _, _ in losses] == list(range(1, steps[1] + 1))  # the step in progress finished, no more
+
+
+def test_stop_refuses_no_repeats_or_no_tokens_in_one_line():
+    """--repeats 0 ran the async cases' trainers, then crashed on the median of no runs."""
+    for flag in ("--repeats", "--max-new-tokens"):
+        proc = bench("bench/stop.py", flag, "0", timeout=60)
+        assert (proc.returncode, proc.stderr) == (2, f"error: {flag} 0: need at least 1\n")
