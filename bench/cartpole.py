@@ -122,6 +122,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.sb3_worker is not None:
         return sb3_worker(args.sb3_worker)
+    if unknown := [name for name in args.only if name not in ALGOS]:  # else a traceback after the others ran
+        ap.exit(2, f"error: --only {' '.join(unknown)}: no configs/cartpole_<algo>.yaml; choices: "
+                   f"{' '.join(ALGOS)}\n")
     if not args.no_sb3 and importlib.util.find_spec("stable_baselines3") is None:  # before the nanorl runs
         ap.error("the SB3 peer needs `pip install stable-baselines3`; or run without it: --no-sb3")
     rows = []

@@ -64,3 +64,12 @@ def test_stop_refuses_no_repeats_or_no_tokens_in_one_line():
     for flag in ("--repeats", "--max-new-tokens"):
         proc = bench("bench/stop.py", flag, "0", timeout=60)
         assert (proc.returncode, proc.stderr) == (2, f"error: {flag} 0: need at least 1\n")
+
+
+def test_cartpole_refuses_an_unknown_algo_in_one_line_before_any_run():
+    """A typo'd --only name ran the other seeds first, then raised CalledProcessError (no preset)."""
+    proc = bench("bench/cartpole.py", "--only", "reinforce", "reinfroce", "--no-sb3", "--seeds", "1",
+                 timeout=120)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == ("error: --only reinfroce: no configs/cartpole_<algo>.yaml; choices: reinforce "
+                           "reinforce_baseline reinforce_pp ppo grpo rloo\n")
