@@ -70,6 +70,10 @@ def main():
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--calls", type=int, default=30, help="sandbox calls for the overhead median (>= 20)")
     args = ap.parse_args()
+    for flag, value, least in (("--problems", args.problems, 1), ("--group-size", args.group_size, 1),
+                               ("--calls", args.calls, 2)):  # 2: the fewest the p10 / p90 quantiles take
+        if value < least:
+            ap.exit(2, f"error: {flag} {value}: need at least {least}\n")
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])  # 2 cores, inherited by the sandboxes too
     print(f"load average {os.getloadavg()[0]:.1f} on {len(os.sched_getaffinity(0))} cores")
     tok = chat_tokenizer()

@@ -73,3 +73,10 @@ def test_cartpole_refuses_an_unknown_algo_in_one_line_before_any_run():
     assert (proc.returncode, proc.stdout) == (2, "")
     assert proc.stderr == ("error: --only reinfroce: no configs/cartpole_<algo>.yaml; choices: reinforce "
                            "reinforce_baseline reinforce_pp ppo grpo rloo\n")
+
+
+def test_envs_refuses_too_few_calls_problems_or_groups_in_one_line():
+    """--calls 1 played every environment, then crashed in statistics.quantiles (it needs 2 points)."""
+    for flag, value, least in (("--calls", 1, 2), ("--problems", 0, 1), ("--group-size", 0, 1)):
+        proc = bench("bench/envs.py", flag, str(value), timeout=120)
+        assert (proc.returncode, proc.stderr) == (2, f"error: {flag} {value}: need at least {least}\n")
