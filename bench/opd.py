@@ -18,7 +18,10 @@ from modeldir import build_tiny_model  # noqa: E402
 
 def export(run: str, out: str) -> str:
     """The tiny model's directory with its weights replaced by a checkpoint's (a run's newest)."""
-    ckpt = Path(run) if (Path(run) / "weights.safetensors").exists() else rundir.checkpoints(Path(run))[-1]
+    found = [Path(run)] if (Path(run) / "weights.safetensors").exists() else rundir.checkpoints(Path(run))
+    if not found:
+        raise SystemExit(f"error: {run}: no checkpoint here; give a run directory or one of its ckpt-*")
+    ckpt = found[-1]
     weights = load_file(str(ckpt / "weights.safetensors"))
     if not all(k.startswith("model.") for k in weights) or any("lora_" in k for k in weights):
         raise SystemExit(f"{run}: not a full fine-tuning run of the tiny model (--no-lora)")

@@ -80,3 +80,12 @@ def test_envs_refuses_too_few_calls_problems_or_groups_in_one_line():
     for flag, value, least in (("--calls", 1, 2), ("--problems", 0, 1), ("--group-size", 0, 1)):
         proc = bench("bench/envs.py", flag, str(value), timeout=120)
         assert (proc.returncode, proc.stderr) == (2, f"error: {flag} {value}: need at least {least}\n")
+
+
+def test_opd_export_of_a_directory_without_checkpoints_says_so_in_one_line(tmp_path):
+    """It raised IndexError on the empty list of the directory's checkpoints."""
+    proc = bench("bench/opd.py", str(tmp_path / "nothing"), str(tmp_path / "out"), timeout=120)
+    assert (proc.returncode, proc.stdout) == (1, "")
+    assert proc.stderr == (f"error: {tmp_path / 'nothing'}: no checkpoint here; give a run directory or one "
+                           "of its ckpt-*\n")
+    assert not (tmp_path / "out").exists()
