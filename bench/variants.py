@@ -75,6 +75,10 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     p.add_argument("--out", default="", help="also write the table to this markdown file")
     args = p.parse_args()
+    if bad := [kv for kv in args.set if "=" not in kv]:  # dict() of it: a traceback
+        p.exit(2, f"error: --set {bad[0]}: give key=value, e.g. --set batch=16\n")
+    if not all(s.strip().isdigit() for s in args.seeds.split(",")):
+        p.exit(2, f"error: --seeds {args.seeds!r}: comma-separated integers, e.g. --seeds 0,1,2\n")
     args.set = dict(kv.split("=", 1) for kv in args.set)
     names = [n.strip() for n in args.only.split(",") if n.strip()] or list(VARIANTS)
     unknown = set(names) - set(VARIANTS)

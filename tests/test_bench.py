@@ -89,3 +89,12 @@ def test_opd_export_of_a_directory_without_checkpoints_says_so_in_one_line(tmp_p
     assert proc.stderr == (f"error: {tmp_path / 'nothing'}: no checkpoint here; give a run directory or one "
                            "of its ckpt-*\n")
     assert not (tmp_path / "out").exists()
+
+
+def test_variants_refuses_a_set_without_value_or_bad_seeds_in_one_line():
+    """`--set foo` and `--seeds ''` raised ValueError tracebacks from dict() and int()."""
+    proc = bench("bench/variants.py", "--set", "foo", timeout=60)
+    assert (proc.returncode, proc.stderr) == (2, "error: --set foo: give key=value, e.g. --set batch=16\n")
+    proc = bench("bench/variants.py", "--seeds", "0,,1", timeout=60)
+    assert (proc.returncode, proc.stderr) == (2, "error: --seeds '0,,1': comma-separated integers, e.g. "
+                                                 "--seeds 0,1,2\n")
