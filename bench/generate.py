@@ -51,6 +51,9 @@ def main() -> None:
     ap.add_argument("--no-lora", action="store_true")
     ap.add_argument("--out", default="", help="default results/generate.json (tiny), else generate_<model>.json")
     args = ap.parse_args()
+    for flag in ("prompts", "samples", "tokens", "gen_batch", "repeats"):  # 0 repeats: a median of nothing
+        if getattr(args, flag) < 1:
+            ap.exit(2, f"error: --{flag.replace('_', '-')} {getattr(args, flag)}: need at least 1\n")
     policy = LLMPolicy(Config(model=args.model, lora=not args.no_lora))
     prefixes = [policy.encode_prompt(f"{a}+{a * 7 % 97}=") for a in range(args.prompts) for _ in range(args.samples)]
     runs = {"nanorl": lambda: sum(len(s.ids) for s in policy.generate(prefixes, args.tokens, args.gen_batch)),

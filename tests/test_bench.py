@@ -98,3 +98,11 @@ def test_variants_refuses_a_set_without_value_or_bad_seeds_in_one_line():
     proc = bench("bench/variants.py", "--seeds", "0,,1", timeout=60)
     assert (proc.returncode, proc.stderr) == (2, "error: --seeds '0,,1': comma-separated integers, e.g. "
                                                  "--seeds 0,1,2\n")
+
+
+def test_generate_refuses_zero_repeats_in_one_line(tmp_path):
+    """--repeats 0 loaded the model and sampled the warm-up, then crashed on the median of no rates."""
+    proc = bench("bench/generate.py", "--repeats", "0", "--prompts", "1", "--samples", "1", "--tokens", "1",
+                 "--out", str(tmp_path / "g.json"), timeout=300)
+    assert (proc.returncode, proc.stderr) == (2, "error: --repeats 0: need at least 1\n")
+    assert not (tmp_path / "g.json").exists()
