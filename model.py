@@ -255,11 +255,12 @@ class LLMPolicy(nn.Module):
     # ------------------------------------------------------------ text <-> tokens
     def encode_prompt(self, text: str) -> list[int]:
         """The user message under the chat template when the tokenizer has one, else plain text."""
+        # verbose=False: a row past the context is skipped and named (too_long); nothing runs past it
         if not self.use_template:
-            return self.bos + self.tokenizer.encode(text, add_special_tokens=False)
+            return self.bos + self.tokenizer.encode(text, add_special_tokens=False, verbose=False)
         chat = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                                   add_generation_prompt=True, enable_thinking=self.thinking)
-        return self.tokenizer.encode(chat, add_special_tokens=False)  # the template already wrote bos
+        return self.tokenizer.encode(chat, add_special_tokens=False, verbose=False)  # the template wrote bos
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode([i for i in ids if i not in self.eos_ids])

@@ -1,5 +1,6 @@
 """model.py's LLM policy on a tiny locally built Llama: the invariants the training loop relies on."""
 import json
+import logging
 import multiprocessing
 import os
 import re
@@ -263,6 +264,21 @@ def test_an_adapter_a_broken_chat_template_or_no_eos_token_fails_in_one_line_nam
         (silent / name).write_text(json.dumps({**json.loads((silent / name).read_text()), "eos_token_id": None}))
     with pytest.raises(utils.ConfigError, match="no eos token ends a completion; set eos_token in tokenizer_config.json or eos_token_id in"):
         LLMPolicy(train.Config(model=str(silent)))
+
+
+def test_a_prompt_past_the_context_is_measured_without_transformers_warning_of_indexing_errors(tiny):
+    """too_long encodes a data row to skip it and name it: transformers' "will result in indexing errors"
+    beside that one line contradicted it (nothing runs past the context)."""
+    pol, said = policy(tiny), []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(handler)  # its loggers' parent; it prints via its own
+    try:
+        ids = pol.encode_prompt("ab" * pol.context)  # a character tokenizer: one id a character, plus bos
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert len(ids) == 2 * pol.context + len(pol.bos)
+    assert not [m for m in said if "indexing errors" in m]
 
 
 # ---------------------------------------------------------------- sampling == scoring
