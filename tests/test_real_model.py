@@ -54,17 +54,22 @@ def test_conversion_is_reused_not_rewritten(converted, monkeypatch):
     assert not [p for p in Path(converted).parent.iterdir() if p.name.startswith(".tmp-")]  # no half-written dirs
 
 
-def test_a_changed_file_converts_into_a_new_directory(converted, tmp_path, monkeypatch):
+def test_a_changed_file_converts_into_a_new_directory(tmp_path, monkeypatch):
     """Keyed by content, not by name: a copy whose metadata differs in one byte (the model's name,
-    not its weights) gets its own directory, with the same weights."""
-    data = GGUF.read_bytes()
-    assert data.count(b"Smollm2 135M") >= 1
-    copy = tmp_path / GGUF.name
-    copy.write_bytes(data.replace(b"Smollm2 135M", b"Smollm2 136M", 1))
+    not its weights) gets its own directory, with the same weights. (A whole tiny GGUF: SmolLM2's is
+    keyed alike, and converting it again took ~45 s.)"""
     monkeypatch.setenv("NANORL_CACHE", str(tmp_path / "cache"))
-    other = resolve_model(str(copy))
-    assert Path(other).name != Path(converted).name and Path(other).name.startswith("gguf-SmolLM2-135M-Instruct.Q4_1-")
-    assert (Path(other) / "model.safetensors").read_bytes() == (Path(converted) / "model.safetensors").read_bytes()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    data = whole_gguf(tmp_path / "a" / "tiny.gguf").read_bytes()
+    assert data.count(b"Tiny Llama") == 1
+    copy = tmp_path / "b" / "tiny.gguf"  # the same file name
+    copy.write_bytes(data.replace(b"Tiny Llama", b"Tiny Llamb"))
+    first, other = resolve_model(str(tmp_path / "a" / "tiny.gguf")), resolve_model(str(copy))
+    assert Path(other).name != Path(first).name and Path(other).name.startswith("gguf-tiny-")
+    assert Path(first).name.startswith("gguf-tiny-")
+    weights = [(Path(d) / "model.safetensors").read_bytes() for d in (first, other)]
+    assert weights[0] == weights[1]
 
 
 def test_converted_logits_equal_the_gguf_loaded_model(pol):
@@ -133,54 +138,59 @@ def test_a_model_directory_without_config_json_says_so(converted, tmp_path):
 
 
 def test_a_gguf_tensor_type_without_a_dequantiser_is_one_line(tmp_path, monkeypatch):
-    """SmolLM2's file with its final norm in F64 (a valid GGUF type, as I32 or Q1_0 are): the gguf package has
-    no dequantiser for it, and the NotImplementedError came out as a traceback."""
-    import gguf
-    import numpy as np
-
-    reader, writer = gguf.GGUFReader(GGUF), gguf.GGUFWriter(str(tmp_path / "f64.gguf"), "llama")
-    for field in reader.fields.values():
-        if field.name != "general.architecture" and not field.name.startswith("GGUF."):  # the writer's own
-            kind = field.types[0]
-            writer.add_key_value(field.name, field.contents(), kind,
-                                 sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
-    for t in reader.tensors:
-        if t.name == "output_norm.weight":
-            writer.add_tensor(t.name, np.asarray(t.data, dtype=np.float64))
-        else:
-            writer.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    """A whole model's file with its final norm in F64 (a valid GGUF type, as I32 or Q1_0 are): the gguf
+    package has no dequantiser for it, and the NotImplementedError came out as a traceback. (A whole tiny
+    GGUF: SmolLM2's rewritten so took ~50 s, and only the tensor's type matters.)"""
+    f64 = whole_gguf(tmp_path / "f64.gguf", f64="output_norm")
     monkeypatch.setenv("NANORL_CACHE", str(tmp_path / "cache"))
-    assert one_line_error(str(tmp_path / "f64.gguf")) == (
-        f"--model {tmp_path / 'f64.gguf'}: cannot dequantise it (Dequantization for F64 is not yet implemented); "
+    assert one_line_error(str(f64)) == (
+        f"--model {f64}: cannot dequantise it (Dequantization for F64 is not yet implemented); "
         "llama.cpp's llama-quantize rewrites it as a type transformers reads, e.g. Q8_0")
 
 
 def write_gguf(path: Path, kind: str, settings: dict, tensors: dict, tokens: list[str],
-               arch: bool = True) -> Path:
-    """A GGUF of only `kind` (general.type), the llama settings, tensors and (if any) the tokens given;
-    general.architecture (llama) unless not `arch`."""
+               arch: bool = True, merges: tuple[str, ...] = (), name: str = "") -> Path:
+    """A GGUF of only `kind` (general.type), the llama settings, tensors, (if any) the tokens and merges given
+    and the name; general.architecture (llama) unless not `arch`."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), "llama")
     if not arch:  # the writer always adds it: a file without one is made by hand
         del writer.kv_data[0]["general.architecture"]
     writer.add_type(kind)
+    if name:
+        writer.add_name(name)
     if tokens:
         writer.add_tokenizer_model("gpt2")
         writer.add_token_list(tokens)
+    if merges:
+        writer.add_token_merges(list(merges))
     for key, value in settings.items():
         writer.add_uint32(f"llama.{key}", value)
-    for name, value in tensors.items():
-        writer.add_tensor(name, value)
+    for tensor, value in tensors.items():
+        writer.add_tensor(tensor, value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def whole_gguf(path: Path, f64: str = "") -> Path:
+    """A whole model's GGUF, "Tiny Llama": one Llama block 64 wide (one head), a 4-token BPE vocabulary with
+    its merge, random fp32 weights (tensor `f64` in F64): transformers converts it in well under a second."""
+    import numpy as np
+
+    g = np.random.default_rng(0)
+    shapes = {"token_embd": (4, 64), "output": (4, 64), "output_norm": (64,), "blk.0.attn_norm": (64,),
+              "blk.0.ffn_norm": (64,), "blk.0.ffn_gate": (128, 64), "blk.0.ffn_up": (128, 64),
+              "blk.0.ffn_down": (64, 128)} | {f"blk.0.attn_{p}": (64, 64) for p in ("q", "k", "v", "output")}
+    tensors = {f"{n}.weight": g.standard_normal(s).astype(np.float64 if n == f64 else np.float32)
+               for n, s in shapes.items()}
+    sizes = {"context_length": 32, "block_count": 1, "embedding_length": 64, "feed_forward_length": 128,
+             "attention.head_count": 1}
+    return write_gguf(path, "model", sizes, tensors, ["a", "b", "c", "ab"], merges=("a b",),
+                      name="Tiny Llama")
 
 
 def test_a_gguf_adapter_or_vocab_file_is_named_as_such_before_a_model_is_built(tmp_path):
