@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -323,31 +324,39 @@ def test_a_dist_timeout_past_gloos_clock_is_refused_before_the_group_forms(monke
             utils.init_distributed(seconds)
 
 
-def test_two_rank_cartpole_run_checkpoints_once_and_resumes_on_one_rank(tmp_path):
-    proc = torchrun(str(ROOT / "train.py"), "--task", "cartpole", "--algo", "reinforce_pp", "--batch", "8",
-                    "--steps", "3", "--eval-every", "3", "--eval-episodes", "2", "--no-progress", cwd=tmp_path)
+# one 2-rank cartpole run, without --out, checkpointed at steps 2 and 4; shared by the two tests below, each
+# of which copies it before a resume changes it (a torchrun costs seconds of imports alone)
+CARTPOLE = ["--task", "cartpole", "--algo", "reinforce", "--batch", "8", "--eval-every", "2",
+            "--eval-episodes", "2", "--target", "0", "--ckpt-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def cartpole_run(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("cartpole")
+    proc = torchrun(str(ROOT / "train.py"), *CARTPOLE, "--steps", "4", "--no-progress", cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run, = (tmp_path / "runs").iterdir()  # without --out: rank 0 alone makes the run directory (one)
-    assert run.name.startswith("cartpole-reinforce_pp-") and not run.name.endswith("-2")
+    return cwd, proc
+
+
+def test_two_rank_cartpole_run_checkpoints_once_and_resumes_on_one_rank(cartpole_run, tmp_path):
+    cwd, proc = cartpole_run
+    run, = (cwd / "runs").iterdir()  # without --out: rank 0 alone makes the run directory (one)
+    assert run.name.startswith("cartpole-reinforce-") and not run.name.endswith("-2")
     assert proc.stdout.count("run saved to") == 1  # rank 0 alone reports, logs and checkpoints
-    assert [s for s, _ in read_metrics(run)["loss"]] == [1, 2, 3]
-    meta = json.loads((rundir.checkpoints(run)[-1] / "meta.json").read_text())
-    assert meta["step"] == 3 and meta["source"] == {"position": 6}  # 3 steps x 2 ranks' seeds
-    train.train(cfg_from("--resume", str(run), "--task", "cartpole", "--algo", "reinforce_pp", "--batch", "8",
-                         "--steps", "4", "--eval-every", "3", "--eval-episodes", "2"))
     assert [s for s, _ in read_metrics(run)["loss"]] == [1, 2, 3, 4]
-    assert json.loads((rundir.checkpoints(run)[-1] / "meta.json").read_text())["source"] == {"position": 7}
+    meta = json.loads((rundir.checkpoints(run)[-1] / "meta.json").read_text())
+    assert meta["step"] == 4 and meta["source"] == {"position": 8}  # 4 steps x 2 ranks' seeds
+    run = shutil.copytree(run, tmp_path / run.name)
+    train.train(cfg_from("--resume", str(run), *CARTPOLE, "--steps", "5"))
+    assert [s for s, _ in read_metrics(run)["loss"]] == [1, 2, 3, 4, 5]
+    assert json.loads((rundir.checkpoints(run)[-1] / "meta.json").read_text())["source"] == {"position": 9}
 
 
-def test_a_two_rank_run_resumed_at_an_earlier_checkpoint_retraces_its_steps_bitwise(tmp_path):
+def test_a_two_rank_run_resumed_at_an_earlier_checkpoint_retraces_its_steps_bitwise(cartpole_run, tmp_path):
     """A checkpoint held rank 0's RNG state alone, and a resume forked rank 1's stream from it anew: rank 1
     then sampled other episodes than the run it continued (weights off by ~1e-2 two steps later). Now each
     rank's state is saved and restored; the abandoned later checkpoint is set aside, a twin to compare."""
-    run = tmp_path / "run"
-    argv = ["--task", "cartpole", "--algo", "reinforce", "--batch", "8", "--eval-every", "2", "--eval-episodes",
-            "2", "--target", "0", "--ckpt-every", "2", "--no-progress"]
-    proc = torchrun("train.py", *argv, "--steps", "4", "--out", str(run))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = shutil.copytree(next((cartpole_run[0] / "runs").iterdir()), tmp_path / "run")
     assert torch.load(run / "ckpt-0000002" / "state.pt", weights_only=True)["torch_rng"].shape[0] == 2  # [W, S]
     proc = torchrun("train.py", "--resume", str(run / "ckpt-0000002"), "--no-progress")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -736,7 +745,7 @@ def test_two_rank_async_trainer_with_two_hf_workers_trains_every_step_exactly(tm
 def test_a_two_rank_trainer_waits_for_late_workers_past_the_dist_timeout(tmp_path):
     """While rank 0 waited for batches, rank 1 waited in one broadcast: a worker later than --dist-timeout
     (a node still starting, preempted workers) failed rank 1, "another rank died or hung", and the run. Rank 0
-    now beats every few seconds while it waits; the worker here comes well past the 8 s."""
+    now beats every few seconds while it waits; the worker here comes past the 8 s (10 s, then its start)."""
     with socket.socket() as s:  # a free port: the worker must know the url before the trainer prints it
         s.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{s.getsockname()[1]}"
@@ -754,7 +763,8 @@ def test_a_two_rank_trainer_waits_for_late_workers_past_the_dist_timeout(tmp_pat
         while "trainer listening on" not in err.read_text():
             assert trainer.poll() is None, err.read_text()[-3000:]
             time.sleep(0.2)
-        time.sleep(20)  # rank 1 is in step 1's broadcast well past --dist-timeout
+        time.sleep(10)  # rank 1 is in step 1's broadcast past --dist-timeout, the worker's imports and
+        # model on top (with beat() a no-op, as before the fix, rank 1 fails: checked by hand)
         worker = subprocess.Popen([sys.executable, "train.py", *argv, "--role", "rollout"], cwd=ROOT, env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         assert trainer.wait(timeout=240) == 0, err.read_text()[-3000:]
