@@ -36,6 +36,9 @@ from envs import CartPole  # noqa: E402
 from model import MLPPolicy, Sample  # noqa: E402
 from rollouts import make_batch, rollout_control  # noqa: E402
 
+# the in-process halves (one-process gradients, resumes): a busy neighbour slowed them 3x on two threads
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 BATCH = 8
 # Every loss/advantage path whose numbers depend on more than one row: the token-mean denominator
 # (all), batch-global means (reinforce_baseline), whitening (reinforce_pp, ppo), groups (grpo,
