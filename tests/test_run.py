@@ -1,11 +1,13 @@
-"""Around a run: --help, resuming from the run alone (damaged checkpoints, SIGKILL at random moments),
+"""Around a run: --help, resuming from the run alone (damaged checkpoints, a SIGKILL in each phase),
 TensorBoard and W&B loggers, the end-of-run summary."""
 import collections
 import errno
+import functools
+import importlib
+import itertools
 import json
 import multiprocessing
 import os
-import random
 import re
 import resource
 import shutil
@@ -295,39 +297,66 @@ def test_cartpole_stops_when_solved_and_ends_with_a_summary(tmp_path):
     assert "report: " in done.stdout and "ckpt-" in done.stdout
 
 
-def main_then_exit(argv: list[str]):
+def kill_on(target: str, call: int, after: bool) -> None:
+    """In this process: the call-th call of `target` (module.name or module.Class.name, looked up where the
+    run calls it) SIGKILLs it, on entry or once the call returned (what it wrote is then on disk)."""
+    module, *attrs, name = target.split(".")
+    owner = functools.reduce(getattr, attrs, importlib.import_module(module))
+    real, calls = getattr(owner, name), itertools.count(1)
+
+    @functools.wraps(real)
+    def killing(*args, **kw):
+        hit = next(calls) == call
+        result = os.kill(os.getpid(), signal.SIGKILL) if hit and not after else real(*args, **kw)
+        if hit:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+    setattr(owner, name, killing)
+
+
+def main_then_exit(argv: list[str], kill: tuple[str, int, bool] | None = None):
+    if kill:
+        kill_on(*kill)
     os._exit(train.main(argv))  # its exit code, and no cleanup, as a process of its own would
 
 
-def in_child(argv: list[str]):
+def in_child(argv: list[str], kill: tuple[str, int, bool] | None = None):
     """train.py's main in a process forked from a forkserver that has it imported (an import takes seconds
     here), yet a real process that a SIGKILL ends without any cleanup. Not forked from pytest: once this
     process has run a parallel torch op, a forked child's first one can hang in libgomp's thread pool."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["train", __name__])
-    child = context.Process(target=main_then_exit, args=(argv,))
+    child = context.Process(target=main_then_exit, args=(argv, kill))
     child.start()
     return child
 
 
-def test_sigkill_at_random_moments_then_resume_alone_ends_with_the_uninterrupted_weights(tmp_path):
-    flags = cartpole(tmp_path / "full", "--steps", "60", "--ckpt-every", "2", "--target", "0", "--batch", "8")[2:]
-    started = time.perf_counter()
-    (full := in_child(flags)).join()
-    # Each kill within 1/15 of the whole run's time: ~20 kills before the end, on a fast machine or a slow one
-    # (within 1 s, a warm process got through all 60 steps in 13 kills, and the check below failed at random).
-    span, out, rng, kills = (time.perf_counter() - started) / 15, tmp_path / "killed", random.Random(0), 0
-    for i in range(20):
+# Where a SIGKILL lands, one per phase of a run, each in the next resume of the run before (steps 12, a
+# checkpoint and an eval every 2). A random moment (20 of them: 82 s) mostly fell in a rollout or update.
+KILLS = [
+    ("rundir.atomic_write", 1, False),  # building a new run: its directory holds a lock, no config.yaml yet
+    ("rollouts.ControlRollouts.next", 3, False),  # step 3's rollout, ckpt-0000002 saved
+    ("train.update", 2, False),  # step 4's update, step 3 logged after ckpt-0000002
+    ("rundir.Metrics.samples", 2, False),  # step 4's metrics.csv rows written, its samples not
+    ("rundir.save_file", 1, True),  # ckpt-0000004's write: weights in its .tmp-ckpt-*, no state or meta
+    ("rollouts.ControlRollouts.evaluate", 2, False),  # the eval at step 6, ckpt-0000004 saved
+    ("report.refresh", 1, False),  # the eval at step 6 logged, its checkpoint not written
+    ("rundir.truncate_log", 1, True),  # a resume rewriting its logs: metrics.csv cut to step 4, samples not
+    ("rundir.save_checkpoint", 2, True),  # ckpt-0000008 whole, ckpt-0000006 before it
+]
+
+
+def test_sigkill_in_each_phase_then_resume_alone_ends_with_the_uninterrupted_weights(tmp_path):
+    flags = cartpole(tmp_path / "full", "--steps", "12", "--ckpt-every", "2", "--target", "0", "--batch", "8")
+    full, out = in_child(flags[2:]), tmp_path / "killed"  # beside the killed ones (on a second core, if idle)
+    for kill in KILLS:
         resume = (out / "config.yaml").exists()
-        child = in_child(["--resume", str(out), "--no-progress"] if resume else [*flags, "--out", str(out)])
-        time.sleep(rng.uniform(0.0, span))  # anywhere: building, a step, an eval, a checkpoint or log write
-        kills += child.exitcode is None
-        child.kill()  # SIGKILL
-        child.join()
-    assert full.exitcode == 0 and kills >= 15  # the runs did not simply finish before each kill
-    resume = (out / "config.yaml").exists()
-    (last := in_child(["--resume", str(out), "--no-progress"] if resume else [*flags, "--out", str(out)])).join()
-    assert last.exitcode == 0
+        argv = ["--resume", str(out), "--no-progress"] if resume else [*flags[2:], "--out", str(out)]
+        (child := in_child(argv, kill)).join()
+        assert child.exitcode == -signal.SIGKILL, kill  # killed there, not finished or failed before it
+    (last := in_child(["--resume", str(out), "--no-progress"])).join()
+    full.join()
+    assert (full.exitcode, last.exitcode) == (0, 0)
     a, b = final_weights(tmp_path / "full"), final_weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     counts = collections.Counter(rows(out))
