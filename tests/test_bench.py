@@ -3,9 +3,12 @@ measure stops in one line that names the fix, before any child process or run st
 import importlib.util
 import json
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import rundir
 
@@ -18,16 +21,40 @@ def bench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def test_memory_refuses_rows_that_are_not_whole_groups_in_one_line():
+@pytest.fixture
+def script(monkeypatch, capsys):
+    """bench/<name>.py run as __main__ in this process (runpy), with its command line in sys.argv: its exit
+    status and what it wrote, as its own process gives them (a SystemExit's message: stderr, status 1). The
+    argument checks need no process of their own (each import of torch took seconds); the CLI boundary is
+    test_memory_when_every_setting_fails_names_the_first_error_in_one_line's, a real process's."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the scripts put the checkout (and tests/) first
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        monkeypatch.setattr(sys, "argv", list(argv))
+        capsys.readouterr()
+        try:
+            runpy.run_path(str(ROOT / argv[0]), run_name="__main__")
+            status = 0
+        except SystemExit as e:
+            status = e.code
+        out, err = capsys.readouterr()
+        if isinstance(status, str):  # sys.exit("message"), as the interpreter ends on it
+            status, err = 1, err + status + "\n"
+        return subprocess.CompletedProcess(argv, status or 0, out, err)
+    return run
+
+
+def test_memory_refuses_rows_that_are_not_whole_groups_in_one_line(script):
     """countdown's GRPO groups are 8 completions: 4 rows held no group (a crash), 12 rows held one (8 rows
     measured as 12). Neither starts a child or writes a results file."""
     for rows, fix in ((4, 8), (12, 8)):
-        proc = bench("bench/memory.py", "--model", "tiny", "--rows", str(rows), "--tokens", "8")
+        proc = script("bench/memory.py", "--model", "tiny", "--rows", str(rows), "--tokens", "8")
         assert (proc.returncode, proc.stdout) == (2, "")
         assert proc.stderr == (f"error: --rows {rows}: whole groups of 8 completions (a GRPO group); "
                                f"try --rows {fix}\n")
         assert not (ROOT / "results" / f"memory_tiny_{rows}x8.json").exists()
-    proc = bench("bench/memory.py", "--model", "tiny", "--rows", "8", "--micro", "0,x")
+    proc = script("bench/memory.py", "--model", "tiny", "--rows", "8", "--micro", "0,x")
     assert proc.returncode == 2 and proc.stderr.startswith("error: --micro 0,x: rows per micro-batch")
     assert proc.stderr.count("\n") == 1
 
@@ -59,50 +86,49 @@ def test_stop_mid_rollout_case_saves_the_finished_step_then_the_one_in_progress_
     assert [s for s, _, _ in losses] == list(range(1, steps[1] + 1))  # the step in progress finished, no more
 
 
-def test_stop_refuses_no_repeats_or_no_tokens_in_one_line():
+def test_stop_refuses_no_repeats_or_no_tokens_in_one_line(script):
     """--repeats 0 ran the async cases' trainers, then crashed on the median of no runs."""
     for flag in ("--repeats", "--max-new-tokens"):
-        proc = bench("bench/stop.py", flag, "0", timeout=60)
+        proc = script("bench/stop.py", flag, "0")
         assert (proc.returncode, proc.stderr) == (2, f"error: {flag} 0: need at least 1\n")
 
 
-def test_cartpole_refuses_an_unknown_algo_in_one_line_before_any_run():
+def test_cartpole_refuses_an_unknown_algo_in_one_line_before_any_run(script):
     """A typo'd --only name ran the other seeds first, then raised CalledProcessError (no preset)."""
-    proc = bench("bench/cartpole.py", "--only", "reinforce", "reinfroce", "--no-sb3", "--seeds", "1",
-                 timeout=120)
+    proc = script("bench/cartpole.py", "--only", "reinforce", "reinfroce", "--no-sb3", "--seeds", "1")
     assert (proc.returncode, proc.stdout) == (2, "")
     assert proc.stderr == ("error: --only reinfroce: no configs/cartpole_<algo>.yaml; choices: reinforce "
                            "reinforce_baseline reinforce_pp ppo grpo rloo\n")
 
 
-def test_envs_refuses_too_few_calls_problems_or_groups_in_one_line():
+def test_envs_refuses_too_few_calls_problems_or_groups_in_one_line(script):
     """--calls 1 played every environment, then crashed in statistics.quantiles (it needs 2 points)."""
     for flag, value, least in (("--calls", 1, 2), ("--problems", 0, 1), ("--group-size", 0, 1)):
-        proc = bench("bench/envs.py", flag, str(value), timeout=120)
+        proc = script("bench/envs.py", flag, str(value))
         assert (proc.returncode, proc.stderr) == (2, f"error: {flag} {value}: need at least {least}\n")
 
 
-def test_opd_export_of_a_directory_without_checkpoints_says_so_in_one_line(tmp_path):
+def test_opd_export_of_a_directory_without_checkpoints_says_so_in_one_line(tmp_path, script):
     """It raised IndexError on the empty list of the directory's checkpoints."""
-    proc = bench("bench/opd.py", str(tmp_path / "nothing"), str(tmp_path / "out"), timeout=120)
+    proc = script("bench/opd.py", str(tmp_path / "nothing"), str(tmp_path / "out"))
     assert (proc.returncode, proc.stdout) == (1, "")
     assert proc.stderr == (f"error: {tmp_path / 'nothing'}: no checkpoint here; give a run directory or one "
                            "of its ckpt-*\n")
     assert not (tmp_path / "out").exists()
 
 
-def test_variants_refuses_a_set_without_value_or_bad_seeds_in_one_line():
+def test_variants_refuses_a_set_without_value_or_bad_seeds_in_one_line(script):
     """`--set foo` and `--seeds ''` raised ValueError tracebacks from dict() and int()."""
-    proc = bench("bench/variants.py", "--set", "foo", timeout=60)
+    proc = script("bench/variants.py", "--set", "foo")
     assert (proc.returncode, proc.stderr) == (2, "error: --set foo: give key=value, e.g. --set batch=16\n")
-    proc = bench("bench/variants.py", "--seeds", "0,,1", timeout=60)
+    proc = script("bench/variants.py", "--seeds", "0,,1")
     assert (proc.returncode, proc.stderr) == (2, "error: --seeds '0,,1': comma-separated integers, e.g. "
                                                  "--seeds 0,1,2\n")
 
 
-def test_generate_refuses_zero_repeats_in_one_line(tmp_path):
+def test_generate_refuses_zero_repeats_in_one_line(tmp_path, script):
     """--repeats 0 loaded the model and sampled the warm-up, then crashed on the median of no rates."""
-    proc = bench("bench/generate.py", "--repeats", "0", "--prompts", "1", "--samples", "1", "--tokens", "1",
-                 "--out", str(tmp_path / "g.json"), timeout=300)
+    proc = script("bench/generate.py", "--repeats", "0", "--prompts", "1", "--samples", "1", "--tokens", "1",
+                  "--out", str(tmp_path / "g.json"))
     assert (proc.returncode, proc.stderr) == (2, "error: --repeats 0: need at least 1\n")
     assert not (tmp_path / "g.json").exists()
