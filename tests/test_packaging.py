@@ -7,6 +7,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -19,8 +21,10 @@ def test_every_top_level_module_is_in_pyprojects_py_modules():
 PIP = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
 
 
-def wheel(tmp_path: Path) -> Path:
-    """The wheel of the tracked files (what a clone holds), built in tmp_path."""
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel of the tracked files (what a clone holds): built once, each test installs it its own way."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
     src = tmp_path / "src"
     for name in subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
                                check=True).stdout.split():
@@ -32,11 +36,11 @@ def wheel(tmp_path: Path) -> Path:
     return built
 
 
-def test_a_wheel_installed_elsewhere_trains_reports_and_finds_its_data_from_another_directory(tmp_path):
+def test_a_wheel_installed_elsewhere_trains_reports_and_finds_its_data_from_another_directory(tmp_path, wheel):
     """Built from the tracked files, installed under a prefix that is not the running Python's (as --user
     or /usr/local are), then run from a directory with no checkout in it."""
     prefix, elsewhere = tmp_path / "prefix", tmp_path / "elsewhere"
-    subprocess.run([*PIP, "install", "--no-deps", "--no-index", "--prefix", prefix, wheel(tmp_path)],
+    subprocess.run([*PIP, "install", "--no-deps", "--no-index", "--prefix", prefix, wheel],
                    check=True)
     site = Path(sysconfig.get_path("purelib", vars={"base": str(prefix)}))
     elsewhere.mkdir()
@@ -61,11 +65,11 @@ def test_a_wheel_installed_elsewhere_trains_reports_and_finds_its_data_from_anot
     assert "eval_return" in (elsewhere / "r" / "report.html").read_text()
 
 
-def test_a_wheel_installed_with_target_finds_its_data(tmp_path):
+def test_a_wheel_installed_with_target_finds_its_data(tmp_path, wheel):
     """pip install --target DIR (a container layer, a serverless bundle) puts the data files in
     DIR/share/nanorl but leaves RECORD pointing where a prefix would have had them: `import envs` stopped."""
     target = tmp_path / "target"
-    subprocess.run([*PIP, "install", "--no-deps", "--no-index", "--target", target, wheel(tmp_path)],
+    subprocess.run([*PIP, "install", "--no-deps", "--no-index", "--target", target, wheel],
                    check=True)
     probe = "import envs, report; print(len(envs.SQL), report.TEMPLATE)"
     env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}
