@@ -39,6 +39,9 @@ def judge_url():
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k != "MKL_NUM_THREADS"}  # it pins vLLM to one core, 5x slower
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # with --distributed-executor-backend uni: up in ~35 s, not ~50
+    # One OpenMP thread: a judge request is a few tokens of a 135M model, and on a busy 2-core machine two
+    # threads spin at each op's barrier (60% of the engine's time in libgomp): 1-2 s a request, not 5-20
+    env["OMP_NUM_THREADS"] = "1"
     log = tempfile.NamedTemporaryFile("w", prefix="nanorl-judge-vllm-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
                              "--served-model-name", "judge", "--host", "127.0.0.1", "--port", str(port),
@@ -46,6 +49,7 @@ def judge_url():
                              # (--gpu-memory-utilization 0.1) is less than the model on a 10 GB node
                              "--kv-cache-memory-bytes", str(1 << 30), "--max-model-len", "1024",
                              "--enforce-eager",  # no compilation: the engine starts in a fraction of the time
+                             "--dtype", "float32",  # not bf16, emulated without AVX-512: 3-7x slower
                              "--distributed-executor-backend", "uni"],  # the model runner in the engine's process
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
