@@ -20,6 +20,8 @@ from envs import EVAL_SEED, CartPole
 from model import MLPPolicy
 from rollouts import rollout_control
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # the tiny models' runs: conftest says why
+
 CONFIGS = sorted(Path(__file__).parent.parent.glob("configs/cartpole_*.yaml"))
 
 
