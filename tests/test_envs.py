@@ -1004,7 +1004,8 @@ def test_no_sql_problem_has_an_empty_gold_result_that_a_query_returning_nothing_
     # The empty query's result is the same on every problem of a database (no rows, one column), so one
     # problem per database and kind of comparison (in order or as a multiset) scores what all 500 would:
     # 5 query processes, not 500. Every gold result above is non-empty; none of them may match it.
-    kinds = {(json.loads(p.answer)["db"], "ORDER BY" in json.loads(p.answer)["gold"].upper()): p for p in problems}
+    answers = [json.loads(p.answer) for p in problems]
+    kinds = {(a["db"], "ORDER BY" in a["gold"].upper()): p for a, p in zip(answers, problems)}
     assert len(kinds) == 5  # 3 databases; one of them has no ORDER BY question
     assert sum(sql_correct("", "<answer>SELECT 1 WHERE 0</answer>", p.answer) for p in kinds.values()) == 0
 

@@ -298,8 +298,8 @@ def test_a_warning_on_the_command_line_is_one_line(tmp_path):
     """Python's format printed "/.../model.py:155: UserWarning: top_p=0.9: ..." and under it the source line
     of the warnings.warn call, cut mid-sentence. A warning now reads as an error does: one line."""
     run = subprocess.run([sys.executable, "train.py", *LLM, "--top-p", "0.9", "--steps", "0", "--eval-size", "1",
-                          "--out", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})  # the tiny model: one_thread's reason
+                          "--out", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})  # one_thread, for a child
     warned = [line for line in run.stderr.splitlines() if "top_p" in line or "warn" in line.lower()]
     assert run.returncode == 0 and warned == ["warning: top_p=0.9: samples come from a truncated distribution the "
                                               "loss does not model, so the importance ratio is only approximate; "
