@@ -1,7 +1,13 @@
+import runpy
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -27,3 +33,27 @@ def hub_out_of_reach(monkeypatch):
     for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(proxy, raising=False)
     yield endpoint
+
+
+@pytest.fixture
+def script(monkeypatch, capsys):
+    """A script (bench/<name>.py) run as __main__ in this process (runpy), its command line in sys.argv:
+    its exit status and what it wrote, as its own process gives them (a SystemExit's message: stderr,
+    status 1). Each process of its own imported torch again (seconds); test_bench's
+    test_memory_when_every_setting_fails_names_the_first_error_in_one_line keeps a real process's CLI."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the scripts put the checkout (and tests/) first
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        monkeypatch.setattr(sys, "argv", list(argv))
+        capsys.readouterr()
+        try:
+            runpy.run_path(str(ROOT / argv[0]), run_name="__main__")
+            status = 0
+        except SystemExit as e:
+            status = e.code
+        out, err = capsys.readouterr()
+        if isinstance(status, str):  # sys.exit("message"), as the interpreter ends on it
+            status, err = 1, err + status + "\n"
+        return subprocess.CompletedProcess(argv, status or 0, out, err)
+    return run

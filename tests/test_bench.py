@@ -3,12 +3,9 @@ measure stops in one line that names the fix, before any child process or run st
 import importlib.util
 import json
 import os
-import runpy
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 import rundir
 
@@ -19,30 +16,6 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 def bench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
                           timeout=timeout)
-
-
-@pytest.fixture
-def script(monkeypatch, capsys):
-    """bench/<name>.py run as __main__ in this process (runpy), with its command line in sys.argv: its exit
-    status and what it wrote, as its own process gives them (a SystemExit's message: stderr, status 1). The
-    argument checks need no process of their own (each import of torch took seconds); the CLI boundary is
-    test_memory_when_every_setting_fails_names_the_first_error_in_one_line's, a real process's."""
-    monkeypatch.chdir(ROOT)
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the scripts put the checkout (and tests/) first
-
-    def run(*argv: str) -> subprocess.CompletedProcess:
-        monkeypatch.setattr(sys, "argv", list(argv))
-        capsys.readouterr()
-        try:
-            runpy.run_path(str(ROOT / argv[0]), run_name="__main__")
-            status = 0
-        except SystemExit as e:
-            status = e.code
-        out, err = capsys.readouterr()
-        if isinstance(status, str):  # sys.exit("message"), as the interpreter ends on it
-            status, err = 1, err + status + "\n"
-        return subprocess.CompletedProcess(argv, status or 0, out, err)
-    return run
 
 
 def test_memory_refuses_rows_that_are_not_whole_groups_in_one_line(script):
