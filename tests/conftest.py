@@ -8,6 +8,28 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+# pyproject's addopts run the suite on 2 xdist workers, a file to a worker at a time (module fixtures are
+# shared), the files with the most tests first. Those that run sandboxed code share a worker: test_sandbox
+# counts every process of a sandbox uid on the machine.
+SANDBOXED = {"test_sandbox.py", "test_envs.py", "test_errors.py", "test_inbox.py"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadFileScheduling
+
+    class Files(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            return "sandboxed" if Path(file).name in SANDBOXED else file
+    return Files(config, log) if config.getvalue("dist") == "loadfile" else None
+
+
+def free_url() -> str:
+    """A loopback port free now, for a server that must listen where its clients were told to look."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
 @pytest.fixture
@@ -26,9 +48,7 @@ def hub_out_of_reach(monkeypatch):
     listens (a connection is refused), with no proxy that could reach it instead. Yields the endpoint."""
     from huggingface_hub import constants
 
-    with socket.socket() as closed:
-        closed.bind(("127.0.0.1", 0))
-        endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    endpoint = free_url()
     monkeypatch.setattr(constants, "ENDPOINT", endpoint)
     for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(proxy, raising=False)

@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ import serve
 import transport
 import train
 import utils
+from conftest import free_url
 from model import LLMPolicy
 from modeldir import build_tiny_model
 from envs import TEXT_ENVS
@@ -74,13 +74,6 @@ def trainer(tiny, tmp, *extra) -> tuple[subprocess.Popen, str]:
 def worker(tiny, tmp, url, name, *extra, **env) -> subprocess.Popen:
     args = flags(tiny, tmp / "unused", "--role", "rollout", "--trainer-url", url, *extra)
     return launch(args, tmp / f"{name}.log", **env)
-
-
-def free_url() -> str:
-    """A loopback port free now, for a trainer that must listen where its workers were told to look."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
 @contextlib.contextmanager

